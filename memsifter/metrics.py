@@ -1,0 +1,79 @@
+"""Retrieval metrics over session ids with binary relevance (MEMSIFTER.md §7).
+
+Default NDCG@k uses the ideal ranking of min(|gold|, k) hits on top. The original code divides DCG by
+|gold| and truncates gold to k; that is offered as ``variant="original"``, never the default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+KS = (1, 5, 10)
+
+
+def _dcg(hits: Sequence[bool]) -> float:
+    return sum(1.0 / math.log2(i + 2) for i, h in enumerate(hits) if h)
+
+
+def recall_any(ranked: Sequence[str], gold: Iterable[str], k: int) -> float:
+    g = set(gold)
+    return float(any(r in g for r in ranked[:k])) if g else 0.0
+
+
+def recall_all(ranked: Sequence[str], gold: Iterable[str], k: int) -> float:
+    g = set(gold)
+    return float(g <= set(ranked[:k])) if g else 0.0
+
+
+def precision(ranked: Sequence[str], gold: Iterable[str], k: int) -> float:
+    g = set(gold)
+    return sum(1 for r in ranked[:k] if r in g) / k
+
+
+def ndcg(ranked: Sequence[str], gold: Sequence[str], k: int, variant: str = "standard") -> float:
+    g = set(gold)
+    if not g:
+        return 0.0
+    hits = [r in g for r in ranked[:k]]
+    if variant == "standard":
+        ideal = _dcg([True] * min(len(g), k))
+        return _dcg(hits) / ideal
+    if variant == "original":
+        # The original: gold truncated to k, DCG divided by |gold| (not by the ideal DCG).
+        gk = set(list(gold)[:k])
+        return _dcg([r in gk for r in ranked[:k]]) / len(gk)
+    raise ValueError(f"unknown NDCG variant '{variant}' (standard, original)")
+
+
+def dcg_over_gold(ranked: Sequence[str], gold: Sequence[str], k: int = 10) -> float:
+    """DCG@k divided by |gold|: the cheap 'dcg' reward and the anchor-curriculum score."""
+    g = set(gold)
+    return _dcg([r in g for r in ranked[:k]]) / len(g) if g else 0.0
+
+
+def mrr(ranked: Sequence[str], gold: Iterable[str]) -> float:
+    g = set(gold)
+    for i, r in enumerate(ranked):
+        if r in g:
+            return 1.0 / (i + 1)
+    return 0.0
+
+
+def question_metrics(ranked: Sequence[str], gold: Sequence[str], ks: Sequence[int] = KS,
+                     variant: str = "standard") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in ks:
+        out[f"recall_any@{k}"] = recall_any(ranked, gold, k)
+        out[f"recall_all@{k}"] = recall_all(ranked, gold, k)
+        out[f"ndcg@{k}"] = ndcg(ranked, gold, k, variant)
+        out[f"precision@{k}"] = precision(ranked, gold, k)
+    out["mrr"] = mrr(ranked, gold)
+    return out
+
+
+def mean_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    if not rows:
+        return {}
+    keys = rows[0].keys()
+    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}

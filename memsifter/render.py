@@ -1,0 +1,41 @@
+"""Session rendering exactly as the ranker was trained on it (MEMSIFTER.md §2).
+
+A turn of role R is ``<R{k}>content</R>`` where k counts R's turns within the session from 0; one
+line per turn, each ending in a newline. A history numbers sessions by their position in the list
+shown (local ids), with an optional ``<date>`` on the header line; the whole string is stripped.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def render_session(turns: Sequence[dict]) -> str:
+    counts: dict[str, int] = {}
+    lines = []
+    for t in turns:
+        role = str(t["role"])
+        k = counts.get(role, 0)
+        counts[role] = k + 1
+        lines.append(f"<{role}{k}>{t['content']}</{role}>\n")
+    return "".join(lines)
+
+
+def render_history(sessions: Sequence[Sequence[dict]], dates: Sequence[str | None] | None = None) -> str:
+    """Render sessions (each a list of turns) with local ids 0..n-1 in the order given."""
+    parts = []
+    for i, turns in enumerate(sessions):
+        date = dates[i] if dates is not None else None
+        header = f"<session{i}> <date>{date}</date>" if date else f"<session{i}>"
+        parts.append(f"{header}\n{render_session(turns)}</session>\n")
+    return "".join(parts).strip()
+
+
+def render_history_texts(texts: Sequence[str], dates: Sequence[str | None] | None = None) -> str:
+    """Same as :func:`render_history` for sessions already rendered with :func:`render_session`."""
+    parts = []
+    for i, text in enumerate(texts):
+        date = dates[i] if dates is not None else None
+        header = f"<session{i}> <date>{date}</date>" if date else f"<session{i}>"
+        parts.append(f"{header}\n{text}</session>\n")
+    return "".join(parts).strip()

