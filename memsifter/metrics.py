@@ -77,3 +77,38 @@ def mean_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:
         return {}
     keys = rows[0].keys()
     return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+
+
+# --------------------------------------------------------------------------- answer metrics
+_ARTICLES = {"a", "an", "the"}
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD-style: lower case, drop punctuation and articles, fold white space."""
+    text = str(text).lower()
+    text = "".join(ch if ch.isalnum() or ch.isspace() else " " for ch in text)
+    return " ".join(w for w in text.split() if w not in _ARTICLES)
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not p and not g:
+        return 1.0
+    if not p or not g:
+        return 0.0
+    counts: dict[str, int] = {}
+    for w in g:
+        counts[w] = counts.get(w, 0) + 1
+    common = 0
+    for w in p:
+        if counts.get(w, 0) > 0:
+            counts[w] -= 1
+            common += 1
+    if common == 0:
+        return 0.0
+    prec, rec = common / len(p), common / len(g)
+    return 2 * prec * rec / (prec + rec)

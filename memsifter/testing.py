@@ -175,3 +175,44 @@ def ray_head(num_cpus: int = 2, resources: str | None = None, timeout: float = 9
     finally:
         _kill_matching(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
+                extra_args: list[str] | None = None, log_path: str | None = None) -> Iterator[str]:
+    """A real vLLM (CPU build) OpenAI-compatible server on 127.0.0.1; yields its base URL (…/v1)."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+           "--max-num-seqs", "16", *(extra_args or [])]
+    log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="vllm-"), "server.log")
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {proc.returncode}; log: {log_path}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.time() > deadline:
+                raise TimeoutError(f"vLLM server not ready in {timeout}s; log: {log_path}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

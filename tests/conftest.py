@@ -66,3 +66,21 @@ def lme_dev30(shared_dir) -> Path:
     if not p.exists():
         pytest.skip(f"{p} is absent")
     return p
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3 + trained BPE tokenizer with a chat template (memsifter.tiny)."""
+    from memsifter.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_endpoint(tiny_model_dir, tmp_path_factory) -> str:
+    """A real vLLM (CPU) OpenAI-compatible server serving the tiny model as 'tiny'; base URL."""
+    from memsifter.testing import vllm_server
+
+    log = str(tmp_path_factory.mktemp("vllm") / "server.log")
+    with vllm_server(tiny_model_dir, "tiny", log_path=log) as url:
+        yield url

@@ -1,0 +1,226 @@
+"""OpenAI-compatible chat client shared by the chat stage and the task reward.
+
+* Endpoint settings: ``base_url`` and ``model`` in config; the API key is read from the environment
+  variable named by ``api_key_env`` (a Kubernetes Secret reference in the cluster), never stored.
+* Bounded concurrency (asyncio semaphore), retries with exponential backoff and jitter on 429, 5xx,
+  timeouts and connection errors; other 4xx fail at once.
+* A request cache keyed by sha256 of (model, messages, sampling params): in memory, and optionally
+  persisted as JSONL shards under a URI (local or s3://), so a re-run sends only what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import storage
+
+log = logging.getLogger(__name__)
+
+
+class LLMEndpoint(BaseModel):
+    """Where and how to call an OpenAI-compatible chat model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://host:8000/v1 "
+                                 "(default: env MEMSIFTER_LLM_BASE_URL or OPENAI_BASE_URL)")
+    model: str = Field("gpt-4o-mini", description="model name served by the endpoint")
+    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var holding the API key")
+    temperature: float = Field(0.6, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int = Field(4096, gt=0, description="max new tokens per answer")
+    seed: int | None = Field(None, description="sampling seed, if the server honours it")
+    timeout_s: float = Field(300, gt=0, description="per-request timeout")
+    max_retries: int = Field(6, ge=0, description="retries on 429/5xx/timeouts")
+    concurrency: int = Field(16, ge=1, description="requests in flight at once")
+
+    def resolved_base_url(self) -> str | None:
+        return self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
+
+    def api_key(self) -> str:
+        # Local servers (vLLM) accept any key; hosted ones need the secret.
+        return os.environ.get(self.api_key_env) or "EMPTY"
+
+    def params(self, **override: Any) -> dict:
+        p: dict[str, Any] = {"temperature": self.temperature, "max_tokens": self.max_tokens}
+        if self.top_p is not None:
+            p["top_p"] = self.top_p
+        if self.seed is not None:
+            p["seed"] = self.seed
+        p.update({k: v for k, v in override.items() if v is not None})
+        return p
+
+
+@dataclass
+class Completion:
+    text: str | None
+    error: str | None = None
+    cached: bool = False
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def request_key(model: str, messages: Sequence[dict], params: dict) -> str:
+    blob = json.dumps({"model": model, "messages": list(messages), "params": params}, sort_keys=True,
+                      ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class ResponseCache:
+    """In-memory cache, optionally backed by JSONL shards under ``uri`` (append = new shard)."""
+
+    def __init__(self, uri: str | None = None, flush_every: int = 64):
+        self.uri, self.flush_every = uri, flush_every
+        self._data: dict[str, str] = {}
+        self._pending: dict[str, str] = {}
+        self._lock = threading.Lock()
+        if uri:
+            for rel in storage.list_files(uri):
+                if not rel.endswith(".jsonl"):
+                    continue
+                for line in storage.read_text(storage.join(uri, rel)).splitlines():
+                    if line.strip():
+                        rec = json.loads(line)
+                        self._data[rec["key"]] = rec["text"]
+            if self._data:
+                log.info("LLM cache %s: %d cached responses", uri, len(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: str) -> str | None:
+        return self._data.get(key)
+
+    def put(self, key: str, text: str) -> None:
+        with self._lock:
+            self._data[key] = text
+            self._pending[key] = text
+            if len(self._pending) >= self.flush_every:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if not self.uri or not self._pending:
+            self._pending.clear()
+            return
+        body = "".join(json.dumps({"key": k, "text": v}, ensure_ascii=False) + "\n"
+                       for k, v in self._pending.items())
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.jsonl"
+        storage.write_bytes(storage.join(self.uri, name), body.encode("utf-8"))
+        self._pending.clear()
+
+
+def _retryable(exc: BaseException) -> bool:
+    import openai
+
+    if isinstance(exc, (openai.APITimeoutError, openai.APIConnectionError, asyncio.TimeoutError)):
+        return True
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code == 429 or exc.status_code >= 500 or exc.status_code == 408
+    return False
+
+
+class ChatClient:
+    """Concurrent, retrying, caching chat completions against one endpoint."""
+
+    def __init__(self, endpoint: LLMEndpoint, cache: ResponseCache | None = None,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+        self.endpoint = endpoint
+        self.cache = cache or ResponseCache()
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.stats = {"requests": 0, "cached": 0, "retries": 0, "failed": 0}
+
+    def _client(self) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.endpoint.resolved_base_url(), api_key=self.endpoint.api_key(),
+                                  max_retries=0, timeout=self.endpoint.timeout_s)
+
+    async def _one(self, client: Any, sem: asyncio.Semaphore, messages: Sequence[dict],
+                   params: dict) -> Completion:
+        key = request_key(self.endpoint.model, messages, params)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.stats["cached"] += 1
+            return Completion(hit, cached=True)
+        last = ""
+        attempts = 0
+        for attempt in range(self.endpoint.max_retries + 1):
+            attempts = attempt + 1
+            try:
+                async with sem:
+                    self.stats["requests"] += 1
+                    resp = await client.chat.completions.create(model=self.endpoint.model,
+                                                                messages=list(messages), **params)
+                text = resp.choices[0].message.content or ""
+                self.cache.put(key, text)
+                return Completion(text, attempts=attempts)
+            except Exception as e:  # noqa: BLE001 - classified below
+                last = f"{type(e).__name__}: {str(e)[:200]}"
+                if not _retryable(e) or attempt == self.endpoint.max_retries:
+                    break
+                self.stats["retries"] += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2)
+                await asyncio.sleep(delay)
+        self.stats["failed"] += 1
+        return Completion(None, error=last, attempts=attempts)
+
+    async def acomplete_many(self, batch: Sequence[Sequence[dict]], progress: Any = None,
+                             **params: Any) -> list[Completion]:
+        p = self.endpoint.params(**params)
+        sem = asyncio.Semaphore(self.endpoint.concurrency)
+        client = self._client()
+        try:
+            async def run(i: int, msgs: Sequence[dict]) -> tuple[int, Completion]:
+                c = await self._one(client, sem, msgs, p)
+                if progress is not None:
+                    progress.update(1)
+                return i, c
+            results = await asyncio.gather(*(run(i, m) for i, m in enumerate(batch)))
+        finally:
+            await client.close()
+            self.cache.flush()
+        out: list[Completion] = [Completion(None)] * len(batch)
+        for i, c in results:
+            out[i] = c
+        return out
+
+    def complete_many(self, batch: Sequence[Sequence[dict]], progress: Any = None,
+                      **params: Any) -> list[Completion]:
+        """Synchronous wrapper; safe to call from code that already runs an event loop."""
+        coro_fn = lambda: self.acomplete_many(batch, progress, **params)  # noqa: E731
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro_fn())
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["r"] = asyncio.run(coro_fn())
+            except BaseException as e:  # noqa: BLE001
+                box["e"] = e
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+        if "e" in box:
+            raise box["e"]
+        return box["r"]

@@ -1,0 +1,75 @@
+"""Tiny stand-in models, built locally (no hub access): a 2-layer Qwen3 with its own tokenizer.
+
+Used by the tests and the offline demo, where the real ranker (``zstanjj/MemSifter-4B-Thinking``)
+and a real working LLM cannot be downloaded. The weights are random: outputs are well-formed text
+from the model's vocabulary, not sensible answers. The tokenizer is a byte-level BPE trained on the
+given texts, with Qwen-style chat markers and a ChatML chat template, so vLLM, transformers and
+verl load it like any Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EXTRA_TOKENS = ["<think>", "</think>", "<ranking>", "</ranking>", "<answer>", "</answer>"]
+
+DEFAULT_CORPUS = [
+    "I moved to Lisbon last spring and adopted a dog named Biscuit.",
+    "The ranking lists the most relevant sessions first: 3, 0, 7, 1.",
+    "<think>The user asked about travel plans.</think><ranking>2, 0, 1</ranking>",
+    "<answer>Biscuit</answer> The answer is in session 4.",
+    "What did I say about my guitar, my job, my sister and the concert in Paris?",
+]
+
+
+def build_tiny_model(out_dir: str, corpus: Iterable[str] = (), vocab_size: int = 512,
+                     hidden_size: int = 64, layers: int = 2, heads: int = 2, head_dim: int = 32,
+                     max_position_embeddings: int = 32768, seed: int = 0) -> str:
+    """Write a tiny Qwen3 causal LM + tokenizer to ``out_dir`` (skips if already there)."""
+    if os.path.exists(os.path.join(out_dir, "config.json")) and \
+            os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + EXTRA_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    texts = list(corpus) + DEFAULT_CORPUS
+    tok.train_from_iterator(texts * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None,
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = max_position_embeddings
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    vocab = len(fast)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                      tie_word_embeddings=True, bos_token_id=fast.pad_token_id,
+                      eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
+                      pad_token_id=fast.pad_token_id, torch_dtype="float32")
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+                   "do_sample": True, "temperature": 0.6}, f)
+    with open(os.path.join(out_dir, "MEMSIFTER_TINY.txt"), "w") as f:
+        f.write("Untrained tiny stand-in model built by memsifter.tiny; random weights.\n")
+    return out_dir
