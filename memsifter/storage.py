@@ -69,7 +69,8 @@ class S3Settings:
 def _s3(settings: S3Settings) -> pafs.S3FileSystem:
     kw: dict[str, Any] = dict(region=settings.region, scheme=settings.scheme,
                               retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=6),
-                              connect_timeout=10, request_timeout=120)
+                              connect_timeout=10, request_timeout=120,
+                              allow_bucket_creation=True)
     if settings.endpoint:
         kw["endpoint_override"] = settings.endpoint
         kw["force_virtual_addressing"] = False

@@ -1,0 +1,162 @@
+"""Rankings: the one table every retrieval stage publishes, and parsing of ranker output.
+
+``rankings.parquet`` has one row per question (:data:`RANKINGS_SCHEMA`):
+
+- ``question_id``            string
+- ``ranked_session_ids``     list<string>, best first (original session ids)
+- ``scores``                 list<double> aligned with ``ranked_session_ids``, or null
+- ``method``                 string, e.g. ``embed:dense``, ``embed:hybrid``, ``rank:MemSifter-4B``
+- ``status``                 ``ok`` | ``fallback`` | ``error``
+- ``reason``                 string or null (why a row is not ``ok``)
+- ``raw_response``           string or null (the generative ranker's text, kept for audit)
+
+``evaluate`` scores any such file against the dataset, so all methods are compared the same way.
+
+:func:`parse_ranking` implements MEMSIFTER.md §4 parsing: the text after the last ``</think>``
+(Thinking-2507 templates pre-fill ``<think>``, so the opening tag is often absent), the content of
+``<ranking>…</ranking>``, split on commas, in-range integer local ids in order without duplicates.
+Ids written as ``session3`` / ``<session3>`` are accepted. It never raises on model output.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import pyarrow as pa
+
+from . import storage
+
+STATUSES = ("ok", "fallback", "error")
+
+RANKINGS_SCHEMA = pa.schema([
+    ("question_id", pa.string()),
+    ("ranked_session_ids", pa.list_(pa.string())),
+    ("scores", pa.list_(pa.float64())),
+    ("method", pa.string()),
+    ("status", pa.string()),
+    ("reason", pa.string()),
+    ("raw_response", pa.string()),
+])
+
+RANKINGS_FILE = "rankings.parquet"
+
+
+# --------------------------------------------------------------------------- parsing
+@dataclass
+class ParsedRanking:
+    """Result of parsing one ranker response.
+
+    ``ids`` are local ids (positions in the history shown), most relevant first. ``status`` is
+    ``ok`` when a ranking with at least one valid id was found (and, when ``k`` was given, at least
+    ``k`` of them), else ``invalid``; ``reason`` says why (also set for soft problems on ``ok`` such
+    as dropped out-of-range or duplicate ids, prefixed ``note:``).
+    """
+
+    ids: list[int] = field(default_factory=list)
+    status: str = "invalid"
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+_THINK_CLOSE = "</think>"
+_RANKING_OPEN = re.compile(r"<\s*ranking\s*>", re.IGNORECASE)
+_RANKING_CLOSE = re.compile(r"<\s*/\s*ranking\s*>", re.IGNORECASE)
+_ITEM = re.compile(r"^\s*(?:<\s*)?(?:session\s*[_#-]?\s*)?(?:id\s*)?([+-]?\d+)\s*(?:>\s*)?$", re.IGNORECASE)
+
+
+def parse_ranking(text: str | None, n_sessions: int, k: int | None = None) -> ParsedRanking:
+    """Parse a ranker response into local session ids (MEMSIFTER.md §4).
+
+    ``n_sessions`` is the number of sessions shown (valid ids are ``0..n_sessions-1``). With ``k``
+    given, at least ``min(k, n_sessions)`` valid ids are required for ``ok`` and the ids are cut to
+    ``k`` (the reward's "K = min(10, N) ids required"); without ``k`` any non-empty ranking is ok.
+    """
+    if text is None or not str(text).strip():
+        return ParsedRanking([], "invalid", "empty output")
+    text = str(text)
+    pos = text.rfind(_THINK_CLOSE)
+    answer = text[pos + len(_THINK_CLOSE):] if pos >= 0 else text
+    opens = list(_RANKING_OPEN.finditer(answer))
+    if not opens:
+        if pos < 0 and "<think>" in text:
+            return ParsedRanking([], "invalid", "unfinished <think> (no </think>) and no <ranking>")
+        return ParsedRanking([], "invalid", "no <ranking> tag after the last </think>")
+    # The last <ranking> that has a closing tag; otherwise the last opening tag (missing close).
+    body = None
+    for m in reversed(opens):
+        close = _RANKING_CLOSE.search(answer, m.end())
+        if close:
+            body = answer[m.end():close.start()]
+            break
+    if body is None:
+        return ParsedRanking([], "invalid", "missing </ranking>")
+    notes: list[str] = []
+    ids: list[int] = []
+    seen: set[int] = set()
+    items = [s for s in re.split(r"[,\n;]", body) if s.strip()]
+    for raw in items:
+        m = _ITEM.match(raw)
+        if not m:
+            notes.append(f"non-integer {raw.strip()[:20]!r}")
+            continue
+        i = int(m.group(1))
+        if not 0 <= i < n_sessions:
+            notes.append(f"out-of-range {i}")
+            continue
+        if i in seen:
+            notes.append(f"duplicate {i}")
+            continue
+        seen.add(i)
+        ids.append(i)
+    note = ("dropped: " + ", ".join(notes[:5]) + (" …" if len(notes) > 5 else "")) if notes else None
+    if not ids:
+        return ParsedRanking([], "invalid", "no valid ids in <ranking>" + (f" ({note})" if note else ""))
+    if k is not None:
+        need = min(k, n_sessions)
+        if len(ids) < need:
+            return ParsedRanking(ids, "invalid", f"{len(ids)} valid ids, {need} required"
+                                 + (f" ({note})" if note else ""))
+        ids = ids[:k]
+    return ParsedRanking(ids, "ok", f"note: {note}" if note else None)
+
+
+def to_original(local_ids: Sequence[int], id_map: Sequence[str]) -> list[str]:
+    """Map local ids (positions in the history shown) to original session ids."""
+    return [id_map[i] for i in local_ids]
+
+
+def complete_ranking(head: Sequence[str], fallback_order: Sequence[str]) -> list[str]:
+    """``head`` then every id of ``fallback_order`` not already in it (a full ranking)."""
+    seen = set(head)
+    return list(head) + [s for s in fallback_order if s not in seen]
+
+
+# --------------------------------------------------------------------------- table I/O
+def rankings_table(rows: Iterable[dict]) -> pa.Table:
+    rows = list(rows)
+    cols = {name: [r.get(name) for r in rows] for name in RANKINGS_SCHEMA.names}
+    for r in rows:
+        if r.get("status") not in STATUSES:
+            raise ValueError(f"rankings row {r.get('question_id')}: bad status {r.get('status')!r}")
+    return pa.table(cols, schema=RANKINGS_SCHEMA)
+
+
+def write_rankings(out: storage.Publication, rows: Iterable[dict], name: str = RANKINGS_FILE) -> pa.Table:
+    table = rankings_table(rows)
+    out.write_table(name, table)
+    return table
+
+
+def read_rankings(uri: str) -> list[dict]:
+    """Rows of a published rankings file; ``uri`` is a stage output or the parquet file itself."""
+    path = uri if uri.endswith(".parquet") else storage.published_file(uri, RANKINGS_FILE)
+    table = storage.read_parquet(path)
+    missing = [n for n in ("question_id", "ranked_session_ids", "status") if n not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: not a rankings file (missing {missing})")
+    return table.to_pylist()

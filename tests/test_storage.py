@@ -1,0 +1,143 @@
+"""Storage layer on a local directory and on a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from memsifter import storage
+from memsifter.errors import NotPublishedError, StorageError
+from memsifter.testing import env_vars
+
+
+def test_bytes_roundtrip_and_listing(store_root):
+    a = storage.join(store_root, "x", "a.txt")
+    b = storage.join(store_root, "x", "sub", "b.bin")
+    storage.write_bytes(a, b"hello")
+    storage.write_bytes(b, bytes(range(256)) * 1000)
+    assert storage.read_bytes(a) == b"hello"
+    assert storage.read_bytes(b) == bytes(range(256)) * 1000
+    assert storage.list_files(storage.join(store_root, "x")) == ["a.txt", "sub/b.bin"]
+    assert storage.exists(a) and not storage.exists(storage.join(store_root, "nope"))
+    storage.delete(storage.join(store_root, "x"))
+    assert storage.list_files(storage.join(store_root, "x")) == []
+
+
+def test_large_file_copy_is_multipart_safe(store_root, tmp_path):
+    # 20 MiB crosses the 8 MiB chunk size (and S3 multipart thresholds).
+    src = tmp_path / "big.bin"
+    payload = (b"0123456789abcdef" * 65536) * 20
+    src.write_bytes(payload)
+    n, sha = storage.copy_file(str(src), storage.join(store_root, "big.bin"))
+    assert n == len(payload) and sha == storage.sha256_bytes(payload)
+    assert storage.read_bytes(storage.join(store_root, "big.bin")) == payload
+
+
+def _publication(uri: str, cfg: dict | None = None) -> storage.Publication:
+    return storage.Publication(uri, "test", cfg or {"a": 1}, "h1", "0.0")
+
+
+def test_publish_is_atomic_and_manifest_lists_files(store_root):
+    out = storage.join(store_root, "ds")
+    pub = _publication(out)
+    table = pa.table({"x": [1, 2, 3]})
+    pub.write_table("t.parquet", table)
+    pub.write_json("report.json", {"ok": True})
+    # Before publish: readers refuse, final files are not in place.
+    with pytest.raises(NotPublishedError):
+        storage.read_manifest(out)
+    assert not storage.exists(storage.join(out, "t.parquet"))
+    m = pub.publish({"rows": 3})
+    assert m["files"]["t.parquet"]["rows"] == 3
+    assert m["stats"] == {"rows": 3} and m["config_hash"] == "h1"
+    assert storage.read_parquet(storage.published_file(out, "t.parquet")).equals(table)
+    assert json.loads(storage.read_bytes(storage.published_file(out, "report.json"))) == {"ok": True}
+    assert storage.verify(out)["stage"] == "test"
+    # Staging is cleaned up after publish.
+    assert not [f for f in storage.list_files(out) if f.startswith(storage.STAGING)]
+    with pytest.raises(NotPublishedError, match="no file 'missing.parquet'"):
+        storage.published_file(out, "missing.parquet")
+
+
+def test_crash_before_publish_leaves_nothing_readable(store_root):
+    out = storage.join(store_root, "crashed")
+    pub = _publication(out)
+    pub.write_table("t.parquet", pa.table({"x": [1]}))
+    # Simulated crash: publish() never runs.
+    with pytest.raises(NotPublishedError, match="no _SUCCESS manifest"):
+        storage.read_manifest(out)
+    pub.abort()
+    assert storage.list_files(out) == []
+
+
+def test_republish_replaces_manifest_last(store_root):
+    out = storage.join(store_root, "re")
+    p1 = _publication(out)
+    p1.write_table("t.parquet", pa.table({"x": [1]}))
+    p1.publish()
+    p2 = _publication(out, {"a": 2})
+    p2.write_table("t.parquet", pa.table({"x": [1, 2]}))
+    # While p2 is staged, readers still see p1's consistent data.
+    assert storage.read_parquet(storage.published_file(out, "t.parquet")).num_rows == 1
+    p2.publish()
+    assert storage.read_manifest(out)["config"] == {"a": 2}
+    assert storage.read_parquet(storage.published_file(out, "t.parquet")).num_rows == 2
+
+
+def test_missing_uri_errors(store_root):
+    with pytest.raises(StorageError, match="not found"):
+        storage.read_bytes(storage.join(store_root, "does-not-exist.json"))
+    with pytest.raises(NotPublishedError, match="does not exist"):
+        storage.read_manifest(storage.join(store_root, "no-such-dataset"))
+
+
+def test_invalid_json_names_position(store_root):
+    uri = storage.join(store_root, "bad.json")
+    storage.write_bytes(uri, b'{"a": 1,\n "b": }')
+    with pytest.raises(StorageError, match=r"bad.json: invalid JSON at line 2"):
+        storage.read_json(uri)
+
+
+def test_unsupported_scheme():
+    with pytest.raises(StorageError, match="unsupported URI scheme"):
+        storage.resolve("gs://bucket/x")
+
+
+def test_wrong_s3_credentials_is_a_clear_error(s3_root, s3_server):
+    uri = storage.join(s3_root, "secret.txt")
+    storage.write_bytes(uri, b"x")
+    storage._s3.cache_clear()
+    with env_vars({"AWS_SECRET_ACCESS_KEY": "wrong-secret"}):
+        with pytest.raises(StorageError) as e:
+            storage.read_bytes(uri)
+    storage._s3.cache_clear()
+    msg = str(e.value)
+    assert "secret.txt" in msg and "wrong-secret" not in msg
+    assert "denied" in msg or "not found" in msg or "credentials" in msg.lower()
+
+
+def test_s3_endpoint_parsing():
+    with env_vars({"MEMSIFTER_S3_ENDPOINT": "http://127.0.0.1:9000"}):
+        s = storage.S3Settings.from_env()
+    assert (s.endpoint, s.scheme) == ("127.0.0.1:9000", "http")
+    with env_vars({"MEMSIFTER_S3_ENDPOINT": "minio.example:443"}):
+        s = storage.S3Settings.from_env()
+    assert (s.endpoint, s.scheme) == ("minio.example:443", "https")
+
+
+def test_transient_errors_are_retried():
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise OSError("AWS Error SLOW_DOWN during GetObject: 503 SlowDown")
+        return "ok"
+    assert storage.retrying(flaky, "s3://b/k") == "ok" and calls["n"] == 3
+
+    def broken():
+        raise OSError("AWS Error ACCESS_DENIED during GetObject: 403")
+    with pytest.raises(StorageError, match="access denied"):
+        storage.retrying(broken, "s3://b/k")
