@@ -30,10 +30,26 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time (so redirected stderr is honoured)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
 def setup_logging(verbose: int = 0) -> None:
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("urllib3", "botocore", "filelock", "httpx", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -82,6 +82,38 @@ def config_hash(config: StageConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _uri_fields(config: StageConfig) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, f in type(config).model_fields.items():
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        if not extra.get("uri") or extra.get("fingerprint") is False:
+            continue
+        v = getattr(config, name)
+        vals = v if isinstance(v, list) else [v]
+        out[name] = [x for x in vals if isinstance(x, str) and x]
+    return out
+
+
+def input_fingerprint(uri: str) -> str:
+    """What identifies the current content of an input: its manifest, or a file's size and mtime.
+
+    A stage whose input was re-published (or whose raw source file changed) is not skipped.
+    Directories without a manifest (model folders, caches) are not fingerprinted.
+    """
+    m = storage.try_manifest(uri) if not storage.is_file(uri) else None
+    if m:
+        return f"manifest:{m.get('stage')}:{m.get('config_hash')}:{m.get('published_at')}"
+    fs, path = storage.resolve(uri)
+    info = storage.retrying(lambda: fs.get_file_info(path), uri)
+    if info.type == storage.pafs.FileType.File:
+        return f"file:{info.size}:{info.mtime_ns}"
+    return "dir" if info.type == storage.pafs.FileType.Directory else "missing"
+
+
+def inputs_fingerprint(config: StageConfig) -> dict[str, list[str]]:
+    return {k: [input_fingerprint(u) for u in v] for k, v in _uri_fields(config).items()}
+
+
 def code_version() -> str:
     sha = os.environ.get("MEMSIFTER_GIT_SHA", "")
     return f"{__version__}+{sha[:12]}" if sha else __version__
@@ -97,20 +129,32 @@ class Stage:
     gpus: int = 0                                   # GPUs one worker of this stage wants by default
     needs: list[str] = field(default_factory=list)  # names of stages it reads from (for pipelines)
 
+    def published(self, config: StageConfig) -> dict | None:
+        """The manifest at ``config.output`` if it holds this stage's output for this exact config
+        and the current content of its inputs; else None (the stage would run)."""
+        existing = storage.try_manifest(config.output)
+        if (existing and existing.get("stage") == self.name
+                and existing.get("config_hash") == config_hash(config)
+                and existing.get("inputs", {}) == inputs_fingerprint(config)):
+            return existing
+        return None
+
     def run(self, config: StageConfig | dict, force: bool = False) -> dict:
         if isinstance(config, dict):
             config = validate_config(self.name, config)
         h = config_hash(config)
         existing = storage.try_manifest(config.output)
-        if existing and not force and existing.get("stage") == self.name and existing.get("config_hash") == h:
+        if existing and not force and self.published(config):
             log.info("%s: %s already published with this config (hash %s): skipping", self.name,
                      config.output, h)
             return {**existing, "skipped": True}
         if existing and not force and existing.get("stage") != self.name:
             raise ConfigError(f"{config.output}: holds output of stage '{existing.get('stage')}', "
                               f"not '{self.name}'; choose another output URI")
+        fingerprints = inputs_fingerprint(config)
         pub = storage.Publication(config.output, self.name, config.model_dump(mode="json"), h, code_version())
         try:
+            pub.inputs = fingerprints
             stats = self.body(config, pub) or {}
         except BaseException:
             pub.abort()

@@ -341,6 +341,7 @@ class Publication:
         self.staging = join(self.uri, STAGING, self.attempt)
         self.files: dict[str, dict] = {}
         self.stats: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}   # fingerprints of the inputs this output was built from
         self.started = utcnow()
         ensure_bucket(self.uri)
 
@@ -391,7 +392,7 @@ class Publication:
         manifest = {
             "stage": self.stage, "config": self.config, "config_hash": self.config_hash,
             "code_version": self.code_version, "started_at": self.started, "published_at": utcnow(),
-            "attempt": self.attempt, "files": self.files, "stats": self.stats,
+            "attempt": self.attempt, "files": self.files, "stats": self.stats, "inputs": self.inputs,
         }
         write_bytes(join(self.uri, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True,
                                                           default=str).encode())

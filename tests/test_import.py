@@ -480,8 +480,9 @@ def test_bad_input_leaves_previous_publication_alone(tmp_path, capsys):
     items = lme_items()
     del items[0]["question"]
     _lme_file(str(tmp_path), items)
-    # Same config: skipped (the hash covers the config, not the source bytes); --force re-reads and fails.
-    assert cli.main(["data", "import", "--format", "longmemeval", src, out]) == 0
+    # The source changed at the same URI: not skipped (its size/mtime are part of the fingerprint);
+    # the re-import fails and the previous publication stays intact.
+    assert cli.main(["data", "import", "--format", "longmemeval", src, out]) == 2
     assert cli.main(["data", "import", "--force", "--format", "longmemeval", src, out]) == 2
     assert read_dataset(out).question("q1").question == "Where did I go?"
     assert [f for f in storage.list_files(out) if f.startswith(storage.STAGING)] == []

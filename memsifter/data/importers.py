@@ -152,8 +152,12 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
     try:
         obj = _fastjson.loads(data) if _fastjson is not None else json.loads(data)
     except ValueError:
-        _locate_json_error(_text(data, uri), uri, what=what, id_key=id_key)
-        raise AssertionError("unreachable")  # _locate_json_error always raises here
+        text = _text(data, uri)
+        try:  # what orjson refuses (a BOM, huge integers) the stdlib may still read
+            obj = json.loads(text)
+        except ValueError:
+            _locate_json_error(text, uri, what=what, id_key=id_key)
+            raise AssertionError("unreachable")  # _locate_json_error always raises here
     if not isinstance(obj, list):
         raise InputError(f"expected a JSON list of {what}s, got {type(obj).__name__}", file=uri)
     return obj
@@ -425,7 +429,8 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                 extra["adversarial_answer"] = str(qa["adversarial_answer"])
             evidence = qa.get("evidence", [])
             if not isinstance(evidence, list):
-                raise InputError(f"expected list, got {type(evidence).__name__}", file=uri, item=qitem, field="evidence")
+                raise InputError(f"expected list, got {type(evidence).__name__}", file=uri, item=qitem,
+                                 field="evidence")
             gold_n: list[int] = []
             ids, dropped, unresolved = [], [], []
             for ei, raw in enumerate(evidence):
@@ -727,7 +732,7 @@ def convert_memsifter(uri: str, dataset: str | None = None) -> tuple[Dataset, di
     for col in ("question_id", "question", "answer", "haystack_session_ids", "haystack_sessions"):
         if col not in cols:
             raise InputError("missing column", file=uri, item="schema", field=col)
-    gold_col = "gold_session_ids" if "gold_session_ids" in cols else "answer_session_ids" if "answer_session_ids" in cols else None
+    gold_col = next((c for c in ("gold_session_ids", "answer_session_ids") if c in cols), None)
     if gold_col is None:
         raise InputError("missing column (or 'answer_session_ids')", file=uri, item="schema", field="gold_session_ids")
     b = DatasetBuilder(uri)
@@ -849,6 +854,8 @@ def load(config: ImportConfig) -> tuple[Dataset, dict]:
        help="Convert a raw dataset (LongMemEval, LoCoMo, PersonaMem, MemSifter parquet) into a memsifter dataset")
 def run(config: ImportConfig, out: storage.Publication) -> dict:
     log.info("import: reading %s (%s)", config.source, config.format)
+    if config.questions_file and config.format != "personamem":
+        log.warning("import: questions_file is only read for format personamem; ignoring %s", config.questions_file)
     ds, read = load(config)
     stats = ds.write(out)
     log.info("import: read %s", ", ".join(f"{k}={v}" for k, v in read.items()))

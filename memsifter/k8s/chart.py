@@ -237,6 +237,17 @@ def _rename_refs(node: Any, prefix: str) -> Any:
     return node
 
 
+def _coercing_fields(cls: Any) -> set[str]:
+    """Fields with a before/plain/wrap validator: their JSON schema is narrower than what they accept."""
+    out: set[str] = set()
+    decos = getattr(cls, "__pydantic_decorators__", None)
+    for d in (decos.field_validators.values() if decos else []):
+        if d.info.mode in ("before", "plain", "wrap"):
+            fields = d.info.fields
+            out |= set(cls.model_fields) if "*" in fields else set(fields)
+    return out
+
+
 def config_schema(info: StageInfo, defs: dict) -> dict:
     """The stage config's pydantic JSON schema, nested definitions hoisted into ``defs``.
 
@@ -244,6 +255,11 @@ def config_schema(info: StageInfo, defs: dict) -> dict:
     set are required by the stage block's ``if enabled then`` clause instead.
     """
     sch = info.config.model_json_schema(mode="validation")
+    for fname in _coercing_fields(info.config):
+        prop = sch.get("properties", {}).get(fname)
+        if prop is not None:  # the stage accepts more than the type says (e.g. a URI for a mapping)
+            sch["properties"][fname] = {k: v for k, v in prop.items()
+                                        if k in ("description", "title", "default", "uri", "runtime")}
     prefix = f"{info.name.replace('-', '_')}__"
     for name, d in (sch.pop("$defs", {}) or {}).items():
         defs[prefix + name] = _rename_refs(d, prefix)
@@ -289,7 +305,7 @@ def _group_schema(workers: bool) -> dict:
     return {"type": "object", "additionalProperties": False, "properties": props}
 
 
-def stage_schema(info: StageInfo, defs: dict) -> dict:
+def stage_schema(info: StageInfo, defs: dict, stage_names: list[str]) -> dict:
     props: dict[str, Any] = {
         "enabled": {"type": "boolean"},
         "family": {"const": info.family, "description": "image family (from the registry; read-only)"},
@@ -297,7 +313,10 @@ def stage_schema(info: StageInfo, defs: dict) -> dict:
                   "description": "stages this one reads from (from the registry)"},
         "image": _IMAGE,
         "config": config_schema(info, defs),
-        "inputs": {"type": "object", "additionalProperties": {"type": "string"},
+        "inputs": {"type": "object",
+                   "description": "config field -> stage whose output fills it when the field is empty",
+                   "additionalProperties": {"anyOf": [{"enum": stage_names},
+                                                      {"type": "array", "items": {"enum": stage_names}}]},
                    "propertyNames": {"enum": [f.name for f in info.fields.values() if f.uri and f.name != "output"]
                                      or ["-"]}},
         "env": _ENV,
@@ -325,7 +344,8 @@ def stage_schema(info: StageInfo, defs: dict) -> dict:
 def values_schema(infos: list[StageInfo]) -> dict:
     defs: dict[str, Any] = {}
     families = image_families(infos)
-    stages = {i.name: stage_schema(i, defs) for i in infos}
+    names = [i.name for i in infos]
+    stages = {i.name: stage_schema(i, defs, names) for i in infos}
     pool = {"type": "object", "additionalProperties": False, "properties": {
         "nodeSelector": _NODE_SELECTOR, "tolerations": _TOLERATIONS, "affinity": _AFFINITY}}
     secret_ref = lambda *keys: {"type": "object", "additionalProperties": False,  # noqa: E731
@@ -400,11 +420,68 @@ def _placeholder(info: StageInfo, field: str, bucket: str) -> Any:
         return float(sch.get("minimum", 1.0))
     if t == "boolean":
         return False
-    if t == "array":
-        return []
-    if t == "object":
-        return {}
+    if t in ("array", "object"):
+        return _example_of_type(f.annotation)
     return f"CHANGE-ME-{field}"
+
+
+def _example_of_type(tp: Any) -> Any:
+    import types
+    import typing
+
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _example_of_type(args[0]) if args else None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return args[0]
+    if origin in (list, tuple, set):
+        return [_example_of_type(args[0] if args else str)]
+    if origin is dict:
+        return {"example": _example_of_type(args[1] if len(args) > 1 else str)}
+    return {int: 1, float: 1.0, bool: True, str: "example"}.get(tp, "example")
+
+
+def _example_value(info: StageInfo, field: str, bucket: str) -> Any:
+    """A plausible value for a config field, from its type (for generated example values only)."""
+    if info.fields[field].uri:
+        return _placeholder(info, field, bucket)
+    return _example_of_type(info.fields[field].annotation)
+
+
+def example_config(info: StageInfo, cfg: dict, wired: dict, bucket: str) -> dict:
+    """``cfg`` plus values for the fields that the stage's own cross-field validation asks for.
+
+    Validates ``values defaults + cfg + wired inputs + output`` with the stage's config class; when it
+    fails on fields named in the error (its location, or names in backticks/quotes in the message) that
+    are still empty, they get an example value from their type, and it tries again.
+    """
+    import re
+
+    from pydantic import ValidationError
+
+    cfg = dict(cfg)
+    for _ in range(len(info.fields)):
+        data = {**info.defaults(), **wired, **cfg, "output": f"s3://{bucket}/example/{info.name}"}
+        try:
+            info.config.model_validate(data)
+            return cfg
+        except ValidationError as e:
+            named: list[str] = []
+            for err in e.errors():
+                named += [str(p) for p in err["loc"][:1]]
+                named += re.findall(r"[`'\"]([A-Za-z_][A-Za-z0-9_]*)[`'\"]", err["msg"])
+            todo = [n for n in dict.fromkeys(named) if n in info.fields and n != "output" and not data.get(n)]
+            if not todo:
+                return cfg
+            for n in todo:
+                cfg[n] = _example_value(info, n, bucket)
+    return cfg
+
+
+def _wired_example(info: StageInfo, bucket: str) -> dict:
+    return {f: ([f"s3://{bucket}/x/{p}" for p in prod] if isinstance(prod, list) else f"s3://{bucket}/x/{prod}")
+            for f, prod in info.inputs.items()}
 
 
 def _downstream(infos: list[StageInfo], seeds: set[str]) -> set[str]:
@@ -467,8 +544,11 @@ def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dic
         for f in info.required_user_fields:
             cfg[f] = _placeholder(info, f, bucket)
         for f, producer in info.inputs.items():
-            if producer not in enabled:  # produced by an earlier run
-                cfg[f] = f"s3://{bucket}/runs/previous-run/{producer}"
+            prods = producer if isinstance(producer, list) else [producer]
+            if not any(p in enabled for p in prods):  # produced by an earlier run
+                uris = [f"s3://{bucket}/runs/previous-run/{p}" for p in prods]
+                cfg[f] = uris if isinstance(producer, list) else uris[0]
+        cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
         if cfg:
             block["config"] = cfg
         if name == "minimal-cpu":
@@ -498,6 +578,7 @@ def jobs_values(infos: list[StageInfo]) -> dict:
     stages: dict[str, Any] = {}
     for info in infos:
         cfg = {f: _placeholder(info, f, bucket) for f in info.required_user_fields}
+        cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
         stages[info.name] = {"config": cfg} if cfg else {}
     return {"run": {"id": "example"}, "s3": {"bucket": bucket, "endpoint": "", "region": "us-east-1"},
             "driver": {"enabled": False}, "stages": stages}
@@ -568,15 +649,34 @@ def gen_chart(check: bool = False, chart_dir: Path = CHART_DIR, infos: list[Stag
 
 
 def render(values_files: list[Path], sets: list[str] | None = None, chart_dir: Path = CHART_DIR,
-           release: str = "memsifter", namespace: str = "memsifter", show_only: str | None = None) -> str:
+           release: str = "memsifter", namespace: str = "memsifter", show_only: str | None = None,
+           values: dict | None = None) -> str:
+    """``helm template``; ``values`` (a dict) is passed as one more values file, last."""
+    import tempfile
+
     args = ["template", release, str(chart_dir), "--namespace", namespace]
     for v in values_files:
         args += ["-f", str(v)]
+    tmp = None
+    if values is not None:
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        yaml.safe_dump(values, tmp)
+        tmp.close()
+        args += ["-f", tmp.name]
     for s in sets or []:
         args += ["--set", s]
     if show_only:
         args += ["--show-only", show_only]
-    return helm(*args).stdout
+    try:
+        return helm(*args).stdout
+    finally:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
+
+
+def render_docs(*args: Any, **kw: Any) -> list[dict]:
+    """:func:`render`, parsed: the non-empty documents."""
+    return [d for d in yaml.safe_load_all(render(*args, **kw)) if d]
 
 
 def job_text(info: StageInfo, chart_dir: Path = CHART_DIR, jobs_dir: Path = JOBS_DIR) -> str:

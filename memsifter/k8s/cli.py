@@ -40,7 +40,7 @@ def _gen(kind: str, argv: Sequence[str]) -> int:
         chart.gen_jobs(check=args.check, infos=infos)
     for line in out:
         print(line)
-    unwired = [(i.name, f) for i in infos for f in i.unwired]
+    unwired = [(i.name, f) for i in infos if i.needs for f in i.unwired]
     for name, f in unwired:
         print(f"note: stage {name}: input field '{f}' is not wired to a stage output; users set it",
               file=sys.stderr)

@@ -278,6 +278,7 @@ class Driver:
     poll: float = 15.0
     stage_timeout: float = 0.0          # 0: no limit beyond the RayJob's activeDeadlineSeconds
     write_manifest: bool = True
+    check_configs: bool = True
     is_published: Callable[[StagePlan], tuple[bool, str]] = published_hash
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.time
@@ -298,8 +299,30 @@ class Driver:
         self.manifest["stages"][name].update(kw)
         self._save()
 
+    def preflight(self) -> list[str]:
+        """Config errors of every stage, before any cluster starts (stages whose module cannot be
+        imported here are checked by the stage itself when it runs)."""
+        from .. import stage as stg
+        from ..errors import ConfigError
+
+        errors = []
+        for st in self.plan.stages:
+            try:
+                stg.get_stage(st.name)
+            except Exception as e:  # noqa: BLE001 - the image lacks the stage's packages
+                log.info("%s: config not checked here (%s: %s)", st.name, type(e).__name__, e)
+                continue
+            try:
+                stg.validate_config(st.name, st.config, source=f"stages.{st.name}.config")
+            except ConfigError as e:
+                errors.append(str(e))
+        return errors
+
     def run(self) -> dict:
         order = self.plan.ordered()
+        errors = self.preflight() if self.check_configs else []
+        if errors:
+            raise DriveError("invalid stage config(s); nothing was started:\n" + "\n".join(errors))
         self.manifest = {
             "run": self.plan.run, "state": "running", "started_at": storage.utcnow(),
             "order": [s.name for s in order],

@@ -7,9 +7,11 @@ Nothing here names a stage: the chart, ``jobs/``, the scenarios and the driver i
 Input wiring: a stage's input-URI fields (``uri_field``) that read another stage's output are filled
 from the run prefix (``<run root>/<producer stage>``) unless the user sets them. The producer of a
 field is found, in order, from the field's ``json_schema_extra`` (``{"uri": True, "stage": "embed"}``
-or ``"from_stage"``), a field name that names a needed stage (``embed``, ``embed_uri``, ``rank_output``),
-or, when exactly one field and one needed stage are left, their pairing. Fields that cannot be wired
-stay for the user to set (the values schema then requires them when the stage is enabled).
+or ``"from_stage"``), its description naming it (``"embed stage output"``, ``"import/synth outputs"``),
+a field name that names a needed stage (``embed``, ``embed_uri``), a dataset field (the upstream stage
+without needs, i.e. the importer), or, when exactly one field and one needed stage are left, their
+pairing. Fields that cannot be wired stay for the user to set (the values schema then requires them
+when the stage is enabled). List-typed fields get a list of outputs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class StageInfo:
     needs: list[str]
     config: type[BaseModel]
     fields: dict[str, FieldInfo]
-    inputs: dict[str, str] = field(default_factory=dict)      # uri field -> producer stage
+    inputs: dict[str, Any] = field(default_factory=dict)      # uri field -> producer stage (or [stage])
     unwired: list[str] = field(default_factory=list)           # required uri fields left to the user
     capacity: dict[str, str] = field(default_factory=dict)     # {"nodes": path, "gpusPerNode": path}
     capacity_defaults: dict[str, int] = field(default_factory=dict)
@@ -90,42 +92,86 @@ def _norm(s: str) -> str:
     return re.sub(r"[^a-z0-9]", "", s.lower())
 
 
+def _is_list(annotation: Any) -> bool:
+    tp = annotation
+    for cand in (tp, *typing.get_args(tp)):
+        if typing.get_origin(cand) in (list, tuple, set):
+            return True
+    return False
+
+
+def _transitive(name: str, needs_of: dict[str, list[str]]) -> list[str]:
+    out: list[str] = []
+    todo = list(needs_of.get(name, []))
+    while todo:
+        n = todo.pop(0)
+        if n not in out:
+            out.append(n)
+            todo += needs_of.get(n, [])
+    return out
+
+
+def _named_producers(text: str, stages: list[str]) -> list[str]:
+    """Stages named as producers in a description: 'embed output', 'import/synth outputs',
+    'prepare-rl output', 'a collect output', 'embed stage output'."""
+    found = []
+    for m in re.finditer(r"([A-Za-z][\w-]*(?:/[A-Za-z][\w-]*)*)\s+(?:stage\s+)?outputs?\b", text):
+        for word in m.group(1).split("/"):
+            if word in stages and word not in found:
+                found.append(word)
+    return found
+
+
 def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: type[BaseModel],
-                roots: set[str]) -> tuple[dict[str, str], list[str]]:
-    """Map input-URI fields to the needed stages that produce them (see the module docstring)."""
+                roots: set[str], needs_of: dict[str, list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Map input-URI fields to the stages that produce them (see the module docstring).
+
+    Returns ``{field: stage}`` (``{field: [stage]}`` for list-typed fields) and the required URI
+    fields left unwired. A required field may be wired to any stage upstream of this one; an optional
+    field only to a stage this one needs directly.
+    """
+    needs_of = dict(needs_of or {})
+    needs_of.setdefault(name, list(needs))
+    upstream = _transitive(name, needs_of)
+    stages = sorted(set(needs_of) | set(upstream), key=len, reverse=True)
     uri_fields = [f for f in fields.values() if f.uri and f.name != "output"]
     wired: dict[str, str] = {}
-    left_needs = list(needs)
-    for f in uri_fields:  # 1. explicit
+
+    def allowed(f: FieldInfo, src: str) -> bool:
+        return src in (upstream if f.required else needs)
+
+    for f in uri_fields:
         ex = _extra(cls.model_fields[f.name])
-        src = ex.get("from_stage") or ex.get("stage")
-        if src:
-            wired[f.name] = src
-            if src in left_needs:
-                left_needs.remove(src)
-    for f in uri_fields:  # 2. by name
+        explicit = ex.get("from_stage") or ex.get("stage")
+        if explicit:                                                    # 1. declared by the stage
+            wired[f.name] = explicit
+            continue
+        for src in _named_producers(f.description, stages):             # 2. "<stage> output" in the help
+            if allowed(f, src):
+                wired[f.name] = src
+                break
         if f.name in wired:
             continue
         n = _norm(f.name)
-        for need in left_needs:
-            nn = _norm(need)
-            if n == nn or (n.startswith(nn) and n[len(nn):] in ("uri", "output", "out", "dir", "path",
-                                                                  "rankings", "embeddings")):
-                wired[f.name] = need
-                left_needs.remove(need)
+        for src in needs:                                               # 3. the field names a need
+            nn = _norm(src)
+            if n == nn or (n.startswith(nn) and n[len(nn):] in ("uri", "output", "out", "dir", "path")):
+                wired[f.name] = src
                 break
-    for f in uri_fields:  # 3. a dataset field and exactly one needed root stage (an importer)
-        if f.name in wired or f.name not in DATASET_FIELD_NAMES:
+        if f.name in wired:
             continue
-        cands = [n for n in left_needs if n in roots]
-        if len(cands) == 1:
-            wired[f.name] = cands[0]
-            left_needs.remove(cands[0])
+        if f.required and (f.name.rstrip("s") in DATASET_FIELD_NAMES
+                           or "published dataset" in f.description.lower()):
+            cands = [u for u in upstream if u in roots]                 # 4. a dataset: the upstream importer
+            if cands:
+                wired[f.name] = cands[0]
+    left_needs = [n for n in needs if n not in wired.values()]
     rest = [f for f in uri_fields if f.name not in wired and f.required]
-    if len(rest) == 1 and len(left_needs) == 1:  # 4. the last pair
-        wired[rest[0].name] = left_needs.pop()
+    if len(rest) == 1 and len(left_needs) == 1:                         # 5. the last pair
+        wired[rest[0].name] = left_needs[0]
+    out: dict[str, Any] = {k: ([v] if _is_list(fields[k].annotation) else v) for k, v in wired.items()}
     unwired = [f.name for f in uri_fields if f.name not in wired and f.required]
-    return wired, unwired
+    return out, unwired
 
 
 def _find_path(cls: type[BaseModel], target: str, prefix: str = "") -> str | None:
@@ -159,10 +205,11 @@ def stage_infos(names: list[str] | None = None) -> list[StageInfo]:
     names = list(names) if names is not None else stg.available_stages()
     stages = [stg.get_stage(n) for n in names]
     roots = {s.name for s in stages if not s.needs}
+    needs_of = {s.name: list(s.needs) for s in stages}
     out = []
     for st in stages:
         fields = _field_infos(st.config)
-        inputs, unwired = wire_inputs(st.name, st.needs, fields, st.config, roots)
+        inputs, unwired = wire_inputs(st.name, st.needs, fields, st.config, roots, needs_of)
         info = StageInfo(st.name, st.family, st.help, int(st.gpus or 0), list(st.needs), st.config, fields,
                          inputs, unwired)
         nodes, gpn = _find_path(st.config, NODES_FIELD), _find_path(st.config, GPUS_PER_NODE_FIELD)

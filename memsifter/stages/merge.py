@@ -139,7 +139,8 @@ class ModelDir:
     def label(self) -> str:
         return f"input {self.position + 1} ({self.uri})"
 
-    def read(self, name: str) -> Any:
+    def read(self, name: str, buffer: Any = None) -> Any:
+        """One tensor, read with a ranged read into ``buffer`` (a uint8 tensor, reused) or a new one."""
         import torch
 
         info = self.tensors[name]
@@ -149,7 +150,7 @@ class ModelDir:
         if f is None:
             fs, path = storage.resolve(storage.join(self.uri, info.file))
             f = self._handles[info.file] = fs.open_input_file(path)
-        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        raw = buffer[:info.nbytes] if buffer is not None else torch.empty(info.nbytes, dtype=torch.uint8)
         if info.nbytes:
             f.seek(info.start)
             got = f.readinto(raw.numpy())
@@ -186,12 +187,15 @@ def check_compatible(models: list[ModelDir]) -> None:
         ref_h = _digest(ref.side_file(name))
         for m in models[1:]:
             h = _digest(m.side_file(name))
-            if h != ref_h:
-                what = "missing in" if h is None else ("only in" if ref_h is None else "differs between")
-                where = (f"{m.label()}" if h is None or ref_h is None else f"{ref.label()} and {m.label()}")
-                if ref_h is None:
-                    where = m.label()
-                raise InputError(f"tokenizers differ: '{name}' {what} {where}", file=m.uri)
+            if h == ref_h:
+                continue
+            if h is None:
+                detail = f"'{name}' is missing in {m.label()} (present in {ref.label()})"
+            elif ref_h is None:
+                detail = f"'{name}' is only in {m.label()} (not in {ref.label()})"
+            else:
+                detail = f"'{name}' differs between {ref.label()} and {m.label()}"
+            raise InputError(f"tokenizers differ: {detail}", file=m.uri)
     ref_cfg = _config(ref)
     for m in models[1:]:
         cfg = _config(m)
@@ -233,30 +237,50 @@ def _elem_size(code: str) -> int:
 
 
 def average_tensor(models: list[ModelDir], weights: list[float], name: str, out_dtype: str) -> Any:
-    """The weighted average of one tensor over all inputs, accumulated in float32."""
+    """The weighted average of one tensor over all inputs, accumulated in float32.
+
+    Working memory: the float32 accumulator, one read buffer reused for every input, the result.
+    """
     import torch
 
-    first = models[0].read(name)
+    buf = torch.empty(max(m.tensors[name].nbytes for m in models), dtype=torch.uint8)
+    first = models[0].read(name, buf)
     if not first.is_floating_point():
+        first = first.clone()
         for m in models[1:]:
-            if not torch.equal(m.read(name), first):
+            if not torch.equal(m.read(name, buf), first):
                 raise InputError(f"integer tensor '{name}' differs between {models[0].label()} and {m.label()}",
                                  file=m.uri)
         return first
     acc = torch.zeros(first.shape, dtype=torch.float32)
     for i, m in enumerate(models):
-        t = first if i == 0 else m.read(name)
+        t = first if i == 0 else m.read(name, buf)
         if t.dtype == torch.float64:
             t = t.to(torch.float32)
         acc.add_(t, alpha=weights[i])
         del t
-    del first
+    del first, buf
     return acc.to(getattr(torch, out_dtype))
+
+
+def _return_freed_memory_to_os() -> None:
+    """glibc: serve big allocations with mmap (freed at once) instead of the heap, whose dynamic
+    threshold otherwise lets freed tensors linger and fragment. Best effort, no-op elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def merge_models(uris: list[str], weights: list[float], out_dtype: str, out: storage.Publication | None,
                  out_dir: str | None = None, tmp_dir: str | None = None) -> dict:
     """Average ``uris`` into a publication (or a local ``out_dir``); returns stats."""
+    import torch
+
+    _return_freed_memory_to_os()
     t0 = time.time()
     models = [ModelDir(u, i) for i, u in enumerate(uris)]
     check_compatible(models)
@@ -282,7 +306,7 @@ def merge_models(uris: list[str], weights: list[float], out_dtype: str, out: sto
                 f.write(_header_bytes(entries))
                 for n, code, shape, nbytes in entries:
                     t = average_tensor(models, weights, n, out_dtype).contiguous()
-                    data = t.view(-1).view(__import__("torch").uint8).numpy() if t.numel() else b""
+                    data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
                     if len(data) != nbytes:
                         raise AssertionError(f"{n}: wrote {len(data)} bytes, expected {nbytes}")
                     f.write(data)
@@ -303,9 +327,9 @@ def merge_models(uris: list[str], weights: list[float], out_dtype: str, out: sto
         data = ref.side_file(name)
         if name == "config.json":
             cfg = json.loads(data)
-            for key in ("torch_dtype", "dtype"):
-                if key in cfg or key == "torch_dtype":
-                    cfg[key] = out_dtype
+            keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+            for key in keys:
+                cfg[key] = out_dtype
             data = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
         _put(out, out_dir, name, data)
     if INDEX in ref.files:

@@ -99,7 +99,13 @@ memsifter.io/run: {{ include "memsifter.runId" . }}
 {{- end }}
 {{- range $field, $producer := (.stage.inputs | default dict) }}
 {{- if not (get $cfg $field) }}
+{{- if kindIs "slice" $producer }}
+{{- $uris := list }}
+{{- range $producer }}{{ $uris = append $uris (include "memsifter.stageOutput" (dict "root" $.root "name" .)) }}{{ end }}
+{{- $_ := set $cfg $field $uris }}
+{{- else }}
 {{- $_ := set $cfg $field (include "memsifter.stageOutput" (dict "root" $.root "name" $producer)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- toJson $cfg }}

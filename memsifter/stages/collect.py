@@ -1,0 +1,125 @@
+"""Stage ``collect``: verl FSDP checkpoints -> Hugging Face model directories (MEMSIFTER.md §6).
+
+Reads ``global_step_<N>/actor/`` of a training run (the ``train`` output, or directly its
+``checkpoints/`` prefix; local or s3://), for the chosen steps (default: every complete one), and
+converts each with verl's own merger::
+
+    python -m verl.model_merger merge --backend fsdp --local_dir …/global_step_N/actor --target_dir …
+
+Only what the merger needs is downloaded (``model_world_size_*_rank_*.pt``, ``fsdp_config.json``,
+``huggingface/``), not the optimizer state. Steps must be complete (``train`` writes
+``_COMPLETE.json`` after all ranks' shards are in S3) unless ``require_complete`` is false.
+
+Output: ``global_step_<N>/`` per step (config, safetensors, tokenizer): the same directory names as
+train and merge use. Each converted step is kept under ``<output>/_work/global_step_<N>/`` with a
+``_DONE`` marker, so a crashed run converts only the steps it had not finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from pydantic import Field
+
+from .. import storage
+from ..errors import InputError
+from ..stage import StageConfig, runtime_field, stage, uri_field
+from .train import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
+
+log = logging.getLogger(__name__)
+DONE = "_DONE"
+NEEDED = re.compile(r"^(model_world_size_\d+_rank_\d+\.pt|fsdp_config\.json|huggingface/.+|lora_train_meta\.json)$")
+
+
+class CollectConfig(StageConfig):
+    checkpoints: str = uri_field("train output (or its checkpoints/ prefix) holding global_step_<N>/actor")
+    steps: list[int] = Field(default_factory=list, description="steps to convert (default: every complete step)")
+    require_complete: bool = Field(True, description="only steps marked complete by train (_COMPLETE.json)")
+    trust_remote_code: bool = False
+    local_dir: str | None = runtime_field(None, "scratch directory for shards and conversion (default: tmp)")
+
+
+def checkpoint_root(uri: str) -> str:
+    """``<uri>/checkpoints`` when it holds steps (a train output), else ``uri`` itself."""
+    inner = storage.join(uri, CHECKPOINTS)
+    if any(step_of(d) is not None for d in storage.list_dirs(inner)):
+        return inner
+    return uri
+
+
+def available_steps(root: str, require_complete: bool) -> list[int]:
+    if require_complete:
+        return complete_steps(root)
+    return sorted(s for s in (step_of(d) for d in storage.list_dirs(root)) if s is not None)
+
+
+def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_code: bool = False) -> list[str]:
+    """Download one ``…/actor`` prefix's model shards and run verl's FSDP merger into ``target_dir``."""
+    local = os.path.join(scratch, "actor")
+    files = [f for f in storage.list_files(actor_uri) if NEEDED.match(f)]
+    if "fsdp_config.json" not in files:
+        raise InputError("no fsdp_config.json (not a verl FSDP actor checkpoint)", file=actor_uri)
+    for rel in files:
+        dest = os.path.join(local, rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        storage.copy_file(storage.join(actor_uri, rel), dest)
+    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", local,
+           "--target_dir", target_dir]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:])
+        raise RuntimeError(f"verl.model_merger failed for {actor_uri}:\n{tail}")
+    shutil.rmtree(local, ignore_errors=True)
+    out = sorted(os.listdir(target_dir))
+    if "config.json" not in out or not any(f.endswith(".safetensors") for f in out):
+        raise RuntimeError(f"verl.model_merger wrote no model for {actor_uri} (files: {out})")
+    return out
+
+
+@stage("collect", CollectConfig, family="train", needs=["train"],
+       help="Convert verl FSDP checkpoints of chosen steps to Hugging Face directories (verl.model_merger)")
+def run(config: CollectConfig, out: storage.Publication) -> dict:
+    root = checkpoint_root(config.checkpoints)
+    avail = available_steps(root, config.require_complete)
+    steps = sorted(set(config.steps)) or avail
+    if not steps:
+        raise InputError(f"no {'complete ' if config.require_complete else ''}checkpoints "
+                         f"(global_step_<N>/ with {COMPLETE_MARKER})", file=root)
+    missing = [s for s in steps if s not in avail]
+    if missing:
+        raise InputError(f"steps {missing} are not available ({'complete ' if config.require_complete else ''}"
+                         f"steps: {avail or 'none'})", file=root)
+    per_step: dict[str, dict] = {}
+    for s in steps:
+        name = f"global_step_{s}"
+        work = storage.join(out.work, name)
+        if storage.exists(storage.join(work, DONE)):
+            log.info("collect: step %d already converted (%s)", s, work)
+        else:
+            t0 = time.time()
+            scratch = tempfile.mkdtemp(prefix=f"collect-{s}-", dir=config.local_dir)
+            try:
+                target = os.path.join(scratch, "hf")
+                convert_step(storage.join(root, name, "actor"), target, scratch, config.trust_remote_code)
+                storage.delete(work)
+                storage.upload_dir(target, work)
+                storage.write_bytes(storage.join(work, DONE), b"ok\n")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            log.info("collect: step %d converted in %.1fs", s, time.time() - t0)
+        files = [f for f in storage.list_files(work) if f != DONE]
+        nbytes = 0
+        for rel in files:
+            out.add_file(f"{name}/{rel}", storage.join(work, rel))  # any URI: copy_file streams it
+            nbytes += out.files[f"{name}/{rel}"]["bytes"]
+        per_step[name] = {"files": len(files), "bytes": nbytes}
+    return {"checkpoint_root": root, "steps": steps, "converted": per_step}

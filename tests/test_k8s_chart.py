@@ -1,0 +1,359 @@
+"""The Helm chart, jobs/ and the RayJobs they render, checked with the real tools that run here.
+
+* The chart's generated files (values.yaml, values.schema.json, ci/*.yaml) and jobs/ match the stage
+  registry and the chart (`memsifter k8s gen-chart --check`, `gen-jobs --check`).
+* `helm lint --strict` and `helm template` (real helm from the PyPI wheel) for the default values and
+  every ci/ scenario; the schema rejects typos.
+* Core kinds pass `kubernetes-validate --strict`; every RayJob passes the KubeRay 1.7.0 CRD schema with
+  unknown fields rejected, the CRD's CEL rules and KubeRay's admission rules (memsifter.k8s.validate).
+* Naming, secrets by reference, /dev/shm, the driver's RBAC, and the training group's autoscaling shape,
+  checked against Ray's own KubeRay autoscaler code and resource-demand scheduler.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from memsifter import stage as stg
+from memsifter.k8s import chart, registry, validate
+from memsifter.k8s.tools import ToolError, helm
+
+CHART = chart.CHART_DIR
+SCENARIOS = sorted((CHART / "ci").glob("*.yaml"))
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+CORE_KINDS = {"ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Job", "Namespace", "Secret", "Service",
+              "Deployment", "PersistentVolumeClaim"}
+
+
+@pytest.fixture(scope="module")
+def infos():
+    return registry.stage_infos()
+
+
+@pytest.fixture(scope="module")
+def crd(shared_dir):
+    return validate.crd_schema(shared_dir / "crds" / "ray.io_rayjobs.yaml")
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """Every scenario rendered twice: with the driver (plan ConfigMap) and without (RayJobs)."""
+    out = {}
+    for f in SCENARIOS:
+        out[f.stem] = chart.render_docs([f])
+        out[f.stem + "+nodriver"] = chart.render_docs([f], ["driver.enabled=false"])
+    out["defaults"] = chart.render_docs([])
+    return out
+
+
+def rayjobs_of(docs: list[dict]) -> list[dict]:
+    jobs = [d for d in docs if d.get("kind") == "RayJob"]
+    for d in docs:
+        if d.get("kind") == "ConfigMap" and "plan.json" in (d.get("data") or {}):
+            import json
+
+            jobs += [s["rayjob"] for s in json.loads(d["data"]["plan.json"])["stages"]]
+    return jobs
+
+
+# --------------------------------------------------------------------------- generated files
+def test_chart_generated_from_registry(infos):
+    assert chart.gen_chart(check=True, infos=infos) == [], "run `memsifter k8s gen-chart`"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert list(values["stages"]) == stg.available_stages()
+
+
+def test_jobs_rendered_from_chart(infos):
+    assert chart.gen_jobs(check=True, infos=infos) == [], "run `memsifter k8s gen-jobs`"
+    assert sorted(p.stem for p in chart.JOBS_DIR.glob("*.yaml") if p.stem != "values") == \
+        sorted(stg.available_stages())
+
+
+def test_every_family_has_an_image(infos):
+    assert chart.check_images(infos) == []
+
+
+def test_scenarios_cover_all_stages(infos):
+    sets = chart.scenario_sets(infos)
+    names = {i.name for i in infos}
+    assert sets["full"] == names
+    assert sets["inference-only"] | sets["training-only"] == names
+    assert not sets["inference-only"] & sets["training-only"]
+    assert all(not i.capacity and i.gpus == 0 for i in infos if i.name in sets["minimal-cpu"])
+    assert {p.stem for p in SCENARIOS} == set(sets)
+
+
+def test_values_defaults_are_valid_stage_configs(infos):
+    """Each stage's config defaults in values.yaml, plus the chart's output and wiring, validate with the
+    stage's own pydantic class (what `memsifter run` will do in the pod)."""
+    docs = chart.render_docs([CHART / "ci" / "full.yaml"])
+    import json
+
+    plan = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["plan.json"])
+    assert {s["name"] for s in plan["stages"]} == {i.name for i in infos}
+    for s in plan["stages"]:
+        cfg = stg.validate_config(s["name"], s["config"], source="chart")
+        assert cfg.output == f"s3://memsifter-ci/runs/ci-full/{s['name']}"
+
+
+def test_inputs_wired_to_producer_outputs(infos):
+    by = {i.name: i for i in infos}
+    docs = chart.render_docs([CHART / "ci" / "full.yaml"], ["driver.enabled=false"])
+    for rj in rayjobs_of(docs):
+        name = rj["metadata"]["labels"]["memsifter.io/stage"]
+        cfg = parse_entrypoint(rj["spec"]["entrypoint"])
+        for field, producer in by[name].inputs.items():
+            want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in (producer if isinstance(producer, list)
+                                                                     else [producer])]
+            got = cfg[field] if isinstance(cfg[field], list) else [cfg[field]]
+            assert got == want, (name, field)
+
+
+def parse_entrypoint(entrypoint: str) -> dict:
+    """The config a RayJob's entrypoint passes to `memsifter run` (after the submitter's shell)."""
+    words = shlex.split(validate.submitted_entrypoint(entrypoint))
+    if words[:3] == ["memsifter", "k8s", "await-capacity"]:
+        words = words[words.index("--") + 1:]
+    assert words[:2] == ["memsifter", "run"]
+    cfg: dict = {}
+    it = iter(words[3:])
+    for w in it:
+        assert w == "--set"
+        k, v = next(it).split("=", 1)
+        stg.set_path(cfg, k, stg.parse_value(v))
+    return cfg
+
+
+# --------------------------------------------------------------------------- helm
+@pytest.mark.parametrize("values", [None, *SCENARIOS], ids=lambda p: p.stem if p else "defaults")
+def test_helm_lint_strict(values):
+    args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+    proc = helm(*args, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (["s3.bucketz=x"], "bucketz"),
+    (["driver.pollSecs=3"], "pollSecs"),
+    (["stages.{stage}.enabeld=true"], "enabeld"),
+    (["stages.{stage}.config.no_such_option=1"], "no_such_option"),
+    (["stages.{stage}.workers.gpus=-1"], "minimum"),
+    (["s3.bucket=Not_A_Bucket"], "bucket"),
+    (["stages.nosuchstage.enabled=true"], "nosuchstage"),
+])
+def test_schema_rejects_typos(bad, msg, infos):
+    sets = [s.format(stage=infos[-1].name) for s in bad]
+    with pytest.raises(ToolError, match=msg):
+        chart.render([], sets)
+
+
+def test_required_fields_enforced_when_enabled(infos):
+    need = [i for i in infos if i.required_user_fields]
+    if not need:
+        pytest.skip("no stage has user-required fields")
+    i = need[0]
+    with pytest.raises(ToolError, match=i.required_user_fields[0]):
+        chart.render([], [f"stages.{i.name}.enabled=true"])
+
+
+def test_core_kinds_valid_for_kubernetes(rendered):
+    seen = set()
+    for scenario, docs in rendered.items():
+        for d in docs:
+            if d["kind"] == "RayJob":
+                continue
+            assert d["kind"] in CORE_KINDS, d["kind"]
+            seen.add(d["kind"])
+            for v in K8S_VERSIONS:
+                kubernetes_validate.validate(d, v, strict=True)
+    assert {"ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Job"} <= seen
+
+
+def test_every_rayjob_valid_against_crd_cel_and_kuberay(rendered, crd):
+    n = 0
+    for scenario, docs in rendered.items():
+        for rj in rayjobs_of(docs):
+            errs = validate.validate_rayjob(rj, crd)
+            assert errs == [], f"{scenario}: {rj['metadata']['name']}: {errs}"
+            n += 1
+    for p in chart.JOBS_DIR.glob("*.yaml"):
+        if p.stem == "values":
+            continue
+        for rj in (d for d in yaml.safe_load_all(p.read_text()) if d):
+            assert validate.validate_rayjob(rj, crd) == [], p
+            n += 1
+    assert n > 0
+
+
+def test_rayjob_shape(rendered, infos):
+    by = {i.name: i for i in infos}
+    for scenario, docs in rendered.items():
+        for rj in rayjobs_of(docs):
+            meta, spec = rj["metadata"], rj["spec"]
+            stage = meta["labels"]["memsifter.io/stage"]
+            assert len(meta["name"]) <= 47 and meta["name"].endswith("-" + stage)
+            for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                      "app.kubernetes.io/managed-by", "helm.sh/chart", "memsifter.io/run"):
+                assert k in meta["labels"]
+            rcs = spec["rayClusterSpec"]
+            groups = [rcs["headGroupSpec"], *rcs.get("workerGroupSpecs", [])]
+            for g in groups:
+                pod = g["template"]["spec"]
+                vols = {v["name"]: v for v in pod["volumes"]}
+                assert vols["dshm"]["emptyDir"]["medium"] == "Memory" and vols["dshm"]["emptyDir"]["sizeLimit"]
+                c = pod["containers"][0]
+                assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+                assert pod["securityContext"]["runAsNonRoot"] is True
+                for e in c["env"]:  # secrets only by reference
+                    assert not ("KEY" in e["name"] and "value" in e), e
+                names = {e["name"]: e for e in c["env"]}
+                assert names["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"]
+            info = by[stage]
+            if scenario.startswith("minimal-cpu"):
+                assert not rcs.get("workerGroupSpecs")
+            elif info.gpus and not scenario.startswith("minimal-cpu"):
+                wg = rcs["workerGroupSpecs"][0]
+                assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+                assert wg["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+            cfg = parse_entrypoint(spec["entrypoint"])
+            stg.validate_config(stage, cfg, source=f"{scenario} entrypoint")
+
+
+def test_driver_rbac_is_limited_to_rayjobs(rendered):
+    for scenario, docs in rendered.items():
+        for d in docs:
+            if d["kind"] == "Role":
+                assert d["rules"] == [{"apiGroups": ["ray.io"], "resources": ["rayjobs"],
+                                       "verbs": ["get", "list", "create", "delete"]}]
+            assert d["kind"] not in ("ClusterRole", "ClusterRoleBinding")
+        jobs = [d for d in docs if d["kind"] == "Job"]
+        if "nodriver" in scenario:
+            assert not jobs
+        else:
+            (job,) = jobs
+            pod = job["spec"]["template"]["spec"]
+            sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+            assert pod["serviceAccountName"] == sa
+            assert pod["containers"][0]["command"] == ["memsifter", "k8s", "drive"]
+
+
+def test_rayjob_names_run_scoped_and_short(infos):
+    longest = max(infos, key=lambda i: len(i.name)).name
+    names = set()
+    for release, run_id in [("memsifter", ""), ("a-very-long-release-name-for-a-team", "2026-11-22-ablation-b"),
+                            ("r", "x" * 40), ("9lives", "")]:
+        sets = [f"stages.{longest}.enabled=true", "driver.enabled=false"]
+        if run_id:
+            sets.append(f"run.id={run_id}")
+        args = ["template", release, str(CHART), "--show-only", "templates/rayjobs.yaml"]
+        for s in sets:
+            args += ["--set", s]
+        for i in infos:
+            if i.required_user_fields and i.name == longest:
+                args += ["-f", str(chart.JOBS_DIR / "values.yaml")]
+        docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+        (rj,) = docs
+        name = rj["metadata"]["name"]
+        assert validate.kuberay_errors(rj) == [] and len(name) <= 47 and name.endswith(longest)
+        names.add(name)
+    assert len(names) == 4
+
+
+# --------------------------------------------------------------------------- training capacity
+def _train_info(infos):
+    cap = [i for i in infos if i.capacity]
+    if not cap:
+        pytest.skip("no multi-node stage (config with nnodes / n_gpus_per_node) registered yet")
+    return cap[0]
+
+
+def test_training_group_autoscales_to_nnodes(infos):
+    info = _train_info(infos)
+    nodes_f, gpn_f = info.capacity["nodes"], info.capacity["gpusPerNode"]
+    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
+                             [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{nodes_f}=3",
+                              f"stages.{info.name}.config.{gpn_f}=4", f"stages.{info.name}.workers.gpus=4"],
+                             show_only="templates/rayjobs.yaml")
+    (rj,) = docs
+    rcs = rj["spec"]["rayClusterSpec"]
+    assert rcs["enableInTreeAutoscaling"] is True
+    (wg,) = rcs["workerGroupSpecs"]
+    assert wg["minReplicas"] == 0 and wg["replicas"] == 0 and wg["maxReplicas"] >= 3
+    assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    words = shlex.split(rj["spec"]["entrypoint"])
+    assert words[:9] == ["memsifter", "k8s", "await-capacity", "--nodes", "3", "--gpus-per-node", "4",
+                         "--timeout", words[8]]
+    # a worker pod must be a whole training node
+    with pytest.raises(ToolError, match="must equal"):
+        chart.render([chart.JOBS_DIR / "values.yaml"], [f"stages.{info.name}.enabled=true",
+                                                        f"stages.{info.name}.workers.gpus=2"])
+
+
+@pytest.mark.parametrize("nnodes", [1, 2, 4])
+def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes):
+    """Ray's own KubeRay code turns the rendered cluster spec into autoscaler node types; Ray's
+    resource-demand scheduler then packs the placement groups verl creates (the train stage's
+    `placement_request`) and must launch exactly nnodes GPU workers with nothing left over."""
+    info = _train_info(infos)
+    import importlib
+
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
+
+    mod = importlib.import_module(stg.STAGE_MODULES[info.name])
+    if not hasattr(mod, "placement_request"):
+        pytest.skip(f"{info.name} has no placement_request()")
+    nodes_f = info.capacity["nodes"]
+    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
+                             [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{nodes_f}={nnodes}"],
+                             show_only="templates/rayjobs.yaml")
+    (rj,) = docs
+    cfg = stg.validate_config(info.name, parse_entrypoint(rj["spec"]["entrypoint"]))
+    req = mod.placement_request(cfg)
+    auto = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "c", "namespace": "ns"},
+                                                   "spec": rj["spec"]["rayClusterSpec"]})
+    types = auto["available_node_types"]
+    gpu_types = [t for t, v in types.items() if v["resources"].get("GPU")]
+    assert gpu_types == ["gpu"] and types["gpu"]["min_workers"] == 0 and types["gpu"]["max_workers"] >= nnodes
+    # STRICT_PACK placement group -> one demand of the summed bundles (Ray's own conversion rule)
+    demands = []
+    for pg in req["placement_groups"]:
+        assert pg["strategy"] == "STRICT_PACK"
+        tot: dict[str, float] = {}
+        for b in pg["bundles"]:
+            for k, v in b.items():
+                tot[k] = tot.get(k, 0) + v
+        demands.append(tot)
+    to_add, residual = get_nodes_for(types, {"headgroup": 1}, "headgroup", auto["max_workers"], demands,
+                                     _default_utilization_scorer)
+    assert residual == [] and dict(to_add) == {"gpu": nnodes}
+    # the bundles await-capacity requests have the same shape
+    from memsifter.k8s.capacity import node_bundles
+
+    gpn = req["gpus_per_node"]
+    assert node_bundles(nnodes, gpn, req["per_gpu_node"]["CPU"] / gpn) == \
+        [{"GPU": float(gpn), "CPU": float(req["per_gpu_node"]["CPU"])}] * nnodes
+    # CPU actors (task runner, reward and agent loops) fit on head + workers
+    cpu_need = sum(req.get("cpu_actors", {}).values())
+    cpus = types["headgroup"]["resources"]["CPU"] + nnodes * (types["gpu"]["resources"]["CPU"]
+                                                             - req["per_gpu_node"]["CPU"])
+    assert cpus >= cpu_need
+    # too few CPUs per worker pod: the scheduler cannot place a node's placement group
+    small = yaml.safe_load(yaml.safe_dump(rj["spec"]["rayClusterSpec"]))
+    res = small["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+    res["requests"]["cpu"] = str(req["per_gpu_node"]["CPU"] - 1)
+    res.setdefault("limits", {})["cpu"] = res["requests"]["cpu"]
+    types2 = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "c", "namespace": "ns"},
+                                                    "spec": small})["available_node_types"]
+    _, residual = get_nodes_for(types2, {"headgroup": 1}, "headgroup", nnodes, demands, _default_utilization_scorer)
+    assert residual, "an undersized worker must be reported as unschedulable"
+
+
+def test_values_file_paths():
+    assert (CHART / "Chart.yaml").exists() and (CHART / "templates" / "NOTES.txt").exists()
+    assert Path(chart.JOBS_DIR / "values.yaml").exists()
