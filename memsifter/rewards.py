@@ -54,7 +54,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -63,6 +62,8 @@ from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key
 from .metrics import dcg_over_gold, token_f1
 from .rankings import parse_ranking
 from .render import render_history_texts
+from .stages.chat import extract_answer  # the chat stage's answer extraction (MEMSIFTER.md §5)
+from .stages.rank import fill, load_prompt  # the prompt files and slot filling the stages use
 
 log = logging.getLogger(__name__)
 
@@ -110,45 +111,19 @@ def dcg_reward(local_ids: Sequence[int], gold: Sequence[int], k: int) -> float:
     return dcg_over_gold([str(i) for i in local_ids], [str(g) for g in gold], k)
 
 
-def extract_answer(text: str | None) -> str:
-    """The text inside the last ``<answer>…</answer>``, else the whole reply (after any think block)."""
-    if not text:
-        return ""
-    pos = text.rfind("</think>")
-    if pos >= 0:
-        text = text[pos + len("</think>"):]
-    start = text.rfind("<answer>")
-    if start >= 0:
-        end = text.find("</answer>", start)
-        return (text[start + len("<answer>"):end] if end >= 0 else text[start + len("<answer>"):]).strip()
-    return text.strip()
-
-
-@functools.lru_cache(maxsize=16)
-def load_prompt(name: str) -> str:
-    """A packaged prompt template (``memsifter/prompts/<name>.txt``) or a file / s3:// URI."""
-    if name.endswith(".txt") or "/" in name:
-        from . import storage
-
-        return storage.read_text(name)
-    from importlib import resources
-
-    return resources.files("memsifter").joinpath("prompts", f"{name}.txt").read_text(encoding="utf-8")
-
-
 def answer_messages(question: str, question_date: str | None, session_texts: Sequence[str],
                     dates: Sequence[str | None] | None, template: str | None = None) -> list[dict]:
-    """The working-LLM prompt for one tier (the chat stage's template, ``prompts/chat.txt``): the
-    chosen sessions in chronological order, then the question; the answer goes in ``<answer>``."""
+    """The working-LLM prompt for one tier, built like the chat stage's: its template
+    (``prompts/chat.txt``) with the chosen sessions in chronological order, the date, the question."""
     history = render_history_texts(list(session_texts), list(dates) if dates is not None else None)
-    tpl = template if template is not None else load_prompt("chat")
-    content = fill_template(tpl, history=history, date=question_date or "unknown", current=question)
-    return [{"role": "user", "content": content}]
+    tpl = template if template is not None else _chat_template()
+    return [{"role": "user", "content": fill(tpl, history=history, current=question,
+                                             date=question_date or "unknown")}]
 
 
-def fill_template(template: str, **values: str) -> str:
-    """Replace ``{name}`` slots in one pass (text put into a slot is never scanned for slots)."""
-    return re.sub(r"\{(" + "|".join(map(re.escape, values)) + r")\}", lambda m: values[m.group(1)], template)
+@functools.lru_cache(maxsize=1)
+def _chat_template() -> str:
+    return load_prompt(None, "chat.txt", ("history", "current"))
 
 
 # --------------------------------------------------------------------------- settings
@@ -231,7 +206,9 @@ class _Scorer:
     def __init__(self, settings: RewardSettings, loop: asyncio.AbstractEventLoop):
         self.settings = settings
         self.loop = loop
-        self.chat = ChatClient(settings.endpoint(), cache=_cache_for(settings), backoff_s=0.5)
+        self.chat = ChatClient(settings.endpoint(), backoff_s=0.5)
+        # set after construction: ChatClient's `cache or ResponseCache()` drops an empty shared cache
+        self.chat.cache = _cache_for(settings)
         self.params = self.chat.endpoint.params()
         self.sem = asyncio.Semaphore(settings.concurrency)
         self._client: Any = None

@@ -303,7 +303,12 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
     import importlib
 
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from functools import partial
+
+    from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
     from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
+
+    scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
 
     mod = importlib.import_module(stg.STAGE_MODULES[info.name])
     if not hasattr(mod, "placement_request"):
@@ -329,8 +334,7 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
             for k, v in b.items():
                 tot[k] = tot.get(k, 0) + v
         demands.append(tot)
-    to_add, residual = get_nodes_for(types, {"headgroup": 1}, "headgroup", auto["max_workers"], demands,
-                                     _default_utilization_scorer)
+    to_add, residual = get_nodes_for(types, {"headgroup": 1}, "headgroup", auto["max_workers"], demands, scorer)
     assert residual == [] and dict(to_add) == {"gpu": nnodes}
     # the bundles await-capacity requests have the same shape
     from memsifter.k8s.capacity import node_bundles
@@ -350,7 +354,7 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
     res.setdefault("limits", {})["cpu"] = res["requests"]["cpu"]
     types2 = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "c", "namespace": "ns"},
                                                     "spec": small})["available_node_types"]
-    _, residual = get_nodes_for(types2, {"headgroup": 1}, "headgroup", nnodes, demands, _default_utilization_scorer)
+    _, residual = get_nodes_for(types2, {"headgroup": 1}, "headgroup", nnodes, demands, scorer)
     assert residual, "an undersized worker must be reported as unschedulable"
 
 

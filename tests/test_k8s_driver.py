@@ -349,6 +349,6 @@ def test_preflight_rejects_bad_configs_before_starting_anything():
         {"name": "synth", "needs": [], "config": {"output": "s3://b/r/synth", "questions": 0}, "rayjob": rayjob("r1-synth")},
     ]})
     be = MemoryBackend()
-    with pytest.raises(DriveError, match="nothing was started.*questions"):
+    with pytest.raises(DriveError, match="(?s)nothing was started.*questions"):
         Driver(plan, be, poll=0, write_manifest=False, sleep=lambda s: None).run()
     assert be.calls == []

@@ -252,7 +252,8 @@ class RayBackend:
 
 # --------------------------------------------------------------------------- published outputs
 def published_hash(stage: StagePlan) -> tuple[bool, str]:
-    """Whether the stage's output is published with this config; (answer, reason)."""
+    """Whether the stage's output is published for this config and the current content of its inputs
+    (:meth:`memsifter.stage.Stage.published`: config hash and input fingerprints); (answer, reason)."""
     manifest = storage.try_manifest(stage.output)
     if not manifest:
         return False, "not published"
@@ -261,9 +262,15 @@ def published_hash(stage: StagePlan) -> tuple[bool, str]:
     try:
         from .. import stage as stg
 
+        st = stg.get_stage(stage.name)
         cfg = stg.validate_config(stage.name, stage.config, source="plan")
         want = stg.config_hash(cfg)
-    except Exception as e:  # the stage module needs packages this image lacks
+        if hasattr(st, "published"):
+            if st.published(cfg):
+                return True, f"published with the same config (hash {want}) and inputs"
+            if manifest.get("config_hash") == want:
+                return False, "published with the same config, but an input changed since"
+    except Exception as e:  # noqa: BLE001 - the stage module needs packages this image lacks
         return False, f"cannot compute the config hash here ({type(e).__name__}: {e}); the stage will check itself"
     if manifest.get("config_hash") != want:
         return False, f"published with another config (hash {manifest.get('config_hash')} != {want})"

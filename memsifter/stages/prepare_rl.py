@@ -51,8 +51,8 @@ from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
 from ..metrics import dcg_over_gold
 from ..render import render_history_texts, render_session
-from ..rewards import fill_template, load_prompt
 from ..stage import StageConfig, runtime_field, stage, uri_field
+from .rank import fill, load_prompt
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Builder:
         self.config, self.ds, self.sims, self.prev = config, ds, sims, prev
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.counter = TokenCounter(self.tokenizer)
-        self.template = load_prompt(config.prompt) if config.prompt else load_prompt("ranker")
+        self.template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
         self._texts: dict[str, str] = {}
         self.empty_tokens: dict[str, int] = {}
 
@@ -192,7 +192,7 @@ class Builder:
         return t
 
     def prompt_text(self, history: str, q: Question) -> str:
-        return fill_template(self.template, history=history, current=q.question)
+        return fill(self.template, history=history, current=q.question)  # as the rank stage does
 
     def _empty(self, q: Question) -> int:
         n = self.empty_tokens.get(q.question)

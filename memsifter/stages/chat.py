@@ -1,0 +1,228 @@
+"""Stage ``chat``: answer every question with the working LLM over the retrieved memory (MEMSIFTER.md §5).
+
+* Endpoint: any OpenAI-compatible server (:class:`memsifter.llm.LLMEndpoint`: base URL, model, the
+  *name* of the env var holding the API key), through :class:`memsifter.llm.ChatClient` (bounded
+  concurrency, retries with backoff on 429/5xx/timeouts, a request cache under
+  ``<output>/_work/llm-cache/`` so a re-run sends only what is missing).
+* Context: the sessions of ``rankings`` in rank order (a ``rank`` output ranks its top ids first,
+  then the rest by similarity), then any haystack session the rankings file leaves out, by
+  similarity (``embeddings``) or chronologically; added while they fit ``context_tokens`` minus the
+  question's tokens; shown in chronological order (§2) in the prompt template (``{history}``,
+  ``{current}``, ``{date}``; ``prompts/chat.txt`` by default).
+* Answer = the text inside the last ``<answer>…</answer>`` after any ``</think>``, else the whole
+  reply. Per question: exact match and token F1 against the gold answer; optionally an LLM judge
+  (yes/no, ``prompts/judge.txt``).
+* Answers are saved in batches under ``<output>/_work/chat-<config hash>/``; failed requests are not
+  saved, so a re-run retries only them. The stage refuses to publish when more than
+  ``max_failed_fraction`` of the questions failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+
+import pyarrow as pa
+from pydantic import Field
+
+from .. import rankings, storage
+from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..data.model import Dataset, Question, read_dataset
+from ..errors import MemsifterError
+from ..llm import ChatClient, LLMEndpoint, ResponseCache
+from ..metrics import exact_match, token_f1
+from ..render import render_history_texts, render_session
+from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
+from .rank import fill, load_prompt
+
+log = logging.getLogger(__name__)
+
+
+class ChatConfig(StageConfig):
+    input: str = uri_field("published dataset")
+    rankings: str = uri_field("rankings to fill the context with (rank or embed output, or a rankings parquet)")
+    embeddings: str | None = uri_field("embed output: similarity order for sessions the rankings leave out",
+                                       None)
+    endpoint: LLMEndpoint = Field(default_factory=LLMEndpoint, description="the working LLM")
+    tokenizer: str | None = Field(None, description="tokenizer for the budget (hub id or directory); "
+                                  "default: an estimate of 4 characters per token")
+    prompt: str | None = uri_field("prompt template with {history}, {current} and {date} "
+                                   "(default: memsifter/prompts/chat.txt)", None)
+    context_tokens: int = Field(8192, gt=0, description="memory budget, minus the question's tokens")
+    stop_at_first_overflow: bool = Field(False, description="stop filling at the first session that does "
+                                         "not fit (default: skip it and keep trying)")
+    judge: LLMEndpoint | None = Field(None, description="optional LLM judge (yes/no correctness)")
+    judge_prompt: str | None = uri_field("judge prompt with {question}, {answer}, {response}", None)
+    shard_size: int = runtime_field(32, "answers per saved partial-results file", ge=1)
+    max_failed_fraction: float = runtime_field(0.0, "publish only if at most this fraction failed", ge=0, le=1)
+    retry_backoff_s: float = runtime_field(1.0, "first retry delay (doubles, with jitter)", gt=0)
+
+
+class ApproxCounter:
+    """Token estimate (4 characters per token) when no tokenizer is given."""
+
+    hits = misses = 0
+
+    def count_many(self, texts: list[str]) -> list[int]:
+        return [math.ceil(len(t) / 4) for t in texts]
+
+    def count(self, text: str) -> int:
+        return math.ceil(len(text) / 4)
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def extract_answer(text: str | None) -> str:
+    """Text inside the last <answer>…</answer> after the last </think>; else the whole reply."""
+    if not text:
+        return ""
+    pos = text.rfind("</think>")
+    tail = text[pos + len("</think>"):] if pos >= 0 else text
+    found = _ANSWER.findall(tail)
+    if found:
+        return found[-1].strip()
+    i = tail.lower().rfind("<answer>")
+    if i >= 0:
+        return tail[i + len("<answer>"):].strip()
+    return tail.strip()
+
+
+def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[str]:
+    hay = set(q.haystack_session_ids)
+    order = [s for s in ranked if s in hay]
+    seen = set(order)
+    for s in list(similar) + list(q.haystack_session_ids):
+        if s in hay and s not in seen:
+            order.append(s)
+            seen.add(s)
+    return order
+
+
+def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str], counter, template: str
+                   ) -> tuple[list[dict], list[str], int]:
+    hay = q.haystack_session_ids
+    pos = {s: i for i, s in enumerate(hay)}
+    texts = [render_session(ds.sessions[s].turns) for s in hay]
+    dates = [q.date_of(s, ds.sessions) for s in hay]
+    costs = [c + 8 for c in counter.count_many(texts)]  # + header/footer
+    budget = config.context_tokens - counter.count(q.question)
+    chosen = sorted(fill_budget([pos[s] for s in order], costs, budget,
+                                stop_at_first_overflow=config.stop_at_first_overflow))
+    hist = render_history_texts([texts[i] for i in chosen], [dates[i] for i in chosen])
+    content = fill(template, history=hist, current=q.question, date=q.question_date or "unknown")
+    return [{"role": "user", "content": content}], [hay[i] for i in chosen], sum(costs[i] for i in chosen)
+
+
+def judge_verdict(text: str | None) -> float | None:
+    if text is None:
+        return None
+    t = extract_answer(text).strip().lower()
+    if t.startswith("yes"):
+        return 1.0
+    if t.startswith("no"):
+        return 0.0
+    return 1.0 if re.search(r"\byes\b", t) and not re.search(r"\bno\b", t) else 0.0
+
+
+@stage("chat", ChatConfig, family="chat", gpus=0, needs=["import", "rank"],
+       help="Answer questions with the working LLM over the ranked memory; EM / F1 (/ judge)")
+def run(config: ChatConfig, out: storage.Publication) -> dict:
+    ds = read_dataset(config.input)
+    ranked = {r["question_id"]: r["ranked_session_ids"] or [] for r in rankings.read_rankings(config.rankings)}
+    similar = ({r["question_id"]: r["ranked_session_ids"] or [] for r in rankings.read_rankings(config.embeddings)}
+               if config.embeddings else {})
+    template = load_prompt(config.prompt, "chat.txt", ("history", "current"))
+    judge_tpl = load_prompt(config.judge_prompt, "judge.txt", ("question", "answer", "response")) \
+        if config.judge else None
+    counter = TokenCounter(load_tokenizer(config.tokenizer)) if config.tokenizer else ApproxCounter()
+
+    prepared = {}
+    for q in ds.questions:
+        order = context_order(q, ranked.get(q.question_id, []), similar.get(q.question_id, []))
+        prepared[q.question_id] = build_messages(config, ds, q, order, counter, template)
+
+    work = storage.join(out.work, f"chat-{config_hash(config)}")
+    done = {r["question_id"]: r for r in rankings.read_partials(work)}
+    todo = [q for q in ds.questions if q.question_id not in done]
+    log.info("chat: %d questions, %d answered before (resumed), %d to ask", len(ds.questions), len(done), len(todo))
+    client = ChatClient(config.endpoint, ResponseCache(storage.join(out.work, "llm-cache", "chat")),
+                        backoff_s=config.retry_backoff_s)
+    jclient = (ChatClient(config.judge, ResponseCache(storage.join(out.work, "llm-cache", "judge")),
+                          backoff_s=config.retry_backoff_s) if config.judge else None)
+    failed: dict[str, str] = {}
+    shards = len({r.get("_shard") for r in done.values()})
+    t0 = time.time()
+    for chunk in storage.iter_chunks(todo, config.shard_size):
+        comps = client.complete_many([prepared[q.question_id][0] for q in chunk])
+        rows = []
+        for q, c in zip(chunk, comps):
+            if not c.ok:
+                failed[q.question_id] = c.error or "failed"
+                continue
+            rows.append({"question_id": q.question_id, "raw_response": c.text,
+                         "answer": extract_answer(c.text), "judge_raw": None, "_shard": shards})
+        if jclient and rows:
+            qmap = {q.question_id: q for q in chunk}
+            jmsgs = [[{"role": "user", "content": fill(judge_tpl, question=qmap[r["question_id"]].question,
+                                                         answer=qmap[r["question_id"]].answer,
+                                                         response=r["answer"])}] for r in rows]
+            kept = []
+            for r, jc in zip(rows, jclient.complete_many(jmsgs)):
+                if not jc.ok:
+                    failed[r["question_id"]] = f"judge: {jc.error}"
+                    continue
+                kept.append({**r, "judge_raw": jc.text})
+            rows = kept
+        if rows:
+            rankings.write_partial(work, shards, rows)
+            done.update({r["question_id"]: r for r in rows})
+            shards += 1
+            rankings.crash_point("chat", shards)
+    seconds = time.time() - t0
+    if len(failed) > config.max_failed_fraction * len(ds.questions):
+        first = next(iter(failed.items()))
+        raise MemsifterError(f"chat: {len(failed)} of {len(ds.questions)} questions failed (first: {first[0]}: "
+                             f"{first[1]}); answers so far are saved: re-run to retry the failed ones")
+
+    out_rows = []
+    for q in ds.questions:
+        msgs, shown, ctx_tokens = prepared[q.question_id]
+        d = done.get(q.question_id)
+        ok = d is not None
+        ans = d["answer"] if ok else None
+        out_rows.append({
+            "question_id": q.question_id, "dataset": q.dataset, "question_type": q.question_type,
+            "question": q.question, "gold_answer": q.answer, "answer": ans,
+            "raw_response": d["raw_response"] if ok else None, "status": "ok" if ok else "error",
+            "reason": None if ok else failed.get(q.question_id),
+            "exact_match": exact_match(ans, q.answer) if ok else None,
+            "f1": token_f1(ans, q.answer) if ok else None,
+            "judge": judge_verdict(d.get("judge_raw")) if ok and config.judge else None,
+            "context_session_ids": shown, "context_tokens": ctx_tokens,
+        })
+    schema = pa.schema([("question_id", pa.string()), ("dataset", pa.string()), ("question_type", pa.string()),
+                        ("question", pa.string()), ("gold_answer", pa.string()), ("answer", pa.string()),
+                        ("raw_response", pa.string()), ("status", pa.string()), ("reason", pa.string()),
+                        ("exact_match", pa.float64()), ("f1", pa.float64()), ("judge", pa.float64()),
+                        ("context_session_ids", pa.list_(pa.string())), ("context_tokens", pa.int64())])
+    out.write_table("answers.parquet", pa.Table.from_pylist(out_rows, schema=schema))
+    okr = [r for r in out_rows if r["status"] == "ok"]
+
+    def mean(key: str, rows: list[dict]) -> float | None:
+        vals = [r[key] for r in rows if r[key] is not None]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    by_type: dict[str, dict] = {}
+    for t in sorted({r["question_type"] or "-" for r in okr}):
+        rs = [r for r in okr if (r["question_type"] or "-") == t]
+        by_type[t] = {"n": len(rs), "exact_match": mean("exact_match", rs), "f1": mean("f1", rs),
+                      "judge": mean("judge", rs)}
+    return {"questions": len(out_rows), "answered": len(okr), "failed": len(failed),
+            "resumed": len(ds.questions) - len(todo), "model": config.endpoint.model,
+            "exact_match": mean("exact_match", okr), "f1": mean("f1", okr), "judge": mean("judge", okr),
+            "by_type": by_type, "client": client.stats, "judge_client": jclient.stats if jclient else None,
+            "seconds": round(seconds, 2),
+            "context_tokens_mean": round(sum(r["context_tokens"] for r in out_rows) / max(1, len(out_rows)), 1)}

