@@ -279,14 +279,15 @@ def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, wo
                   gpus_per_worker: float | None = None, cpus_per_worker: float = 1,
                   threads_per_worker: int | None = None, tokens_per_batch: int = 16384,
                   max_batch_size: int = 64, on_shard: Callable[[int], None] | None = None) -> dict:
-    """Embed every (hash, text) the store lacks on a Ray Data actor pool; shards written as batches
-    finish. Batches are planned over *all* items (then finished ones dropped) so that a resumed run
-    reproduces the batches, hence the vectors, of an uninterrupted one."""
+    """Embed every (hash, text) the store lacks on a Ray Data actor pool; a shard is written as each
+    batch finishes. Only missing texts are planned: a batch's extent depends only on where it starts
+    (texts are sorted by length and sized by the first), so after a crash the remaining texts form
+    exactly the batches, hence the vectors, an uninterrupted run would have made."""
     uniq = dict(items)
-    plan = plan_batches(sorted(uniq.items()), store.spec.max_length, tokens_per_batch, max_batch_size)
-    todo = [b for b in plan if not all(h in store for h, _ in b)]
-    stats = {"texts": len(uniq), "reused": sum(1 for h in uniq if h in store), "batches_planned": len(plan),
-             "batches_run": len(todo), "embedded": sum(len(b) for b in todo)}
+    missing = sorted((h, t) for h, t in uniq.items() if h not in store)
+    todo = plan_batches(missing, store.spec.max_length, tokens_per_batch, max_batch_size)
+    stats = {"texts": len(uniq), "reused": len(uniq) - len(missing), "batches_run": len(todo),
+             "embedded": len(missing)}
     if not todo:
         return stats
     import ray

@@ -55,7 +55,7 @@ def test_embed_stage_store_reuse_and_modes(tmp_path):
     m1 = get_stage("embed").run({"output": str(tmp_path / "e1"), "input": data, "model": "all-MiniLM-L6-v2",
                                  "store": store, "max_batch_size": 8})
     st = m1["stats"]
-    n_texts = len(ds.sessions) + len({q.question for q in ds.questions})
+    n_texts = len({render_session(s.turns) for s in ds.sessions.values()} | {q.question for q in ds.questions})
     assert st["texts"] == n_texts and st["embedded"] == n_texts and st["reused"] == 0
     refs = sum(len(q.haystack_session_ids) for q in ds.questions)
     assert st["sessions"] < refs  # shared sessions: embedded once, not once per question
@@ -98,6 +98,17 @@ def test_embed_stage_store_reuse_and_modes(tmp_path):
     m3 = get_stage("embed").run({"output": str(tmp_path / "e3"), "input": data, "model": "all-MiniLM-L6-v2",
                                  "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1})
     assert m3["stats"]["embedded"] == 0 and m3["stats"]["batches_run"] == 0
+
+
+def test_plan_batches_resume_reproduces_batches():
+    """Removing whole finished batches and re-planning the rest gives the same remaining batches."""
+    items = [(f"h{i:03d}", "y" * (7 * (i % 13) + 5 * (i % 3) + 1)) for i in range(120)]
+    plan = embedding.plan_batches(items, max_length=64, tokens_per_batch=300, max_batch_size=10)
+    assert len(plan) > 6
+    done = {h for b in (plan[1], plan[4], plan[5]) for h, _ in b}
+    rest = embedding.plan_batches([it for it in items if it[0] not in done], max_length=64,
+                                  tokens_per_batch=300, max_batch_size=10)
+    assert rest == [b for i, b in enumerate(plan) if i not in (1, 4, 5)]
 
 
 def _baseline(ds: Dataset, model_dir: str, max_length: int) -> list[dict]:

@@ -197,7 +197,10 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
 
 # --------------------------------------------------------------------------- generation
 def sampling_params(config: RankConfig) -> dict:
-    p: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_tokens}
+    # Keep special tokens in the text: some tokenizers make <think>/<ranking> special tokens, and
+    # vLLM would otherwise strip the very tags the parser looks for.
+    p: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_tokens,
+                         "skip_special_tokens": False}
     if config.top_p is not None:
         p["top_p"] = config.top_p
     if config.seed is not None:
@@ -285,9 +288,10 @@ def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) 
         for p in chunk:
             groups.setdefault(len(p.id_map) if config.constrained_output else 0, []).append(p)
         for n, group in groups.items():
-            extra = ({"extra_body": {"structured_outputs": {"regex": ranking_regex(n, config.top_k)}}}
-                     if config.constrained_output else {})
-            for p, c in zip(group, client.complete_many([p.messages for p in group], **extra)):
+            body: dict[str, Any] = {"skip_special_tokens": False}  # vLLM / SGLang servers
+            if config.constrained_output:
+                body["structured_outputs"] = {"regex": ranking_regex(n, config.top_k)}
+            for p, c in zip(group, client.complete_many([p.messages for p in group], extra_body=body)):
                 yield {"question_id": p.question_id, "text": c.text, "error": c.error}
 
 
