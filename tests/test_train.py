@@ -148,28 +148,28 @@ def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_
     """The callback verl calls after each save: Ray tasks on every node upload, then the step is marked."""
     import ray
 
-    from memsifter.testing import ray_head
-
     ckpt = storage.join(s3_root, "train", "checkpoints")
     local = str(tmp_path / "node" / "checkpoints")
     write_fake_step(local, 5)
     write_fake_step(local, 10, skip=("actor/model_world_size_2_rank_1.pt",))  # a node's upload is missing
     monkeypatch.setenv(train.ENV_CHECKPOINT_URI, ckpt)
-    with ray_head(num_cpus=1):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": s3_env.env()}, log_to_driver=False)
-        try:
-            cb = S3CheckpointCallback(config=None)
-            cb.on_save(trainer=None, global_step=5, checkpoint_dir=os.path.join(local, "global_step_5"))
-            with pytest.raises(RuntimeError, match="incomplete: missing.*model_world_size_2_rank_1"):
-                cb.on_save(trainer=None, global_step=10, checkpoint_dir=os.path.join(local, "global_step_10"))
-            # fresh pods: every node restores the newest complete step and verl's tracker file
-            fresh = {"root": str(tmp_path / "fresh"), "data": str(tmp_path / "fresh" / "data"),
-                     "model": str(tmp_path / "fresh" / "model"), "checkpoints": str(tmp_path / "fresh" / "ckpt")}
-            data = fake_prepare_rl(storage.join(s3_root, "rl"))
-            staged = train.on_every_node(train._stage_node, data, ["train_00000.parquet", "test.parquet"], None,
-                                         fresh, ckpt, complete_steps(ckpt)[-1])
-        finally:
-            ray.shutdown()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # a real (local, one-node) Ray cluster: the per-node upload and staging run as Ray tasks
+    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": s3_env.env()}, log_to_driver=False)
+    try:
+        cb = S3CheckpointCallback(config=None)
+        cb.on_save(trainer=None, global_step=5, checkpoint_dir=os.path.join(local, "global_step_5"))
+        with pytest.raises(RuntimeError, match="incomplete: missing.*model_world_size_2_rank_1"):
+            cb.on_save(trainer=None, global_step=10, checkpoint_dir=os.path.join(local, "global_step_10"))
+        # fresh pods: every node restores the newest complete step and verl's tracker file
+        fresh = {"root": str(tmp_path / "fresh"), "data": str(tmp_path / "fresh" / "data"),
+                 "model": str(tmp_path / "fresh" / "model"), "checkpoints": str(tmp_path / "fresh" / "ckpt")}
+        data = fake_prepare_rl(storage.join(s3_root, "rl"))
+        staged = train.on_every_node(train._stage_node, data, ["train_00000.parquet", "test.parquet"], None,
+                                     fresh, ckpt, complete_steps(ckpt)[-1])
+    finally:
+        ray.shutdown()
     assert storage.exists(storage.join(ckpt, "global_step_5", COMPLETE_MARKER))
     assert not storage.exists(storage.join(ckpt, "global_step_10", COMPLETE_MARKER))
     assert storage.read_text(storage.join(ckpt, TRACKER)) == "5"

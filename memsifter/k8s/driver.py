@@ -198,10 +198,11 @@ class RayBackend:
     The status is reported in KubeRay's vocabulary so the driver logic is the same.
     """
 
-    def __init__(self, address: str, env_overrides: dict[str, str] | None = None):
+    def __init__(self, address: str, env_overrides: dict[str, str] | None = None, submit_timeout: float = 180):
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
+        self.submit_timeout = submit_timeout
         self.env_overrides = dict(env_overrides or {})
         self.jobs: dict[str, str] = {}  # rayjob name -> submission id
 
@@ -224,8 +225,16 @@ class RayBackend:
 
         name = rayjob["metadata"]["name"]
         sid = f"{name}-{uuid.uuid4().hex[:6]}"
-        self.client.submit_job(entrypoint=submitted_entrypoint(rayjob["spec"]["entrypoint"]),
-                               runtime_env=self.runtime_env(rayjob), submission_id=sid)
+        deadline = time.time() + self.submit_timeout
+        while True:
+            try:
+                self.client.submit_job(entrypoint=submitted_entrypoint(rayjob["spec"]["entrypoint"]),
+                                       runtime_env=self.runtime_env(rayjob), submission_id=sid)
+                break
+            except RuntimeError as e:  # a head that just started: its job agent is not up yet
+                if "No available agent" not in str(e) or time.time() > deadline:
+                    raise
+                time.sleep(2)
         self.jobs[name] = sid
 
     def get(self, name: str) -> dict | None:

@@ -112,11 +112,15 @@ def _transitive(name: str, needs_of: dict[str, list[str]]) -> list[str]:
 
 
 def _named_producers(text: str, stages: list[str]) -> list[str]:
-    """Stages named as producers in a description: 'embed output', 'import/synth outputs',
-    'prepare-rl output', 'a collect output', 'embed stage output'."""
-    found = []
-    for m in re.finditer(r"([A-Za-z][\w-]*(?:/[A-Za-z][\w-]*)*)\s+(?:stage\s+)?outputs?\b", text):
-        for word in m.group(1).split("/"):
+    """Stages named as producers in a description, in order: 'embed output', 'import/synth outputs',
+    'rank or embed output', 'a collect output', 'embed stage output', 'stage outputs (embed, rank)'."""
+    name = r"[A-Za-z][\w-]*"
+    found: list[str] = []
+    spans = [m.group(1) for m in re.finditer(
+        rf"((?:{name})(?:\s*(?:/|,|\bor\b|\band\b)\s*{name})*)\s+(?:stage\s+)?outputs?\b", text)]
+    spans += [m.group(1) for m in re.finditer(r"outputs?\s*\(([^)]*)\)", text)]
+    for span in spans:
+        for word in re.split(r"\s*(?:/|,|\bor\b|\band\b|\s)\s*", span):
             if word in stages and word not in found:
                 found.append(word)
     return found
@@ -127,8 +131,8 @@ def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: 
     """Map input-URI fields to the stages that produce them (see the module docstring).
 
     Returns ``{field: stage}`` (``{field: [stage]}`` for list-typed fields) and the required URI
-    fields left unwired. A required field may be wired to any stage upstream of this one; an optional
-    field only to a stage this one needs directly.
+    fields left unwired. A field is only wired to stages upstream of this one (direct needs preferred);
+    a list-typed field gets every upstream stage its description names.
     """
     needs_of = dict(needs_of or {})
     needs_of.setdefault(name, list(needs))
@@ -137,8 +141,14 @@ def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: 
     uri_fields = [f for f in fields.values() if f.uri and f.name != "output"]
     wired: dict[str, str] = {}
 
-    def allowed(f: FieldInfo, src: str) -> bool:
-        return src in (upstream if f.required else needs)
+    def pick(f: FieldInfo, cands: list[str]) -> Any:
+        ok = [c for c in cands if c in upstream]
+        if not ok:
+            return None
+        if _is_list(f.annotation):
+            return ok
+        direct = [c for c in ok if c in needs]
+        return (direct or ok)[0]
 
     for f in uri_fields:
         ex = _extra(cls.model_fields[f.name])
@@ -146,10 +156,9 @@ def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: 
         if explicit:                                                    # 1. declared by the stage
             wired[f.name] = explicit
             continue
-        for src in _named_producers(f.description, stages):             # 2. "<stage> output" in the help
-            if allowed(f, src):
-                wired[f.name] = src
-                break
+        got = pick(f, _named_producers(f.description, stages))         # 2. "<stage> output" in the help
+        if got:
+            wired[f.name] = got
         if f.name in wired:
             continue
         n = _norm(f.name)
@@ -165,11 +174,13 @@ def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: 
             cands = [u for u in upstream if u in roots]                 # 4. a dataset: the upstream importer
             if cands:
                 wired[f.name] = cands[0]
-    left_needs = [n for n in needs if n not in wired.values()]
+    used = {x for v in wired.values() for x in (v if isinstance(v, list) else [v])}
+    left_needs = [n for n in needs if n not in used]
     rest = [f for f in uri_fields if f.name not in wired and f.required]
     if len(rest) == 1 and len(left_needs) == 1:                         # 5. the last pair
         wired[rest[0].name] = left_needs[0]
-    out: dict[str, Any] = {k: ([v] if _is_list(fields[k].annotation) else v) for k, v in wired.items()}
+    out: dict[str, Any] = {k: ([v] if _is_list(fields[k].annotation) and not isinstance(v, list) else v)
+                           for k, v in wired.items()}
     unwired = [f.name for f in uri_fields if f.name not in wired and f.required]
     return out, unwired
 

@@ -116,6 +116,14 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
     return [{"role": "user", "content": content}], [hay[i] for i in chosen], sum(costs[i] for i in chosen)
 
 
+def cached_client(endpoint: LLMEndpoint, cache_uri: str, backoff_s: float = 1.0) -> ChatClient:
+    """A ChatClient whose request cache persists under ``cache_uri``. (Assigned after construction:
+    ``ChatClient(ep, cache)`` replaces an *empty* cache, which is falsy, by a memory-only one.)"""
+    client = ChatClient(endpoint, backoff_s=backoff_s)
+    client.cache = ResponseCache(cache_uri)
+    return client
+
+
 def judge_verdict(text: str | None) -> float | None:
     if text is None:
         return None
@@ -148,10 +156,9 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     done = {r["question_id"]: r for r in rankings.read_partials(work)}
     todo = [q for q in ds.questions if q.question_id not in done]
     log.info("chat: %d questions, %d answered before (resumed), %d to ask", len(ds.questions), len(done), len(todo))
-    client = ChatClient(config.endpoint, ResponseCache(storage.join(out.work, "llm-cache", "chat")),
-                        backoff_s=config.retry_backoff_s)
-    jclient = (ChatClient(config.judge, ResponseCache(storage.join(out.work, "llm-cache", "judge")),
-                          backoff_s=config.retry_backoff_s) if config.judge else None)
+    client = cached_client(config.endpoint, storage.join(out.work, "llm-cache", "chat"), config.retry_backoff_s)
+    jclient = (cached_client(config.judge, storage.join(out.work, "llm-cache", "judge"), config.retry_backoff_s)
+               if config.judge else None)
     failed: dict[str, str] = {}
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()

@@ -1,0 +1,283 @@
+"""The rendered RayJobs run for real on a local Ray cluster, against SeaweedFS.
+
+The chart is rendered with `helm template` for every registered stage (tiny configs: test data, the
+tiny local models, the vLLM CPU endpoint); the plan it puts in the driver's ConfigMap is then run by
+the real driver (`memsifter.k8s.driver`) whose backend submits each RayJob's *exact* entrypoint (after
+the round trip through KubeRay's submitter shell and `ray job submit`) and runtime env, plus the head
+container's env, to a Ray head with JobSubmissionClient. Every job must SUCCEED and publish; a second
+driver run skips everything (resume). The training stage runs its `--dry-run`-style config (verl
+composes and validates its config; a real DAPO step needs GPUs), behind `await-capacity`, on a head
+that advertises logical GPUs shaped like one chart worker pod, where verl's own resource pool creates
+its placement group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import uuid
+from pathlib import Path
+
+import pytest
+
+from memsifter import stage as stg
+from memsifter import storage
+from memsifter.k8s import chart, registry, validate
+from memsifter.k8s.driver import Driver, Plan, RayBackend
+from memsifter.testing import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
+
+pytestmark = pytest.mark.slow
+
+GPUS, CPUS = 2, 6  # one "worker pod" of the chart for the training stage: GPUs and 3 CPUs per GPU
+# A token in ~/.ray/auth_token (written by any earlier local ray.init) switches `ray start --head` to token
+# auth, which job clients here do not send: this cluster runs without it.
+LOCAL_RAY_ENV = {**RAY_ENV, "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """`ray start --head` on 127.0.0.1 with logical GPUs; yields the dashboard URL."""
+    tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")
+    gcs, dash = free_port(), free_port()
+    env = {**os.environ, **LOCAL_RAY_ENV}
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--num-cpus={CPUS}", f"--num-gpus={GPUS}", f"--temp-dir={tmp}",
+           "--disable-usage-stats", "--include-dashboard=true"]
+    try:
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+        _wait_port(dash, 120)
+        with env_vars({**LOCAL_RAY_ENV, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}):
+            yield f"http://127.0.0.1:{dash}"
+    finally:
+        _kill_matching(tmp)
+
+
+# --------------------------------------------------------------------------- tiny inputs and configs
+def tiny_longmemeval(n_questions: int = 3, n_sessions: int = 4) -> list[dict]:
+    topics = [("dog", "I adopted a puppy called Biscuit.", "Biscuit"), ("city", "I moved to Lisbon.", "Lisbon"),
+              ("sister", "My sister Margot visits soon.", "Margot"), ("job", "I started at a bakery.", "bakery")]
+    items = []
+    for q in range(n_questions):
+        topic, fact, answer = topics[q % len(topics)]
+        sessions, ids, dates = [], [], []
+        for s in range(n_sessions):
+            gold = s == q % n_sessions
+            sessions.append([{"role": "user", "content": fact if gold else f"Filler chat {q}-{s} about weather."},
+                             {"role": "assistant", "content": "Noted, thanks for telling me."}])
+            ids.append(f"s{q}_{s}")
+            dates.append(f"2023/05/{10 + s:02d} (Wed) 10:00")
+        items.append({"question_id": f"q{q}", "question_type": "single-session-user",
+                      "question": f"What about my {topic}?", "answer": answer, "question_date": "2023/06/01 (Thu) 10:00",
+                      "haystack_session_ids": ids, "haystack_dates": dates, "haystack_sessions": sessions,
+                      "answer_session_ids": [ids[q % n_sessions]]})
+    return items
+
+
+def _endpoint_like(tp: typing.Any) -> type | None:
+    from pydantic import BaseModel
+
+    for cand in (tp, *typing.get_args(tp)):
+        if isinstance(cand, type) and issubclass(cand, BaseModel) and {"base_url", "model"} <= set(cand.model_fields):
+            return cand
+    return None
+
+
+def tiny_config(info: registry.StageInfo, ctx: dict) -> dict:
+    """Small, offline settings for a stage: generic rules by field name/type, then per-stage test data."""
+    cfg: dict = {}
+    for name, f in info.fields.items():
+        if name == "tokenizer":
+            cfg[name] = ctx["tiny_model"]
+        elif name == "model" and f.annotation is str:
+            cfg[name] = "all-MiniLM-L6-v2" if info.family == "embed" else ctx["tiny_model"]
+        elif _endpoint_like(f.annotation):
+            cfg[name] = {"base_url": ctx["llm"], "model": "tiny", "temperature": 0.0, "max_tokens": 48}
+    per_stage = {
+        "import": {"format": "longmemeval", "source": ctx["lme"]},
+        "synth": {"questions": 2, "sessions_per_question": 3},
+        "embed": {"gpus_per_worker": 0, "workers": 1, "max_batch_size": 16, "tokens_per_batch": 4096},
+        "rank": {"engine": "endpoint", "context_limit": 1500, "max_tokens": 48, "top_k": 3},
+        "prepare-rl": {"recipe": {"train": {"longmemeval": 2}, "test": {"longmemeval": 1}},
+                       "history_budget_tokens": 2048, "max_prompt_tokens": 4096},
+        "train": {"dry_run": True, "nnodes": 1, "n_gpus_per_node": GPUS,
+                  "reward": {"mode": "dcg"}, "local_dir": ctx["scratch"] + "/train"},
+        "merge": {"steps": [1], "dtype": "float32"},
+        "collect": {"steps": [1]},
+    }
+    cfg.update(per_stage.get(info.name, {}))
+    return {k: v for k, v in cfg.items() if k in info.fields}
+
+
+def write_fsdp_checkpoint(model_dir: str, ckpt_uri: str, step: int = 1) -> None:
+    """A verl FSDP checkpoint of the tiny model (world size 1: plain tensors), marked complete."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memsifter.stages import train
+
+    with tempfile.TemporaryDirectory() as d:
+        actor = Path(d) / "actor"
+        (actor / "huggingface").mkdir(parents=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        torch.save(model.state_dict(), actor / "model_world_size_1_rank_0.pt")
+        (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 1}))
+        for p in Path(model_dir).iterdir():
+            if p.is_file() and not p.name.endswith((".safetensors", ".bin")):
+                (actor / "huggingface" / p.name).write_bytes(p.read_bytes())
+        torch.save({"dataloader": None}, Path(d) / "data.pt")
+        storage.upload_dir(d, storage.join(ckpt_uri, f"global_step_{step}"))
+    train.mark_complete(ckpt_uri, step)
+
+
+def _values(infos, ctx, bucket, endpoint) -> dict:
+    stages = {}
+    for info in infos:
+        block: dict = {"enabled": True, "config": tiny_config(info, ctx)}
+        if info.capacity:
+            block["workers"] = {"gpus": GPUS}
+            block["capacity"] = {"waitTimeoutSeconds": 120}
+        stages[info.name] = block
+    return {"run": {"id": "t" + uuid.uuid4().hex[:6]},
+            "s3": {"bucket": bucket, "endpoint": endpoint, "runPrefix": "runs"},
+            "cacheVolume": {"mountPath": ctx["scratch"] + "/cache"}, "stages": stages}
+
+
+def _dry_run_stages(infos) -> set[str]:
+    return {i.name for i in infos if "dry_run" in i.fields}
+
+
+def _job_logs(backend: RayBackend, name: str) -> str:
+    with contextlib.suppress(Exception):
+        return backend.logs(name)[-6000:]
+    return ""
+
+
+# --------------------------------------------------------------------------- the tests
+def test_rendered_rayjobs_run_on_local_ray(ray_cluster, s3_env, tiny_model_dir, vllm_endpoint, tmp_path):
+    infos = registry.stage_infos()
+    bucket = f"k8s-{uuid.uuid4().hex[:8]}"
+    storage.ensure_bucket(f"s3://{bucket}/x")
+    lme = f"s3://{bucket}/raw/lme_tiny.json.gz"
+    storage.write_bytes(lme, gzip.compress(json.dumps(tiny_longmemeval()).encode()))
+    ctx = {"tiny_model": tiny_model_dir, "llm": vllm_endpoint, "lme": lme, "scratch": str(tmp_path)}
+    values = _values(infos, ctx, bucket, s3_env.endpoint)
+    docs = chart.render_docs([], values=values)
+    plan_doc = next(d for d in docs if d["kind"] == "ConfigMap" and "plan.json" in d["data"])
+    full = Plan.from_dict(json.loads(plan_doc["data"]["plan.json"]))
+    assert {s.name for s in full.stages} == {i.name for i in infos}
+    for st in full.stages:
+        assert validate.kuberay_errors(st.rayjob) == [], st.name
+
+    # collect reads the train stage's checkpoints: put a real FSDP checkpoint where train writes them
+    by = {s.name: s for s in full.stages}
+    if "collect" in by and "train" in by:
+        write_fsdp_checkpoint(tiny_model_dir, storage.join(by["train"].output, "checkpoints"))
+
+    env = {"HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+           **LOCAL_RAY_ENV}
+    backend = RayBackend(ray_cluster, env_overrides=env)
+    dry = _dry_run_stages(infos)
+    main = Plan(full.run, [s for s in full.stages if s.name not in dry])
+    d = Driver(main, backend, poll=1.0, stage_timeout=600)
+    t0 = time.time()
+    try:
+        manifest = d.run()
+    except Exception as e:
+        failed = d.manifest.get("failed_stage")
+        pytest.fail(f"{e}\n--- job logs ---\n"
+                    f"{_job_logs(backend, by[failed].rayjob_name) if failed else ''}")
+    took = time.time() - t0
+    for st in main.stages:
+        assert manifest["stages"][st.name]["state"] == "succeeded", st.name
+        m = storage.read_manifest(st.output)
+        assert m["stage"] == st.name
+    saved = storage.read_json(main.manifest_uri)
+    assert saved["state"] == "succeeded" and saved["order"] == manifest["order"]
+
+    # resume: a second driver finds everything published and starts nothing
+    again = Driver(main, backend, poll=1.0).run()
+    assert {v["state"] for v in again["stages"].values()} == {"skipped"}
+
+    # dry-run stages (train): the job runs and succeeds behind await-capacity, publishing nothing
+    for st in full.stages:
+        if st.name not in dry:
+            continue
+        backend.create(st.rayjob)
+        deadline = time.time() + 600
+        while True:
+            s = backend.get(st.rayjob_name)["status"]
+            if s["jobStatus"] in ("SUCCEEDED", "FAILED", "STOPPED") or time.time() > deadline:
+                break
+            time.sleep(1)
+        logs = _job_logs(backend, st.rayjob_name)
+        assert s["jobStatus"] == "SUCCEEDED", logs
+        assert "GPU node(s) alive" in logs or "requested" in logs, logs
+    print(f"pipeline of {len(main.stages)} RayJobs on local Ray: {took:.0f}s")
+
+
+def test_await_capacity_requests_and_waits(ray_cluster):
+    """The capacity wait the training entrypoint runs first: records the node demand for the
+    autoscaler (read back from the GCS), returns once the nodes are there, execs the command, and
+    fails with a clear message when they never come."""
+    from memsifter.k8s.capacity import node_bundles
+
+    cli = [sys.executable, "-m", "memsifter.cli", "k8s", "await-capacity", "--gpus-per-node", str(GPUS),
+           "--cpus-per-gpu", str(CPUS // GPUS), "--poll", "0.5"]
+    ok = subprocess.run(cli + ["--nodes", "1", "--timeout", "60", "--", sys.executable, "-c", "print('ran after')"],
+                        capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stderr
+    assert "ran after" in ok.stdout
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    try:  # what the autoscaler reads (v1: internal KV; v2: the GCS cluster constraint)
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        if is_autoscaler_v2():
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
+            status = get_cluster_status(os.environ["RAY_ADDRESS"])
+            demand = [dict(b.bundle) for r in status.resource_demands.cluster_constraint_demand
+                      for b in r.bundles_by_count for _ in range(b.count)]
+        else:
+            from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+            from ray.experimental.internal_kv import _internal_kv_get
+
+            demand = json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
+    finally:
+        ray.shutdown()
+    assert demand == node_bundles(1, GPUS, CPUS // GPUS)
+
+    bad = subprocess.run(cli + ["--nodes", "2", "--timeout", "3", "--", "true"], capture_output=True, text=True,
+                         timeout=180)
+    assert bad.returncode == 1
+    assert "only 1 of 2 GPU node(s)" in bad.stderr and "gpuPool" in bad.stderr
+
+
+def test_verl_placement_groups_fit_one_chart_worker(ray_cluster):
+    """verl's own resource pool creates its STRICT_PACK placement group (n_gpus_per_node bundles of
+    CPU x3 + GPU) on a node shaped like one chart worker pod, and cannot on a smaller one."""
+    import ray
+    from verl.single_controller.ray.base import RayResourcePool
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    try:
+        pool = RayResourcePool(process_on_nodes=[GPUS], use_gpu=True, max_colocate_count=CPUS // GPUS,
+                               name_prefix="k8stest")
+        pgs = pool.get_placement_groups(device_name="cuda")
+        assert len(pgs) == 1 and pgs[0].bundle_count == GPUS
+        ray.util.remove_placement_group(pgs[0])
+        too_big = ray.util.placement_group([{"CPU": CPUS // GPUS, "GPU": 1}] * (GPUS + 1), strategy="STRICT_PACK")
+        assert not too_big.wait(timeout_seconds=2)  # pending: the demand the autoscaler scales up for
+        ray.util.remove_placement_group(too_big)
+    finally:
+        ray.shutdown()
