@@ -87,9 +87,9 @@ def demo_spec(out: str, model_dir: str, questions: int, rank_engine: str) -> dic
     st["rank"].update({"model": model_dir, "context_limit": 3072, "max_tokens": 128, "engine": rank_engine,
                        "vllm": {"replicas": 1, "max_model_len": 4096, "batch_size": 16}})
     if rank_engine == "endpoint":
-        st["rank"]["endpoint"] = {"base_url": "http://placeholder/v1", "model": "tiny-ranker", "concurrency": 8}
-    st["chat"].update({"endpoint": {"base_url": "http://placeholder/v1", "model": "tiny-ranker",
-                                    "max_tokens": 64, "temperature": 0.6, "seed": 0, "concurrency": 8},
+        st["rank"]["endpoint"] = {"base_url": "http://placeholder/v1", "model": "tiny-standin", "concurrency": 8}
+    st["chat"].update({"endpoint": {"base_url": "http://placeholder/v1", "model": "tiny-standin",
+                                    "max_tokens": 64, "temperature": 0.6, "concurrency": 8},
                        "tokenizer": model_dir, "context_tokens": 2048})
     return spec
 
@@ -118,15 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_tiny_model(os.path.join(os.path.abspath(local), "_models", "tiny-standin"))
     print(f"[demo] stand-in model (untrained, random weights): {model_dir}", flush=True)
     os.makedirs(os.path.join(local, "_logs"), exist_ok=True)
-    server = BackgroundServer(model_dir, "tiny-ranker", os.path.join(local, "_logs", "vllm-server.log"))
+    server = BackgroundServer(model_dir, "tiny-standin", os.path.join(local, "_logs", "vllm-server.log"))
 
     def before(name: str, cfg: dict) -> None:
-        for key in ("rank", "chat"):
-            if name == key and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint" or \
-                    (name == "chat" and key == "chat"):
+        # The server starts in the background while synth/embed (and rank) run; fill in its URL.
+        if name == "chat" or (name == "rank" and cfg.get("engine") == "endpoint"):
+            if not server.url:
                 print(f"[demo] waiting for the stand-in's vLLM server ({name})…", flush=True)
-                cfg["endpoint"]["base_url"] = server.wait()
-                return
+            cfg["endpoint"]["base_url"] = server.wait()
 
     spec = demo_spec(args.out, model_dir, args.questions, args.rank_engine)
     try:

@@ -10,9 +10,6 @@ from memsifter.data.model import Dataset, Question, read_dataset
 from memsifter.render import render_session
 from memsifter.stage import get_stage
 
-pytestmark = pytest.mark.usefixtures("ray_local")
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray for this module's stages (shut down after, so other modules may start their own)."""
@@ -47,7 +44,7 @@ def test_model_spec_minilm_from_package():
     assert bge.pooling == "cls" and bge.max_length == 8192
 
 
-def test_embed_stage_store_reuse_and_modes(tmp_path):
+def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     data = str(tmp_path / "data")
     get_stage("synth").run({"output": data, "questions": 6, "sessions_per_question": 10, "seed": 3})
     ds = read_dataset(data)
@@ -144,7 +141,7 @@ def _baseline(ds: Dataset, model_dir: str, max_length: int) -> list[dict]:
 N_LME = 10  # questions of dev30 used here (embedding ~470 real LongMemEval sessions on 2 cores)
 
 
-def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path):
+def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path, ray_local):
     full = str(tmp_path / "lme")
     get_stage("import").run({"output": full, "format": "longmemeval", "source": str(lme_dev30)})
     ds_full = read_dataset(full)
@@ -163,3 +160,17 @@ def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path):
     print("baseline:", {k: base[k] for k in ("recall_any@5", "recall_all@5", "ndcg@10", "mrr")})
     for k in ("recall_any@5", "recall_all@10", "ndcg@10", "mrr"):
         assert ours[k] >= base[k] - 1e-3, (k, ours[k], base[k])
+
+
+def test_chunks_follow_turns_not_lines():
+    from memsifter.stages.embed import chunk_texts
+
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"line a{i}\nline b{i}\n\nline c{i}"}
+             for i in range(7)]
+    whole = render_session(turns)
+    chunks = chunk_texts(turns, 4, 2)
+    assert len(chunks) == 3  # windows start at turns 0, 2 and 3 (the last one ends at the last turn)
+    assert all(c in whole for c in chunks)
+    assert chunks[0].startswith("<user0>line a0") and chunks[0].endswith("line c3</assistant>\n")
+    assert chunks[-1].endswith(whole[-30:]) and chunks[-1].startswith("<assistant1>line a3")
+    assert chunk_texts(turns[:3], 4, 2) == [render_session(turns[:3])]  # short session: one chunk = whole

@@ -42,15 +42,28 @@ LOCAL_RAY_ENV = {**RAY_ENV, "RAY_AUTH_MODE": "disabled"}
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """`ray start --head` on 127.0.0.1 with logical GPUs; yields the dashboard URL."""
+def pod_env(s3_server, tmp_path_factory) -> dict[str, str]:
+    """What the chart's head and worker containers get as process env (S3 settings and credentials,
+    caches; offline here), for the Ray processes that stand in for the pods."""
+    cache = tmp_path_factory.mktemp("podcache")
+    return {**s3_server.env(), "HF_HOME": str(cache / "huggingface"), "XDG_CACHE_HOME": str(cache),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(pod_env):
+    """`ray start --head` on 127.0.0.1 with logical GPUs and the pods' env; yields the dashboard URL."""
     tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")
     gcs, dash = free_port(), free_port()
-    env = {**os.environ, **LOCAL_RAY_ENV}
+    env = {**os.environ, **pod_env, **LOCAL_RAY_ENV}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dash}", f"--num-cpus={CPUS}", f"--num-gpus={GPUS}", f"--temp-dir={tmp}",
-           "--disable-usage-stats", "--include-dashboard=true"]
+           "--disable-usage-stats", "--include-dashboard=true",
+           # the agent's fixed default port (52365) is taken by any other Ray on the machine: the job API
+           # then answers "No available agent to submit job"
+           f"--dashboard-agent-listen-port={free_port()}"]
     try:
         subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
         _wait_port(dash, 120)
@@ -181,10 +194,14 @@ def test_rendered_rayjobs_run_on_local_ray(ray_cluster, s3_env, tiny_model_dir, 
     if "collect" in by and "train" in by:
         write_fsdp_checkpoint(tiny_model_dir, storage.join(by["train"].output, "checkpoints"))
 
-    env = {"HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-           **LOCAL_RAY_ENV}
-    backend = RayBackend(ray_cluster, env_overrides=env)
+    # the pods' env: the cluster runs with it; what the chart puts in the head container must be covered
+    head_env = full.stages[0].rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    runtime_keys = {"MEMSIFTER_STAGE", "MEMSIFTER_RUN_ID"}
+    for e in head_env:
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef") or {}
+        assert e["name"] in pod_env or e["name"] in runtime_keys or ref.get("optional") or \
+            e["name"] in ("AWS_REGION",), e
+    backend = RayBackend(ray_cluster)
     dry = _dry_run_stages(infos)
     main = Plan(full.run, [s for s in full.stages if s.name not in dry])
     d = Driver(main, backend, poll=1.0, stage_timeout=600)

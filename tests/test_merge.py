@@ -104,8 +104,8 @@ def test_merge_matches_float64_reference(store_root, tmp_path, weights, dtype):
 def test_merge_steps_of_a_collect_output(tmp_path):
     root = tmp_path / "collect"
     models = [make_model(str(root / f"global_step_{s}"), seed=s, sharded=False) for s in (20, 30, 40)]
-    m = get_stage("merge").run({"output": str(tmp_path / "out"), "checkpoints": str(root), "steps": [20, 30, 40]})
-    assert m["stats"]["inputs"][0].endswith("global_step_20")
+    m = get_stage("merge").run({"output": str(tmp_path / "out"), "checkpoints": str(root)})  # all steps
+    assert [u.rsplit("/", 1)[1] for u in m["stats"]["inputs"]] == ["global_step_20", "global_step_30", "global_step_40"]
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     ref = sum(mm["lm_head.weight"].double() for mm in models) / 3
     assert (out["lm_head.weight"].double() - ref).abs().max() < 1e-2
@@ -136,8 +136,8 @@ def test_merge_refuses_mismatches(tmp_path, change, message):
 def test_merge_config_validation():
     with pytest.raises(ConfigError, match="3 inputs"):
         validate_config("merge", {"output": "x", "inputs": ["a", "b", "c"], "weights": [1, 2]})
-    with pytest.raises(ConfigError, match="needs `steps`"):
-        validate_config("merge", {"output": "x", "checkpoints": "c"})
+    with pytest.raises(ConfigError, match="needs `checkpoints`"):
+        validate_config("merge", {"output": "x", "steps": [1]})
     with pytest.raises(ConfigError, match="dtype"):
         validate_config("merge", {"output": "x", "inputs": ["a"], "dtype": "int8"})
 

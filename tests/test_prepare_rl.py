@@ -199,3 +199,17 @@ def test_output_loads_with_verls_rlhf_dataset(tmp_path, synth_local, tiny_model_
     schema = pq.read_schema(files[0])
     assert schema.field("extra_info").type.get_field_index("sessions") >= 0
     assert isinstance(schema.field("prompt").type, pa.ListType)
+
+
+def test_example_configs_validate():
+    from importlib import resources
+
+    from memsifter.stage import load_config_file, validate_config
+
+    cfg_dir = resources.files("memsifter").joinpath("configs")
+    c = validate_config("prepare-rl", load_config_file(str(cfg_dir.joinpath("prepare_rl_example.yaml"))))
+    assert c.recipe["train"]["locomo"] == 800 and c.history_budget_tokens == 130 * 1024
+    c = validate_config("prepare-rl", {"output": "x", "datasets": ["d"],
+                                       "recipe": str(cfg_dir.joinpath("recipe_example.yaml"))})
+    assert c.recipe == {"train": {"longmemeval_s": 400, "locomo": 800, "personamem_128k": 800},
+                        "test": {"longmemeval_s": 50, "locomo": 50}}

@@ -216,3 +216,19 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     assert m2["stats"]["complete_steps"] == [5, 10, 15, 20]
     assert json.loads(storage.read_text(storage.join(out, "checkpoints.json")))["steps"] == [5, 10, 15, 20]
     assert "trainer.nnodes=1" in storage.read_text(storage.join(out, "overrides.txt"))
+
+
+def test_example_train_config_validates_and_matches_the_defaults():
+    from importlib import resources
+
+    from memsifter.stage import load_config_file, validate_config
+
+    data = load_config_file(str(resources.files("memsifter").joinpath("configs", "train_example.yaml")))
+    c = validate_config("train", data)
+    assert c.nnodes == 2 and c.reward.mode == "task" and c.reward.api_key_env == "WORKING_LLM_API_KEY"
+    defaults = train.DapoSettings().model_dump()
+    assert all(defaults[k] == v for k, v in data["dapo"].items()), "the example repeats the defaults"
+    collect_merge = load_config_file(str(resources.files("memsifter").joinpath("configs",
+                                                                              "collect_merge_example.yaml")))
+    validate_config("collect", collect_merge["collect"])
+    validate_config("merge", collect_merge["merge"])

@@ -93,7 +93,8 @@ def _drive(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     setup_logging(args.verbose)
     plan = Plan.load(args.plan)
-    backend = RayBackend(args.ray_address) if args.ray_address else KubernetesBackend.from_environment(args.namespace)
+    backend = (RayBackend(args.ray_address, pod_env=True) if args.ray_address
+               else KubernetesBackend.from_environment(args.namespace))
     driver = Driver(plan, backend, poll=args.poll, stage_timeout=args.stage_timeout,
                     write_manifest=not args.no_manifest)
     manifest = driver.run()

@@ -192,33 +192,39 @@ def _incluster_namespace() -> str | None:
 class RayBackend:
     """Runs each RayJob's entrypoint and runtime env on an existing Ray cluster (job API).
 
-    The head container's env of the RayJob is applied like the pod would: plain values are copied,
-    ``secretKeyRef``/``fieldRef`` entries are taken from this process's environment (same name) or
-    left out. ``env_overrides`` replaces values (e.g. cache paths that only exist in the image).
-    The status is reported in KubeRay's vocabulary so the driver logic is the same.
+    Like KubeRay, only ``runtimeEnvYAML`` becomes the job's runtime env: the head container's env is
+    the *process* env of a pod, so the Ray cluster should be started with it (S3 settings, secrets,
+    caches). ``pod_env=True`` instead copies the head container's env into the runtime env (plain
+    values; ``secretKeyRef``/``fieldRef`` entries from this process's environment, same name), for a
+    cluster started without it; stages that call ``ray.init(runtime_env=...)`` with the same keys then
+    conflict, as they would on Kubernetes if those keys were in runtimeEnvYAML. The status is reported
+    in KubeRay's vocabulary so the driver logic is the same.
     """
 
-    def __init__(self, address: str, env_overrides: dict[str, str] | None = None, submit_timeout: float = 180):
+    def __init__(self, address: str, env_overrides: dict[str, str] | None = None, submit_timeout: float = 180,
+                 pod_env: bool = False):
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
         self.submit_timeout = submit_timeout
+        self.pod_env = pod_env
         self.env_overrides = dict(env_overrides or {})
         self.jobs: dict[str, str] = {}  # rayjob name -> submission id
 
     def runtime_env(self, rayjob: dict) -> dict:
         spec = rayjob["spec"]
         rte = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
-        env_vars = {}
-        head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-        for e in head.get("env") or []:
-            if "value" in e:
-                env_vars[e["name"]] = str(e["value"])
-            elif e["name"] in os.environ:
-                env_vars[e["name"]] = os.environ[e["name"]]
+        env_vars: dict[str, str] = {}
+        if self.pod_env:
+            head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+            for e in head.get("env") or []:
+                if "value" in e:
+                    env_vars[e["name"]] = str(e["value"])
+                elif e["name"] in os.environ:
+                    env_vars[e["name"]] = os.environ[e["name"]]
         env_vars.update(rte.get("env_vars") or {})
         env_vars.update(self.env_overrides)
-        return {**rte, "env_vars": env_vars}
+        return {**rte, "env_vars": env_vars} if env_vars else rte
 
     def create(self, rayjob: dict) -> None:
         from .validate import submitted_entrypoint

@@ -84,13 +84,23 @@ class EmbedConfig(StageConfig):
 def chunk_texts(turns: list[dict], size: int, stride: int) -> list[str]:
     """Windows of ``size`` consecutive turns (rendered as in the whole session, so turn counters
     keep their values), ``stride`` apart; the last window ends at the last turn."""
-    lines = render_session(turns).splitlines(keepends=True)
+    lines = turn_texts(turns)
     if len(lines) <= size:
         return ["".join(lines)]
     starts = list(range(0, len(lines) - size + 1, stride))
     if starts[-1] != len(lines) - size:
         starts.append(len(lines) - size)
     return ["".join(lines[s:s + size]) for s in starts]
+
+
+def turn_texts(turns: list[dict]) -> list[str]:
+    """Each turn's part of :func:`render_session` (contents may span several lines)."""
+    out, prev = [], ""
+    for i in range(len(turns)):
+        cur = render_session(turns[:i + 1])
+        out.append(cur[len(prev):])
+        prev = cur
+    return out
 
 
 _WORD = re.compile(r"[a-z0-9]+")

@@ -171,6 +171,7 @@ def plots(report: dict, max_k: int) -> dict[str, bytes]:
     for ax, t in zip(axes, ("recall_any@k", "recall_all@k")):
         ax.set_title(t)
         ax.set_xlabel("k")
+        ax.set_xticks([k for k in ks if k == 1 or k % max(1, max_k // 10) == 0])
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     if report["retrieval"]:

@@ -46,8 +46,9 @@ OUT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 class MergeConfig(StageConfig):
     inputs: list[str] = uri_field("Hugging Face model directories to average (local or s3://)", [])
-    checkpoints: str | None = uri_field("a collect output: average its global_step_<N> for `steps`", None)
-    steps: list[int] = Field(default_factory=list, description="steps of `checkpoints` to average, e.g. 20 30 40")
+    checkpoints: str | None = uri_field("a collect output: average its global_step_<N> directories", None)
+    steps: list[int] = Field(default_factory=list, description="steps of `checkpoints` to average, e.g. 20 30 40 "
+                             "(default: every step the collect output holds)")
     weights: list[float] | None = Field(None, description="one weight per input (normalised); default uniform")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="output dtype (explicit; "
                                                              "never taken from the hardware)")
@@ -55,30 +56,41 @@ class MergeConfig(StageConfig):
 
     @model_validator(mode="after")
     def _inputs(self) -> "MergeConfig":
-        if self.checkpoints and not self.steps:
-            raise ValueError("`checkpoints` needs `steps` (which global_step_<N> to average)")
         if self.steps and not self.checkpoints:
             raise ValueError("`steps` needs `checkpoints` (a collect output)")
-        if not self.model_uris():
-            raise ValueError("give `inputs` or `checkpoints` + `steps`")
+        if not self.inputs and not self.checkpoints:
+            raise ValueError("give `inputs` or `checkpoints` (+ `steps`)")
         if self.weights is not None:
-            if len(self.weights) != len(self.model_uris()):
-                raise ValueError(f"{len(self.weights)} weights for {len(self.model_uris())} inputs")
             if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
                 raise ValueError("weights must be non-negative with a positive sum")
+            if not self.checkpoints or self.steps:
+                n = len(self.inputs) + len(self.steps)
+                if len(self.weights) != n:
+                    raise ValueError(f"{len(self.weights)} weights for {n} inputs")
         return self
 
     def model_uris(self) -> list[str]:
+        """The models to average (reads the collect output's directory list when `steps` is empty)."""
         out = list(self.inputs)
         if self.checkpoints:
-            out += [storage.join(self.checkpoints, f"global_step_{s}") for s in self.steps]
+            steps = self.steps or collected_steps(self.checkpoints)
+            if not steps:
+                raise InputError("no global_step_<N> directories", file=self.checkpoints)
+            out += [storage.join(self.checkpoints, f"global_step_{s}") for s in steps]
         return out
 
-    def normalised_weights(self) -> list[float]:
-        n = len(self.model_uris())
+    def normalised_weights(self, n: int) -> list[float]:
         w = self.weights if self.weights is not None else [1.0] * n
+        if len(w) != n:
+            raise InputError(f"{len(w)} weights for {n} inputs", file=self.checkpoints)
         total = float(sum(w))
         return [x / total for x in w]
+
+
+def collected_steps(uri: str) -> list[int]:
+    import re
+
+    return sorted(int(m.group(1)) for d in storage.list_dirs(uri) if (m := re.fullmatch(r"global_step_(\d+)", d)))
 
 
 # --------------------------------------------------------------------------- safetensors, streamed
@@ -353,6 +365,6 @@ def _put(out: storage.Publication | None, out_dir: str | None, name: str, data: 
        help="Average N Hugging Face checkpoints tensor by tensor (float32 accumulation, explicit output dtype)")
 def run(config: MergeConfig, out: storage.Publication) -> dict:
     uris = config.model_uris()
-    weights = config.normalised_weights()
+    weights = config.normalised_weights(len(uris))
     log.info("merge: %d inputs, weights %s, output %s", len(uris), [round(w, 4) for w in weights], config.dtype)
     return merge_models(uris, weights, config.dtype, out, tmp_dir=config.local_tmp)

@@ -1,0 +1,141 @@
+"""collect: real verl FSDP checkpoints (FSDP2, gloo, world size 2, CPU) -> Hugging Face via verl.model_merger."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memsifter import storage
+from memsifter.errors import InputError
+from memsifter.stage import get_stage
+from memsifter.stages.train import COMPLETE_MARKER, TRACKER, sync_checkpoint
+
+STEPS = (2, 4)
+
+# Run under torchrun: shard the tiny model with FSDP2 over a 2-process gloo mesh named like verl's
+# ("fsdp"), and save it with verl's own FSDPCheckpointManager into verl's layout
+# (<root>/global_step_N/actor/…, data.pt, latest_checkpointed_iteration.txt), as the trainer does.
+FSDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    model_dir, root, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+    dist.init_process_group("gloo")
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mgr = FSDPCheckpointManager(model=model, optimizer=opt, lr_scheduler=None,
+                                processing_class=AutoTokenizer.from_pretrained(model_dir),
+                                checkpoint_config={"save_contents": ["model", "optimizer", "extra"],
+                                                   "load_contents": ["model", "optimizer", "extra"]})
+    for step in steps:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0 + 0.01 * step)  # "training": each step scales every weight
+        step_dir = os.path.join(root, f"global_step_{step}")
+        mgr.save_checkpoint(os.path.join(step_dir, "actor"), global_step=step)
+        if rank == 0:
+            torch.save({"dataloader": step}, os.path.join(step_dir, "data.pt"))
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(step))
+        dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def make_fsdp_checkpoints(model_dir: str, root: str, steps=STEPS) -> str:
+    """Write real FSDP checkpoints of the tiny model for ``steps`` (once per directory)."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(root, ".done")):
+            return root
+        script = os.path.join(root, "make_fsdp.py")
+        with open(script, "w") as f:
+            f.write(FSDP_SCRIPT)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_port", str(_free_port()), script, model_dir, root,
+                            ",".join(map(str, steps))], capture_output=True, text=True, env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+        open(os.path.join(root, ".done"), "w").close()
+    return root
+
+
+def _free_port() -> int:
+    from memsifter.testing import free_port
+
+    return free_port()
+
+
+def expected_weights(model_dir: str, step: int, steps=STEPS) -> dict[str, torch.Tensor]:
+    """The tiny model's weights after the scalings up to ``step``, as the merger writes them (bf16)."""
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    factor = 1.0
+    for s in steps:
+        if s <= step:
+            factor *= 1.0 + 0.01 * s
+    return {k: (v.float() * factor).to(torch.bfloat16) for k, v in base.items()}
+
+
+@pytest.fixture(scope="session")
+def fsdp_root(tiny_model_dir, tmp_path_factory):
+    return make_fsdp_checkpoints(tiny_model_dir, str(tmp_path_factory.getbasetemp() / "fsdp-ckpt"))
+
+
+def test_fsdp_checkpoint_has_verls_layout(fsdp_root):
+    actor = os.path.join(fsdp_root, "global_step_2", "actor")
+    names = set(os.listdir(actor))
+    assert {"model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt", "optim_world_size_2_rank_0.pt",
+            "extra_state_world_size_2_rank_1.pt", "fsdp_config.json", "huggingface"} <= names
+    assert json.load(open(os.path.join(actor, "fsdp_config.json")))["world_size"] == 2
+    shard = torch.load(os.path.join(actor, "model_world_size_2_rank_0.pt"), weights_only=False)
+    assert type(next(iter(shard.values()))).__name__ == "DTensor"  # really sharded
+    assert open(os.path.join(fsdp_root, TRACKER)).read() == "4"
+
+
+def test_collect_converts_chosen_steps_from_s3(s3_env, s3_root, fsdp_root, tiny_model_dir):
+    train_out = storage.join(s3_root, "train")
+    ckpt = storage.join(train_out, "checkpoints")
+    for s in STEPS:  # what the train stage's checkpoint callback does after each save
+        sync_checkpoint(os.path.join(fsdp_root, f"global_step_{s}"), ckpt, s)
+    assert storage.exists(storage.join(ckpt, "global_step_4", COMPLETE_MARKER))
+    out = storage.join(s3_root, "collect")
+    m = get_stage("collect").run({"output": out, "checkpoints": train_out, "steps": [4]})
+    assert m["stats"]["steps"] == [4]
+    files = set(m["files"])
+    assert {"global_step_4/config.json", "global_step_4/model.safetensors", "global_step_4/tokenizer.json"} <= files
+    assert not any("optim" in f or f.startswith("global_step_2") for f in files)
+    local = storage.download_dir(storage.join(out, "global_step_4"), str(os.path.join(fsdp_root, "..", "dl4")))
+    got = load_file(os.path.join(local, "model.safetensors"))
+    exp = expected_weights(tiny_model_dir, 4)
+    assert set(got) == set(exp)
+    for k in exp:
+        torch.testing.assert_close(got[k].float(), exp[k].float(), rtol=1e-2, atol=1e-3)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(local)  # a loadable Hugging Face model
+
+
+def test_collect_refuses_incomplete_and_unknown_steps(tmp_path, fsdp_root):
+    with pytest.raises(InputError, match=r"steps \[7\] are not available \(complete steps: none\)"):
+        get_stage("collect").run({"output": str(tmp_path / "c"), "checkpoints": fsdp_root, "steps": [7]})
+    # without the completion marker (a local run without the S3 callback) it can still be forced
+    m = get_stage("collect").run({"output": str(tmp_path / "c2"), "checkpoints": fsdp_root, "steps": [2],
+                                  "require_complete": False})
+    assert m["stats"]["steps"] == [2] and "global_step_2/model.safetensors" in m["files"]
