@@ -138,7 +138,7 @@ def _baseline(ds: Dataset, model_dir: str, max_length: int) -> list[dict]:
     return rows
 
 
-N_LME = 10  # questions of dev30 used here (embedding ~470 real LongMemEval sessions on 2 cores)
+N_LME = 6  # questions of dev30 used here (~280 real LongMemEval sessions, embedded twice, on 2 cores)
 
 
 def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path, ray_local):

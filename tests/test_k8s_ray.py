@@ -114,11 +114,11 @@ def tiny_config(info: registry.StageInfo, ctx: dict) -> dict:
         elif _endpoint_like(f.annotation):
             cfg[name] = {"base_url": ctx["llm"], "model": "tiny", "temperature": 0.0, "max_tokens": 48}
     per_stage = {
-        "import": {"format": "longmemeval", "source": ctx["lme"]},
+        "import": {"format": "longmemeval", "source": ctx["lme"], "dataset_name": "lme"},
         "synth": {"questions": 2, "sessions_per_question": 3},
         "embed": {"gpus_per_worker": 0, "workers": 1, "max_batch_size": 16, "tokens_per_batch": 4096},
         "rank": {"engine": "endpoint", "context_limit": 1500, "max_tokens": 48, "top_k": 3},
-        "prepare-rl": {"recipe": {"train": {"longmemeval": 2}, "test": {"longmemeval": 1}},
+        "prepare-rl": {"recipe": {"train": {"lme": 2}, "test": {"lme": 1}},
                        "history_budget_tokens": 2048, "max_prompt_tokens": 4096},
         "train": {"dry_run": True, "nnodes": 1, "n_gpus_per_node": GPUS,
                   "reward": {"mode": "dcg"}, "local_dir": ctx["scratch"] + "/train"},
@@ -174,7 +174,7 @@ def _job_logs(backend: RayBackend, name: str) -> str:
 
 
 # --------------------------------------------------------------------------- the tests
-def test_rendered_rayjobs_run_on_local_ray(ray_cluster, s3_env, tiny_model_dir, vllm_endpoint, tmp_path):
+def test_rendered_rayjobs_run_on_local_ray(ray_cluster, pod_env, s3_env, tiny_model_dir, vllm_endpoint, tmp_path):
     infos = registry.stage_infos()
     bucket = f"k8s-{uuid.uuid4().hex[:8]}"
     storage.ensure_bucket(f"s3://{bucket}/x")
@@ -213,6 +213,7 @@ def test_rendered_rayjobs_run_on_local_ray(ray_cluster, s3_env, tiny_model_dir, 
         pytest.fail(f"{e}\n--- job logs ---\n"
                     f"{_job_logs(backend, by[failed].rayjob_name) if failed else ''}")
     took = time.time() - t0
+    timing = {k: v.get("status", {}) for k, v in manifest["stages"].items()}
     for st in main.stages:
         assert manifest["stages"][st.name]["state"] == "succeeded", st.name
         m = storage.read_manifest(st.output)

@@ -232,3 +232,16 @@ def test_example_train_config_validates_and_matches_the_defaults():
                                                                               "collect_merge_example.yaml")))
     validate_config("collect", collect_merge["collect"])
     validate_config("merge", collect_merge["merge"])
+
+
+@pytest.mark.parametrize("name", ["prepare-rl", "train", "collect", "merge"])
+def test_cli_help(name, capsys):
+    from memsifter.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", name, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert f"memsifter run {name}" in text and "--output" in text
+    if name == "train":
+        assert "--dry-run" in text and "--nnodes" in text

@@ -140,6 +140,8 @@ class TrainConfig(StageConfig):
     dapo: DapoSettings = Field(default_factory=DapoSettings)
     reward: RewardSettingsConfig = Field(default_factory=RewardSettingsConfig)
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
+    keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
+                                        "(trainer.max_actor_ckpt_to_keep); S3 keeps every one")
     extra_overrides: list[str] = Field(default_factory=list,
                                        description="more Hydra overrides for verl main_ppo (appended last)")
     local_dir: str = runtime_field("/tmp/memsifter-train", "local scratch on every node (data, model, checkpoints)")
@@ -264,6 +266,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         ("trainer.total_training_steps", d.total_training_steps),
         ("trainer.val_before_train", d.val_before_train),
         ("trainer.default_local_dir", p["checkpoints"]),
+        ("trainer.max_actor_ckpt_to_keep", config.keep_local_checkpoints),
         ("trainer.checkpoint_callback_class", "memsifter.stages.train.S3CheckpointCallback"),
     ]
     out = [f"{k}={_q(v)}" for k, v in o]
