@@ -42,14 +42,16 @@ MEMSIFTER_LLM_BASE_URL / OPENAI_BASE_URL), ``model`` (MEMSIFTER_REWARD_MODEL), `
 (MEMSIFTER_REWARD_API_KEY_ENV, default OPENAI_API_KEY: the *name* of the variable holding the key),
 ``temperature`` (0.3), ``max_tokens`` (512), ``concurrency`` (64), ``max_retries`` (4),
 ``timeout_s`` (120), ``top_k`` (10), ``cache_uri`` (MEMSIFTER_REWARD_CACHE: JSONL response cache
-under a local path or s3:// prefix, so a restarted run re-sends nothing it already asked).
+under a local path or s3:// prefix, so a restarted run re-sends nothing it already asked),
+``answer_prompt`` (MEMSIFTER_REWARD_ANSWER_PROMPT: a replacement for ``prompts/chat.txt``, the chat
+stage's template, slots ``{history}``, ``{current}``, ``{date}``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -98,8 +100,8 @@ def combine_tiers(tiers: Sequence[int], scores: Sequence[float]) -> float:
 
 def parse_ground_truth(ground_truth: str) -> tuple[list[int], int]:
     """``"{comma-separated local gold ids};{number of sessions}"`` -> (gold ids, N)."""
-    gold_part, _, n_part = str(ground_truth).rpartition(";")
-    if not _:
+    gold_part, sep, n_part = str(ground_truth).rpartition(";")
+    if not sep:
         raise ValueError(f"ground truth {ground_truth!r}: expected 'ids;N'")
     n = int(n_part)
     gold = [int(x) for x in gold_part.split(",") if x.strip()]
@@ -116,14 +118,15 @@ def answer_messages(question: str, question_date: str | None, session_texts: Seq
     """The working-LLM prompt for one tier, built like the chat stage's: its template
     (``prompts/chat.txt``) with the chosen sessions in chronological order, the date, the question."""
     history = render_history_texts(list(session_texts), list(dates) if dates is not None else None)
-    tpl = template if template is not None else _chat_template()
+    tpl = template if template is not None else chat_template(None)
     return [{"role": "user", "content": fill(tpl, history=history, current=question,
                                              date=question_date or "unknown")}]
 
 
-@functools.lru_cache(maxsize=1)
-def _chat_template() -> str:
-    return load_prompt(None, "chat.txt", ("history", "current"))
+@functools.lru_cache(maxsize=8)
+def chat_template(uri: str | None) -> str:
+    """The working-LLM prompt: ``uri`` (a replacement file, local or s3://) or ``prompts/chat.txt``."""
+    return load_prompt(uri, "chat.txt", ("history", "current"))
 
 
 # --------------------------------------------------------------------------- settings
@@ -145,6 +148,7 @@ class RewardSettings:
     timeout_s: float = 120.0
     top_k: int = TOP_K
     cache_uri: str | None = None
+    answer_prompt: str | None = None
 
     @classmethod
     def resolve(cls, **kw: Any) -> "RewardSettings":
@@ -155,7 +159,7 @@ class RewardSettings:
             "temperature": _env("MEMSIFTER_REWARD_TEMPERATURE"), "max_tokens": _env("MEMSIFTER_REWARD_MAX_TOKENS"),
             "concurrency": _env("MEMSIFTER_REWARD_CONCURRENCY"), "max_retries": _env("MEMSIFTER_REWARD_MAX_RETRIES"),
             "timeout_s": _env("MEMSIFTER_REWARD_TIMEOUT_S"), "top_k": _env("MEMSIFTER_REWARD_TOP_K"),
-            "cache_uri": _env("MEMSIFTER_REWARD_CACHE"),
+            "cache_uri": _env("MEMSIFTER_REWARD_CACHE"), "answer_prompt": _env("MEMSIFTER_REWARD_ANSWER_PROMPT"),
         }
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__:
@@ -169,7 +173,7 @@ class RewardSettings:
                     api_key_env=str(s.api_key_env), temperature=float(s.temperature),
                     max_tokens=int(s.max_tokens), concurrency=int(s.concurrency),
                     max_retries=int(s.max_retries), timeout_s=float(s.timeout_s), top_k=int(s.top_k),
-                    cache_uri=s.cache_uri or None)
+                    cache_uri=s.cache_uri or None, answer_prompt=s.answer_prompt or None)
         if typed.mode not in MODES:
             raise ValueError(f"reward mode {typed.mode!r}: expected one of {MODES}")
         return typed
@@ -281,11 +285,12 @@ async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
     gold_answer = str(extra_info.get("answer") or "")
     qdate = extra_info.get("question_date")
     ts = tiers_for(k)
+    template = chat_template(settings.answer_prompt)
     batch = []
     for t in ts:
         chosen = sorted(local_ids[:t])  # chronological: local ids follow the haystack order
         batch.append(answer_messages(question, qdate, [texts[i] for i in chosen],
-                                     [dates[i] for i in chosen] if dates is not None else None))
+                                     [dates[i] for i in chosen] if dates is not None else None, template))
     scorer = _scorer(settings)
     replies = await asyncio.gather(*(scorer.ask(m) for m in batch))
     scores = [token_f1(extract_answer(text), gold_answer) if ok else 0.0 for text, ok in replies]
@@ -334,6 +339,16 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
         return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=0, error=True)
 
 
+async def _close_scorers() -> None:
+    """Close the HTTP clients of this loop's scorers (before a short-lived loop ends)."""
+    loop = asyncio.get_running_loop()
+    for key in [k for k, v in _SCORERS.items() if v.loop is loop]:
+        s = _SCORERS.pop(key)
+        if s._client is not None:
+            with contextlib.suppress(Exception):
+                await s._client.close()
+
+
 def _run_sync(coro_fn: Any) -> Any:
     try:
         asyncio.get_running_loop()
@@ -357,23 +372,22 @@ def _run_sync(coro_fn: Any) -> Any:
 def compute_score_sync(data_source: str, solution_str: str, ground_truth: str,
                        extra_info: dict | None = None, **kwargs: Any) -> dict:
     """Synchronous form for managers that call the reward function without awaiting it."""
-    return _run_sync(lambda: compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs))
+    async def run() -> dict:
+        try:
+            return await compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
+        finally:
+            await _close_scorers()
+    return _run_sync(run)
 
 
 def score_batch(samples: Sequence[dict], **kwargs: Any) -> list[dict]:
     """Score many ``{data_source, solution_str, ground_truth, extra_info}`` samples concurrently."""
     async def run() -> list[dict]:
-        out = await asyncio.gather(*(compute_score(**s, **kwargs) for s in samples))
-        for c in _CACHES.values():
-            c.flush()
+        try:
+            out = await asyncio.gather(*(compute_score(**s, **kwargs) for s in samples))
+        finally:
+            await _close_scorers()
+            for c in _CACHES.values():
+                c.flush()
         return list(out)
     return _run_sync(run)
-
-
-def request_fingerprint(messages: list[dict], settings: RewardSettings) -> str:
-    """The cache key of a working-LLM request (for tests and audits)."""
-    return request_key(settings.model, messages, settings.endpoint().params())
-
-
-def settings_digest(settings: RewardSettings) -> str:
-    return hashlib.sha256(settings.key().encode()).hexdigest()[:12]

@@ -133,9 +133,13 @@ def test_collect_converts_chosen_steps_from_s3(s3_env, s3_root, fsdp_root, tiny_
 
 
 def test_collect_refuses_incomplete_and_unknown_steps(tmp_path, fsdp_root):
-    with pytest.raises(InputError, match=r"steps \[7\] are not available \(complete steps: none\)"):
-        get_stage("collect").run({"output": str(tmp_path / "c"), "checkpoints": fsdp_root, "steps": [7]})
-    # without the completion marker (a local run without the S3 callback) it can still be forced
-    m = get_stage("collect").run({"output": str(tmp_path / "c2"), "checkpoints": fsdp_root, "steps": [2],
+    from memsifter.stages.collect import available_steps
+
+    # fsdp_root is a local run without the S3 sync: no step carries the completion marker
+    with pytest.raises(InputError, match=r"no complete checkpoints"):
+        get_stage("collect").run({"output": str(tmp_path / "c"), "checkpoints": fsdp_root})
+    with pytest.raises(InputError, match=r"steps \[7\] are not available \(steps: \[2, 4\]\)"):
+        get_stage("collect").run({"output": str(tmp_path / "c"), "checkpoints": fsdp_root, "steps": [7],
                                   "require_complete": False})
-    assert m["stats"]["steps"] == [2] and "global_step_2/model.safetensors" in m["files"]
+    assert available_steps(fsdp_root, require_complete=False) == [2, 4]
+    assert not os.path.exists(tmp_path / "c" / "_SUCCESS")

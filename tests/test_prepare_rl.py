@@ -96,10 +96,9 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
                      "status": "ok"})
     sims = str(tmp_path / "sims.parquet")
     pq.write_table(rankings.rankings_table(rows), sims)
-    counter_budget = 1  # nothing but the gold sessions fits
-    m = get_stage("prepare-rl").run({
+    m = get_stage("prepare-rl").run({  # a 1-token budget: nothing but the gold sessions fits
         "output": str(tmp_path / "tiny"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
-        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": counter_budget,
+        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": 1,
         "similarities": [sims]})
     for r in read_rows(str(tmp_path / "tiny")):
         q = ds.question(r["extra_info"]["question_id"])
@@ -192,8 +191,9 @@ def test_output_loads_with_verls_rlhf_dataset(tmp_path, synth_local, tiny_model_
     item = data[0]
     assert item["raw_prompt"][0]["role"] == "user" and "<session0>" in item["raw_prompt"][0]["content"]
     assert item["data_source"] == "memsifter_synth"
-    gold, n = (item["reward_model"]["ground_truth"].split(";")[0], int(item["reward_model"]["ground_truth"].split(";")[1]))
+    gold, n = ground_truth(item)
     assert len(item["extra_info"]["sessions"]) == n and item["extra_info"]["answer"]
+    assert gold == item["extra_info"]["gold_local"]
     batch = collate_fn([data[0], data[1]])
     assert len(batch["extra_info"]) == 2 and batch["reward_model"][1]["style"] == "rule"
     schema = pq.read_schema(files[0])

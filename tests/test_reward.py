@@ -267,3 +267,12 @@ def test_through_verls_dapo_reward_manager(fake_llm, tmp_path, tiny_model_dir):
     overlong = min(-(n - (64 - 4)) / 4, 0)  # DAPO's overlong penalty, applied by verl on top
     assert out["reward_score"] == pytest.approx(expected + overlong)
     assert out["reward_extra_info"]["acc"] == pytest.approx(expected)
+
+
+def test_replacement_answer_prompt(fake_llm, tmp_path):
+    tpl = tmp_path / "answer.txt"
+    tpl.write_text("MEMORY:\n{history}\nQ ({date}): {current}\nReply in <answer></answer>.")
+    compute_score_sync("s", "</think><ranking>1, 3, 0, 2, 4</ranking>", GT, EXTRA,
+                       **_kw(fake_llm.url, tmp_path, answer_prompt=str(tpl)))
+    assert all(q["messages"][0]["content"].startswith("MEMORY:\n") for q in fake_llm.requests)
+    assert "Q (2023/05/01): What is the name of my dog?" in fake_llm.requests[0]["messages"][0]["content"]

@@ -17,7 +17,7 @@ from memsifter.stage import get_stage
 from memsifter.stages import train
 from memsifter.stages.prepare_rl import ground_truth
 
-from test_collect import STEPS, expected_weights, fsdp_root  # noqa: F401 (fixture)
+from test_collect import STEPS, expected_weights, fsdp_root  # noqa: F401  (a session fixture, shared)
 from test_reward import qwen_like_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def test_training_chain_on_seaweedfs(s3_env, s3_root, tiny_model_dir, fsdp_root,
     # 3. dry-run train: the composed config verl accepts (and validates), DCG reward for this run
     cfg = train.TrainConfig(output=storage.join(s3_root, "train"), data=rl, model=tiny_model_dir,
                             reward={"mode": "dcg"}, local_dir=str(tmp_path / "pod"))
-    composed = OmegaConf.create(train.dry_run(cfg))
+    composed = OmegaConf.create(train.dry_run(cfg, in_process=True))  # the CLI path is in test_train
     assert composed.reward.custom_reward_function.reward_kwargs.mode == "dcg"
     # 4. rewards of sampled responses, through verl's dataset class and DAPO reward manager
     local_rl = storage.download_dir(rl, str(tmp_path / "rl"))
@@ -100,7 +100,7 @@ def test_training_chain_on_seaweedfs(s3_env, s3_root, tiny_model_dir, fsdp_root,
     assert train.complete_steps(ckpt) == list(STEPS)
     # 6. collect every complete step
     col = storage.join(s3_root, "collect")
-    mc = get_stage("collect").run({"output": col, "checkpoints": cfg.output})
+    mc = get_stage("collect").run({"output": col, "checkpoints": cfg.output, "in_process": True})
     assert mc["stats"]["steps"] == list(STEPS)
     # 7. merge them (uniform, float32 accumulation, bf16 out)
     merged = storage.join(s3_root, "merged")

@@ -44,6 +44,8 @@ class CollectConfig(StageConfig):
     require_complete: bool = Field(True, description="only steps marked complete by train (_COMPLETE.json)")
     trust_remote_code: bool = False
     local_dir: str | None = runtime_field(None, "scratch directory for shards and conversion (default: tmp)")
+    in_process: bool = runtime_field(False, "run verl's merger in this process (no interpreter start-up; "
+                                     "default: `python -m verl.model_merger` in a subprocess)")
 
 
 def checkpoint_root(uri: str) -> str:
@@ -60,7 +62,22 @@ def available_steps(root: str, require_complete: bool) -> list[int]:
     return sorted(s for s in (step_of(d) for d in storage.list_dirs(root)) if s is not None)
 
 
-def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_code: bool = False) -> list[str]:
+def _merge_in_process(args: list[str]) -> None:
+    import argparse
+
+    from verl.model_merger.base_model_merger import generate_config_from_args
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    ns = argparse.Namespace(operation="merge", backend="fsdp", local_dir=args[0], target_dir=args[1],
+                            tie_word_embedding=False, trust_remote_code=args[2] == "1", is_value_model=False,
+                            use_cpu_initialization=False, hf_upload_path=None, private=False)
+    merger = FSDPModelMerger(generate_config_from_args(ns))
+    merger.merge_and_save()
+    merger.cleanup()
+
+
+def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_code: bool = False,
+                 in_process: bool = False) -> list[str]:
     """Download one ``…/actor`` prefix's model shards and run verl's FSDP merger into ``target_dir``."""
     local = os.path.join(scratch, "actor")
     files = [f for f in storage.list_files(actor_uri) if NEEDED.match(f)]
@@ -70,14 +87,17 @@ def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_cod
         dest = os.path.join(local, rel)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         storage.copy_file(storage.join(actor_uri, rel), dest)
-    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", local,
-           "--target_dir", target_dir]
-    if trust_remote_code:
-        cmd.append("--trust-remote-code")
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:])
-        raise RuntimeError(f"verl.model_merger failed for {actor_uri}:\n{tail}")
+    if in_process:
+        _merge_in_process([local, target_dir, "1" if trust_remote_code else "0"])
+    else:
+        cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", local,
+               "--target_dir", target_dir]
+        if trust_remote_code:
+            cmd.append("--trust-remote-code")
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:])
+            raise RuntimeError(f"verl.model_merger failed for {actor_uri}:\n{tail}")
     shutil.rmtree(local, ignore_errors=True)
     out = sorted(os.listdir(target_dir))
     if "config.json" not in out or not any(f.endswith(".safetensors") for f in out):
@@ -109,7 +129,8 @@ def run(config: CollectConfig, out: storage.Publication) -> dict:
             scratch = tempfile.mkdtemp(prefix=f"collect-{s}-", dir=config.local_dir)
             try:
                 target = os.path.join(scratch, "hf")
-                convert_step(storage.join(root, name, "actor"), target, scratch, config.trust_remote_code)
+                convert_step(storage.join(root, name, "actor"), target, scratch, config.trust_remote_code,
+                             config.in_process)
                 storage.delete(work)
                 storage.upload_dir(target, work)
                 storage.write_bytes(storage.join(work, DONE), b"ok\n")

@@ -38,6 +38,7 @@ function's ``acc`` metric; the V1 replay buffer bounds over-generation with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -128,6 +129,7 @@ class RewardSettingsConfig(BaseModel):
     max_retries: int = 4
     top_k: int = 10
     cache_uri: str | None = Field(None, description="response cache (local or s3://); default <output>/_work/reward_cache")
+    answer_prompt: str | None = Field(None, description="working-LLM prompt file (default: prompts/chat.txt)")
 
 
 class TrainConfig(StageConfig):
@@ -305,19 +307,37 @@ def placement_request(config: TrainConfig) -> dict:
 
 
 # --------------------------------------------------------------------------- composing (dry run)
-def compose(config: TrainConfig, overrides: list[str] | None = None, timeout: float = 300) -> str:
-    """The fully composed verl config (YAML) via ``main_ppo --cfg job --resolve``; raises on a bad key."""
+def compose(config: TrainConfig, overrides: list[str] | None = None, timeout: float = 300,
+            in_process: bool = False) -> str:
+    """The fully composed verl config (YAML), as ``python -m verl.trainer.main_ppo --cfg job --resolve``
+    prints it; raises ConfigError naming the problem when Hydra refuses an override (unknown key).
+
+    ``in_process`` composes with Hydra's compose API on verl's config module (same defaults list and
+    override grammar; no interpreter start-up)."""
     if overrides is None:
         overrides = verl_overrides(config)
+    if in_process:
+        from hydra import compose as hydra_compose
+        from hydra import initialize_config_module
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import OmegaConf
+
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+                cfg = hydra_compose(config_name="ppo_trainer", overrides=list(overrides))
+        except Exception as e:  # noqa: BLE001 - Hydra's override/key errors
+            raise ConfigError(f"verl rejected the composed config: {type(e).__name__}: {e}") from e
+        finally:
+            GlobalHydra.instance().clear()
+        return OmegaConf.to_yaml(cfg, resolve=True)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--cfg", "job", "--resolve", *overrides]
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
         tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
         raise ConfigError(f"verl rejected the composed config:\n{tail}")
-    text = p.stdout
-    start = text.find("actor_rollout_ref:")
-    return text[start:] if start >= 0 else text
+    return p.stdout  # Hydra prints the YAML alone on stdout (verl's warnings go to stderr)
 
 
 def validate_composed(yaml_text: str) -> Any:
@@ -327,16 +347,17 @@ def validate_composed(yaml_text: str) -> Any:
     from verl.utils.config import validate_config
 
     cfg = OmegaConf.create(yaml_text)
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    with contextlib.redirect_stdout(sys.stderr):  # verl prints its verdict; stdout stays pure YAML
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     return cfg
 
 
-def dry_run(config: TrainConfig, validate: bool = True) -> str:
+def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False) -> str:
     """Compose (and validate) the verl config without starting anything."""
     train, test = data_files(config)
     p = local_paths(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
-    text = compose(config, overrides)
+    text = compose(config, overrides, in_process=in_process)
     if validate:
         validate_composed(text)
     return text
