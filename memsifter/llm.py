@@ -144,7 +144,7 @@ class ChatClient:
     def __init__(self, endpoint: LLMEndpoint, cache: ResponseCache | None = None,
                  backoff_s: float = 1.0, max_backoff_s: float = 30.0):
         self.endpoint = endpoint
-        self.cache = cache or ResponseCache()
+        self.cache = cache if cache is not None else ResponseCache()
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.stats = {"requests": 0, "cached": 0, "retries": 0, "failed": 0}
 

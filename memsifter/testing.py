@@ -128,7 +128,9 @@ def env_vars(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# Token auth off on both sides: Ray 2.59 turns it on in `ray start` when ~/.ray/auth_token exists,
+# while clients that do not send the token are refused.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def _kill_matching(marker: str) -> None:

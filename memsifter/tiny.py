@@ -46,13 +46,15 @@ def build_tiny_model(out_dir: str, corpus: Iterable[str] = (), vocab_size: int =
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + EXTRA_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     texts = list(corpus) + DEFAULT_CORPUS
     tok.train_from_iterator(texts * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None,
                                    additional_special_tokens=["<|im_start|>"])
+    # Tag tokens are ordinary added tokens, as in Qwen3: decoding with skip_special_tokens keeps them.
+    fast.add_tokens(EXTRA_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = max_position_embeddings
     fast.save_pretrained(out_dir)
