@@ -361,3 +361,23 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
 def test_values_file_paths():
     assert (CHART / "Chart.yaml").exists() and (CHART / "templates" / "NOTES.txt").exists()
     assert Path(chart.JOBS_DIR / "values.yaml").exists()
+
+
+# --------------------------------------------------------------------------- k8s/ prerequisites
+K8S_DIR = chart.REPO / "k8s"
+
+
+def test_cluster_prerequisite_manifests_are_valid():
+    docs = [(p, d) for p in sorted(K8S_DIR.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    kinds = {d["kind"] for _, d in docs}
+    assert {"Namespace", "Secret", "Deployment", "Service", "PersistentVolumeClaim"} <= kinds
+    for p, d in docs:
+        for v in K8S_VERSIONS:
+            kubernetes_validate.validate(d, v, strict=True)
+        if d["kind"] == "Secret":  # placeholders only
+            assert set(d["stringData"].values()) == {"CHANGE-ME"}, p
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    secrets = {d["metadata"]["name"]: set(d["stringData"]) for _, d in docs if d["kind"] == "Secret"}
+    s = values["secrets"]
+    assert {s["s3"]["accessKeyIdKey"], s["s3"]["secretAccessKeyKey"]} <= secrets[s["s3"]["name"]]
+    assert s["llm"]["key"] in secrets[s["llm"]["name"]] and s["huggingFace"]["key"] in secrets[s["huggingFace"]["name"]]

@@ -160,3 +160,23 @@ def test_ranking_regex_shape():
     assert rx.fullmatch("<ranking>11, 0, 3</ranking>")
     assert not rx.fullmatch("<ranking>12</ranking>")
     assert not rx.fullmatch("<ranking>" + ", ".join(["1"] * 11) + "</ranking>")
+
+
+def test_result_row_statuses():
+    from memsifter.stages.rank import Prompted, result_row
+
+    cfg = RankConfig(output="x", input="d", embeddings="e", model="m", context_limit=100, max_tokens=10,
+                     vllm={"max_model_len": 200}, top_k=2)
+    p = Prompted("q", [], id_map=["s2", "s0", "s1"], fallback=["s1", "s0", "s2", "s3"])
+    ok = result_row(cfg, p, {"text": "<think>a</think><ranking>session2, 0, 1</ranking>", "error": None}, "rank:m")
+    assert ok["status"] == "ok" and ok["ranked_session_ids"] == ["s1", "s2", "s0", "s3"]
+    bad = result_row(cfg, p, {"text": "I refuse", "error": None}, "rank:m")
+    assert bad["status"] == "fallback" and bad["ranked_session_ids"] == p.fallback
+    assert bad["raw_response"] == "I refuse" and bad["reason"].startswith("parse:")
+    err = result_row(cfg, p, {"text": None, "error": "APIConnectionError"}, "rank:m")
+    assert err["status"] == "error" and "APIConnectionError" in err["reason"] and err["ranked_session_ids"] == p.fallback
+    assert result_row(cfg, p, None, "rank:m")["status"] == "error"
+    skipped = Prompted("q", [], [], ["s0"], skipped="no session fits")
+    assert result_row(cfg, skipped, None, "rank:m")["status"] == "fallback"
+    strict = cfg.model_copy(update={"require_k": True, "top_k": 3})
+    assert result_row(strict, p, {"text": "<ranking>1</ranking>", "error": None}, "m")["status"] == "fallback"

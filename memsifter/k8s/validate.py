@@ -200,7 +200,8 @@ def raycluster_spec_errors(spec: dict, annotations: dict | None = None) -> list[
         if not _containers(wg.get("template")):
             errs.append("workerGroupSpec should have at least one container")
         errs += _group_errors(wg.get("groupName", "?"), wg)
-        lo, hi, rep = wg.get("minReplicas", 0), wg.get("maxReplicas", 2147483647), wg.get("replicas")
+        lo, hi, rep = _int(wg.get("minReplicas", 0)), _int(wg.get("maxReplicas", 2147483647)), wg.get("replicas")
+        rep = rep if isinstance(rep, int) else None
         if lo > hi:
             errs.append(f"worker group {wg.get('groupName')}: minReplicas {lo} > maxReplicas {hi}")
         if rep is not None and not (lo <= rep <= hi) and not spec.get("enableInTreeAutoscaling"):
@@ -248,12 +249,12 @@ def entrypoint_errors(entrypoint: str) -> list[str]:
         tokens = list(lex)
     except ValueError as e:
         return [f"entrypoint does not parse as a shell command: {e}"]
+    if "$(" in entrypoint or "`" in entrypoint:
+        return ["entrypoint contains command substitution (evaluated by the submitter's shell)"]
     ops = [t for t in tokens if t in SHELL_OPERATORS]
     if ops:
         return [f"entrypoint contains shell operators {ops}: KubeRay's submitter splices it into "
                 f"`ray job submit -- <entrypoint>`, so they would run in the submitter pod"]
-    if "$(" in entrypoint or "`" in entrypoint:
-        return ["entrypoint contains command substitution (evaluated by the submitter's shell)"]
     return []
 
 
@@ -261,6 +262,11 @@ def submitted_entrypoint(entrypoint: str) -> str:
     """What the Ray job runs: the submitter shell splits the entrypoint; ``ray job submit`` re-joins
     the words with ``shlex.join`` (ray/dashboard/modules/job/cli.py)."""
     return shlex.join(shlex.split(entrypoint))
+
+
+def _int(v: Any) -> int:
+    """An integer field for comparisons (wrong types are the schema check's business)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def kuberay_errors(rayjob: dict) -> list[str]:
@@ -278,7 +284,7 @@ def kuberay_errors(rayjob: dict) -> list[str]:
     shutdown = bool(spec.get("shutdownAfterJobFinishes"))
     if spec.get("suspend") and not shutdown:
         errs.append("a RayJob with shutdownAfterJobFinishes set to false is not allowed to be suspended")
-    ttl = spec.get("ttlSecondsAfterFinished", 0)
+    ttl = _int(spec.get("ttlSecondsAfterFinished", 0))
     if ttl < 0:
         errs.append("TTLSecondsAfterFinished must be a non-negative integer")
     if not shutdown and ttl > 0:
@@ -296,7 +302,7 @@ def kuberay_errors(rayjob: dict) -> list[str]:
             errs.append("cluster name in ClusterSelector should not be empty")
         if mode == "SidecarMode":
             errs.append("ClusterSelector is not supported in SidecarMode")
-    if mode == "InteractiveMode" and (spec.get("backoffLimit") or 0) > 0:
+    if mode == "InteractiveMode" and _int(spec.get("backoffLimit")) > 0:
         errs.append("BackoffLimit is incompatible with InteractiveMode")
     if mode == "SidecarMode":
         if spec.get("submitterPodTemplate") or spec.get("submitterConfig"):
@@ -312,9 +318,9 @@ def kuberay_errors(rayjob: dict) -> list[str]:
                 errs.append("runtimeEnvYAML is not a mapping")
         except yaml.YAMLError as e:
             errs.append(f"runtimeEnvYAML is not valid YAML: {e}")
-    if spec.get("activeDeadlineSeconds") is not None and spec["activeDeadlineSeconds"] <= 0:
+    if spec.get("activeDeadlineSeconds") is not None and _int(spec["activeDeadlineSeconds"]) <= 0:
         errs.append("activeDeadlineSeconds must be a positive integer")
-    if spec.get("backoffLimit") is not None and spec["backoffLimit"] < 0:
+    if spec.get("backoffLimit") is not None and _int(spec["backoffLimit"]) < 0:
         errs.append("backoffLimit must be a positive integer")
     if mode in ("K8sJobMode", "SidecarMode") and not selector:
         errs += entrypoint_errors(spec.get("entrypoint", ""))

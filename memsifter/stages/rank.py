@@ -332,13 +332,17 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     log.info("rank: %d questions, %d already answered (resumed), %d to generate", len(prompts),
              len(done), len(todo))
     t1 = time.time()
+    failed: dict[str, dict] = {}
     shards = len({r.get("_shard") for r in done.values()})
     if todo:
         gen = (generate_vllm(config, todo) if config.engine == "vllm"
                else generate_endpoint(config, todo, storage.join(out.work, "llm-cache")))
         buf: list[dict] = []
         for g in gen:
-            buf.append({"question_id": g["question_id"], "text": g["text"], "error": g["error"], "_shard": shards})
+            if g.get("error") or g.get("text") is None:
+                failed[g.get("question_id")] = g  # not saved: a re-run (--force) retries only these
+                continue
+            buf.append({"question_id": g["question_id"], "text": g["text"], "error": None, "_shard": shards})
             if len(buf) >= config.shard_size:
                 rankings.write_partial(work, shards, buf)
                 done.update({r["question_id"]: r for r in buf})
@@ -351,7 +355,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     t_gen = time.time() - t1
 
     method = f"rank:{os.path.basename(config.model.rstrip('/'))}"
-    rows = [result_row(config, p, done.get(p.question_id), method) for p in prompts]
+    rows = [result_row(config, p, done.get(p.question_id, failed.get(p.question_id)), method) for p in prompts]
     rankings.write_rankings(out, rows)
     details = pa.table({
         "question_id": [p.question_id for p in prompts],
