@@ -27,7 +27,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from . import storage
 from .errors import ConfigError

@@ -121,3 +121,17 @@ def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_d
     # 3) a re-run of a finished pipeline does nothing
     again = pipeline.run_pipeline(spec, echo=lambda s: None)
     assert all(m.get("skipped") for m in again.values())
+
+
+def test_demo_config_is_valid(tmp_path):
+    """The demo's pipeline (configs/demo.yaml + the stand-in overrides) wires and validates."""
+    from memsifter import demo
+    from memsifter.stage import load_config_file, validate_config
+
+    for spec in (load_config_file(demo.config_path()),
+                 demo.demo_spec(str(tmp_path / "run"), str(tmp_path / "model"), 5, "vllm"),
+                 demo.demo_spec("s3://bucket/demo", str(tmp_path / "model"), 5, "endpoint")):
+        plan = pipeline.wire(spec)
+        assert [n for n, _ in plan] == ["synth", "embed", "rank", "chat", "evaluate"]
+        for name, cfg in plan:
+            validate_config(name, cfg)

@@ -138,6 +138,7 @@ def global_values(infos: list[StageInfo]) -> dict:
         "rayVersion": RAY_VERSION,
         "env": [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
         "cacheVolume": {"sizeLimit": "100Gi", "mountPath": "/cache"},
+        "scratchVolume": {"sizeLimit": "200Gi"},
         "volumes": [],
         "volumeMounts": [],
         "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
@@ -169,6 +170,8 @@ _GLOBAL_COMMENTS = {
     "rayVersion": "Ray version of the images (KubeRay uses it for the cluster spec).",
     "env": "Extra env vars for every Ray pod (name/value or name/valueFrom).",
     "cacheVolume": "emptyDir for model and compile caches (HF_HOME, XDG_CACHE_HOME point here).",
+    "scratchVolume": "emptyDir mounted at /tmp: Ray's session files and stage scratch (train's local_dir:\n"
+                     "  data, model and checkpoint shards before upload). Needs that much node disk.",
     "podSecurityContext": "Pods run as the images' non-root user (uid 1000).",
     "cpuPool": "Scheduling of head pods (and of workers of CPU-only stages).",
     "gpuPool": "Scheduling of GPU worker pods: the GPU node pool's labels and taints (k8s/gpu-node-pool.md).",
@@ -388,6 +391,7 @@ def values_schema(infos: list[StageInfo]) -> dict:
             "env": _ENV,
             "cacheVolume": {"type": "object", "additionalProperties": False, "properties": {
                 "sizeLimit": _SHM, "mountPath": {"type": "string", "pattern": "^/"}}},
+            "scratchVolume": {"type": "object", "additionalProperties": False, "properties": {"sizeLimit": _SHM}},
             "volumes": {"type": "array", "items": {"type": "object"}},
             "volumeMounts": {"type": "array", "items": {"type": "object"}},
             "podSecurityContext": {"type": "object"},
@@ -560,6 +564,7 @@ def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dic
     if name == "minimal-cpu":
         out["gpuPool"] = {"nodeSelector": {}, "tolerations": []}
         out["cacheVolume"] = {"sizeLimit": "5Gi"}
+        out["scratchVolume"] = {"sizeLimit": "5Gi"}
     if name == "training-only":
         out["driver"] = {"pollSeconds": 30}
     return out

@@ -14,7 +14,6 @@ every method) and ``answer_f1_by_type.png``.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 from typing import Literal
@@ -23,6 +22,7 @@ from pydantic import Field
 
 from .. import rankings, storage
 from ..data.model import Dataset, read_dataset
+from ..errors import NotPublishedError
 from ..metrics import mean_metrics, question_metrics
 from ..stage import StageConfig, stage, uri_field
 
@@ -49,7 +49,7 @@ def expand_rankings(uri: str) -> list[tuple[str, str]]:
     per_method = [f for f in files if f.startswith("rankings_") and f.endswith(".parquet")]
     chosen = per_method or [f for f in files if f == rankings.RANKINGS_FILE]
     if not chosen:
-        raise rankings.storage.NotPublishedError(f"{uri}: stage {manifest.get('stage')} published no rankings")
+        raise NotPublishedError(f"{uri}: stage {manifest.get('stage')} published no rankings")
     return [(f[:-8], storage.join(uri, f)) for f in chosen]
 
 

@@ -251,6 +251,8 @@ spec:
           mountPath: /dev/shm
         - name: cache
           mountPath: {{ $v.cacheVolume.mountPath }}
+        - name: scratch
+          mountPath: /tmp
         {{- with $v.volumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -262,6 +264,9 @@ spec:
     - name: cache
       emptyDir:
         sizeLimit: {{ $v.cacheVolume.sizeLimit }}
+    - name: scratch
+      emptyDir:
+        sizeLimit: {{ $v.scratchVolume.sizeLimit }}
     {{- with $v.volumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
