@@ -216,7 +216,7 @@ def test_chat_image_builds_and_runs_stages(s3_root, tiny_model_dir, vllm_endpoin
         stg.get_stage("embed").run({"input": data, "output": ranks, "model": "all-MiniLM-L6-v2",
                                     "gpus_per_worker": 0})
         out = storage.join(s3_root, "chat")
-        cfg = {"input": data, "rankings": ranks, "output": out, "tokenizer": "/models/tiny",
+        cfg = {"input": data, "rankings": ranks, "output": out, "tokenizer": "/models/tiny", "context_tokens": 1024,
                "endpoint": {"base_url": vllm_endpoint, "model": "tiny", "max_tokens": 16, "temperature": 0}}
         p = subprocess.run(run + [tag, "memsifter", "run", "chat", *sum((["--set", f"{k}={json.dumps(v)}"]
                                                                           for k, v in cfg.items()), [])],

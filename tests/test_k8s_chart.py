@@ -381,3 +381,14 @@ def test_cluster_prerequisite_manifests_are_valid():
     s = values["secrets"]
     assert {s["s3"]["accessKeyIdKey"], s["s3"]["secretAccessKeyKey"]} <= secrets[s["s3"]["name"]]
     assert s["llm"]["key"] in secrets[s["llm"]["name"]] and s["huggingFace"]["key"] in secrets[s["huggingFace"]["name"]]
+
+
+@pytest.mark.parametrize("values", [None, CHART / "ci" / "full.yaml"], ids=["defaults", "full"])
+def test_notes_render(values):
+    args = ["install", "lme", str(CHART), "-n", "memsifter", "--dry-run=client"]
+    if values:
+        args += ["-f", str(values)]
+    out = helm(*args).stdout
+    notes = out[out.index("NOTES:"):]
+    assert "run manifest: s3://" in notes
+    assert ("no stage is enabled" in notes) == (values is None)

@@ -60,3 +60,11 @@ def test_local_to_original_and_completion():
     head = to_original(p.ids, id_map)
     assert head == ["s_c", "s_a"]
     assert complete_ranking(head, ["s_d", "s_a", "s_b", "s_c"]) == ["s_c", "s_a", "s_d", "s_b"]
+
+
+def test_prompt_fill_is_single_pass():
+    from memsifter.stages.rank import fill
+
+    tpl = "H:{history}\nQ:{current}"
+    out = fill(tpl, history="session says {current} and {x}", current="what?")
+    assert out == "H:session says {current} and {x}\nQ:what?"

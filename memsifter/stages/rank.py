@@ -32,6 +32,8 @@ crashed run resumes with the questions still missing.
 
 from __future__ import annotations
 
+import re
+
 import logging
 import os
 import time
@@ -66,11 +68,12 @@ def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
 
 
 def fill(template: str, **slots: str) -> str:
-    """Literal slot replacement (session text may contain braces, so no str.format)."""
-    out = template
-    for k, v in slots.items():
-        out = out.replace("{" + k + "}", v)
-    return out
+    """Literal slot replacement in one pass (session text may contain braces or even a slot name
+    like ``{current}``, so neither str.format nor successive replaces)."""
+    if not slots:
+        return template
+    pattern = re.compile("|".join(re.escape("{" + k + "}") for k in slots))
+    return pattern.sub(lambda m: slots[m.group(0)[1:-1]], template)
 
 
 class VLLMSettings(BaseModel):
