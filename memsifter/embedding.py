@@ -258,7 +258,11 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     env_vars = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME",
                                            "VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM")
                 if k in os.environ}
-    kw: dict = {"runtime_env": {"env_vars": env_vars}, "log_to_driver": True, "ignore_reinit_error": True}
+    kw: dict = {"log_to_driver": True, "ignore_reinit_error": True}
+    # Inside a Ray job (a RayJob's entrypoint) the job's own runtime env applies; adding ours there
+    # would conflict with keys the job already sets.
+    if env_vars and not os.environ.get("RAY_JOB_ID") and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        kw["runtime_env"] = {"env_vars": env_vars}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kw)
     else:

@@ -166,7 +166,9 @@ def ray_head(num_cpus: int = 2, resources: str | None = None, timeout: float = 9
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={num_cpus}",
-           f"--temp-dir={tmp}", "--disable-usage-stats", "--include-dashboard=true"]
+           f"--temp-dir={tmp}", "--disable-usage-stats", "--include-dashboard=true",
+           # fixed default ports (agent 52365, metrics) collide with other Ray clusters on the machine
+           f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
     if resources:
         cmd.append(f"--resources={resources}")
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=timeout)

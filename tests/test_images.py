@@ -192,6 +192,14 @@ def test_chat_image_builds_and_runs_stages(s3_root, tiny_model_dir, vllm_endpoin
     build = subprocess.run([str(IMAGES / "build.sh"), "chat", tag, "--network", "host",
                             "--build-arg", f"BASE_IMAGE={base}"], capture_output=True, text=True, timeout=1800)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    try:
+        _run_in_image(tag, s3_root, tiny_model_dir, vllm_endpoint)
+    finally:
+        subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in_image(tag: str, s3_root: str, tiny_model_dir: str, vllm_endpoint: str) -> None:
     from memsifter import storage
 
     env = [f"{k}={v}" for k, v in {**{k: os.environ[k] for k in ("MEMSIFTER_S3_ENDPOINT", "AWS_ACCESS_KEY_ID",
