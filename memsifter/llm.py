@@ -34,17 +34,21 @@ class LLMEndpoint(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # Where and how to call are runtime settings (left out of stage config hashes, as out of the
+    # request cache key): the same model behind another URL gives the same outputs.
     base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://host:8000/v1 "
-                                 "(default: env MEMSIFTER_LLM_BASE_URL or OPENAI_BASE_URL)")
+                                 "(default: env MEMSIFTER_LLM_BASE_URL or OPENAI_BASE_URL)",
+                                 json_schema_extra={"runtime": True})
     model: str = Field("gpt-4o-mini", description="model name served by the endpoint")
-    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var holding the API key")
+    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var holding the API key",
+                             json_schema_extra={"runtime": True})
     temperature: float = Field(0.6, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int = Field(4096, gt=0, description="max new tokens per answer")
     seed: int | None = Field(None, description="sampling seed, if the server honours it")
-    timeout_s: float = Field(300, gt=0, description="per-request timeout")
-    max_retries: int = Field(6, ge=0, description="retries on 429/5xx/timeouts")
-    concurrency: int = Field(16, ge=1, description="requests in flight at once")
+    timeout_s: float = Field(300, gt=0, description="per-request timeout", json_schema_extra={"runtime": True})
+    max_retries: int = Field(6, ge=0, description="retries on 429/5xx/timeouts", json_schema_extra={"runtime": True})
+    concurrency: int = Field(16, ge=1, description="requests in flight at once", json_schema_extra={"runtime": True})
 
     def resolved_base_url(self) -> str | None:
         return self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")

@@ -68,17 +68,26 @@ def runtime_field(default: Any, description: str, **kw: Any) -> Any:
     return Field(default, description=description, json_schema_extra={"runtime": True}, **kw)
 
 
-def _runtime_fields(cls: type[BaseModel]) -> set[str]:
-    out = set()
-    for name, f in cls.model_fields.items():
+def _runtime_exclude(model: BaseModel) -> dict:
+    """Pydantic ``exclude`` spec of the runtime fields of a config, nested models included."""
+    out: dict = {}
+    for name, f in type(model).model_fields.items():
         extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
         if extra.get("runtime"):
-            out.add(name)
+            out[name] = True
+            continue
+        value = getattr(model, name, None)
+        if isinstance(value, BaseModel):
+            sub = _runtime_exclude(value)
+            if sub:
+                out[name] = sub
     return out
 
 
 def config_hash(config: StageConfig) -> str:
-    data = config.model_dump(mode="json", exclude=_runtime_fields(type(config)) | {"output"})
+    """Hash of what a config produces: ``output`` and runtime-only fields (at any depth) left out."""
+    exclude = {**_runtime_exclude(config), "output": True}
+    data = config.model_dump(mode="json", exclude=exclude)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -165,3 +165,15 @@ def test_changed_input_is_not_skipped(store_root, monkeypatch):
     run({"output": up, "repeat": 7})
     run_chain({"input": up, "output": out})
     assert CALLS["n"] == n + 2  # one for the upstream re-run, one for the downstream
+
+
+def test_nested_runtime_fields_are_not_hashed():
+    from memsifter.llm import LLMEndpoint
+
+    class WithEndpoint(stg.StageConfig):
+        endpoint: LLMEndpoint = LLMEndpoint()
+
+    a = WithEndpoint(output="/a", endpoint=LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="m"))
+    b = WithEndpoint(output="/a", endpoint=LLMEndpoint(base_url="http://10.0.0.9:8000/v1", model="m", concurrency=3))
+    c = WithEndpoint(output="/a", endpoint=LLMEndpoint(base_url="http://127.0.0.1:1/v1", model="other"))
+    assert stg.config_hash(a) == stg.config_hash(b) != stg.config_hash(c)
