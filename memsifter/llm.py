@@ -210,21 +210,26 @@ class ChatClient:
     def complete_many(self, batch: Sequence[Sequence[dict]], progress: Any = None,
                       **params: Any) -> list[Completion]:
         """Synchronous wrapper; safe to call from code that already runs an event loop."""
-        coro_fn = lambda: self.acomplete_many(batch, progress, **params)  # noqa: E731
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(coro_fn())
-        box: dict[str, Any] = {}
+        return run_sync(lambda: self.acomplete_many(batch, progress, **params))
 
-        def target() -> None:
-            try:
-                box["r"] = asyncio.run(coro_fn())
-            except BaseException as e:  # noqa: BLE001
-                box["e"] = e
-        t = threading.Thread(target=target)
-        t.start()
-        t.join()
-        if "e" in box:
-            raise box["e"]
-        return box["r"]
+
+def run_sync(coro_fn: Any) -> Any:
+    """Run ``coro_fn()`` to completion from sync code, even where an event loop already runs
+    (then in a fresh loop on a helper thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_fn())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["r"] = asyncio.run(coro_fn())
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["r"]

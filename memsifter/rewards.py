@@ -60,7 +60,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key
+from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key, run_sync
 from .metrics import dcg_over_gold, token_f1
 from .rankings import parse_ranking
 from .render import render_history_texts
@@ -349,24 +349,7 @@ async def _close_scorers() -> None:
                 await s._client.close()
 
 
-def _run_sync(coro_fn: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro_fn())
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["r"] = asyncio.run(coro_fn())
-        except BaseException as e:  # noqa: BLE001
-            box["e"] = e
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "e" in box:
-        raise box["e"]
-    return box["r"]
+_run_sync = run_sync
 
 
 def compute_score_sync(data_source: str, solution_str: str, ground_truth: str,
