@@ -162,8 +162,9 @@ def ray_head(num_cpus: int = 2, resources: str | None = None, timeout: float = 9
     """
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray socket paths are length-limited
     gcs, dash = free_port(), free_port()
-    env = {**os.environ, **RAY_ENV}
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    bindir = os.path.dirname(sys.executable)  # so job entrypoints find `memsifter` without an activated venv
+    env = {**os.environ, **RAY_ENV, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    ray_bin = os.path.join(bindir, "ray")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--num-cpus={num_cpus}",
            f"--temp-dir={tmp}", "--disable-usage-stats", "--include-dashboard=true",

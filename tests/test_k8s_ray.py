@@ -56,8 +56,11 @@ def ray_cluster(pod_env):
     """`ray start --head` on 127.0.0.1 with logical GPUs and the pods' env; yields the dashboard URL."""
     tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")
     gcs, dash = free_port(), free_port()
-    env = {**os.environ, **pod_env, **LOCAL_RAY_ENV}
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    # As in the stage images, `memsifter` is on the PATH of the Ray processes (also when the tests run
+    # as `.venv/bin/python -m pytest` without an activated venv).
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, **pod_env, **LOCAL_RAY_ENV, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    ray_bin = os.path.join(bindir, "ray")
     cmd = [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dash}", f"--num-cpus={CPUS}", f"--num-gpus={GPUS}", f"--temp-dir={tmp}",
            "--disable-usage-stats", "--include-dashboard=true",
