@@ -106,7 +106,7 @@ def test_rank_vllm_ray_data_llm(synth_data, tiny_model_dir, tmp_path, monkeypatc
     try:
         out = str(tmp_path / "rank")
         m = get_stage("rank").run({"output": out, "input": data, "embeddings": emb, "model": tiny_model_dir,
-                                   "context_limit": 1500, "max_tokens": 32, "shard_size": 2,
+                                   "context_limit": 1500, "max_tokens": 32, "shard_size": 2, "ignore_eos": True,
                                    "vllm": {"max_model_len": 2048, "batch_size": 4}})
     finally:
         if started:
@@ -115,6 +115,10 @@ def test_rank_vllm_ray_data_llm(synth_data, tiny_model_dir, tmp_path, monkeypatc
     _check_rows(rows, ds, emb)
     st = m["stats"]
     assert st["generated"] == len(ds.questions) and sum(st["status"].values()) == len(ds.questions)
+    # ignore_eos reaches vLLM through Ray Data LLM: exactly max_tokens per answer, as the engine counted
+    assert st["engine_tokens"]["generated_tokens"] == 32 * len(ds.questions)
+    details_tokens = storage.read_parquet(storage.join(out, "prompts.parquet")).column("prompt_tokens").to_pylist()
+    assert st["engine_tokens"]["prompt_tokens"] == sum(details_tokens)
     assert all(r["raw_response"] for r in rows)  # every question got a real generation
     assert all(r["method"].startswith("rank:") for r in rows)
     # results were saved batch by batch under _work (crash-resume)
@@ -180,3 +184,50 @@ def test_result_row_statuses():
     assert result_row(cfg, skipped, None, "rank:m")["status"] == "fallback"
     strict = cfg.model_copy(update={"require_k": True, "top_k": 3})
     assert result_row(strict, p, {"text": "<ranking>1</ranking>", "error": None}, "m")["status"] == "fallback"
+
+
+def test_sampling_params_ignore_eos_and_engine_env(monkeypatch):
+    from memsifter.stages.rank import sampling_params
+    from memsifter.vllm_env import engine_env
+
+    base = dict(output="x", input="d", embeddings="e", model="m", context_limit=100, max_tokens=10,
+                vllm={"max_model_len": 200})
+    assert "ignore_eos" not in sampling_params(RankConfig(**base))
+    assert sampling_params(RankConfig(**base, ignore_eos=True))["ignore_eos"] is True
+    # found on the GPU run: vLLM's sampler imports FlashInfer unless told not to
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    assert engine_env() == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # the user's choice stands
+    assert engine_env() == {}
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a))
+    assert engine_env() == {}
+
+
+def test_limit_ranks_only_the_first_questions(synth_data, tiny_model_dir, tmp_path, monkeypatch):
+    """``limit``: the stage body with the generator replaced (a stand-in for vLLM; the real engine is
+    exercised in test_rank_vllm_ray_data_llm)."""
+    from memsifter.stages import rank
+
+    data, emb, ds = synth_data
+    seen = []
+
+    def fake_generate(config, todo):
+        seen.extend(p.question_id for p in todo)
+        for p in todo:
+            yield {"question_id": p.question_id, "text": "<ranking>0</ranking>", "error": None,
+                   "prompt_tokens": 7, "generated_tokens": 3}
+
+    monkeypatch.setattr(rank, "generate_vllm", fake_generate)
+    out = str(tmp_path / "rank-limit")
+    m = get_stage("rank").run({"output": out, "input": data, "embeddings": emb, "model": tiny_model_dir,
+                               "context_limit": 1500, "max_tokens": 8, "limit": 2,
+                               "vllm": {"max_model_len": 2048}})
+    assert seen == [q.question_id for q in ds.questions[:2]]
+    assert [r["question_id"] for r in rankings.read_rankings(out)] == seen
+    assert m["stats"]["engine_tokens"] == {"prompt_tokens": 14, "generated_tokens": 6}
+    assert m["stats"]["status"]["ok"] == 2

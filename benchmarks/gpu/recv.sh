@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine: keep every carried bundle piece (.gpu/pNN) outside the returned-files folder,
+# checking each against its recorded sha256. Run at the start of every staging call.
+set -euo pipefail
+S=${MEMSIFTER_GPU_STAGE:-/root/gpu-stage}
+mkdir -p "$S"
+for d in .gpu/p[0-9][0-9]; do
+  [ -f "$d/piece" ] || continue
+  want=$(python3 -c "import json,sys;print(json.load(open('$d/piece.json'))['sha256'])")
+  got=$(sha256sum "$d/piece" | cut -d' ' -f1)
+  if [ "$want" != "$got" ]; then echo "recv: $d: sha256 mismatch ($got != $want)" >&2; exit 1; fi
+  cp "$d/piece" "$S/$(basename "$d")"; cp "$d/piece.json" "$S/$(basename "$d").json"
+  echo "recv: $(basename "$d") ok ($(stat -c %s "$d/piece") bytes)"
+done
+echo "recv: staged so far: $(ls "$S" | grep -c 'json$') piece(s) in $S"

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""A real DAPO run of our train stage on one GPU, then resume from S3, collect and merge.
+
+    source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_train.py --out "$OUT"
+
+On the lent GPU machine (see README.md here). Every step goes through the ``memsifter`` CLI, as a user
+runs it; the object store is a SeaweedFS (``weed mini``) started here:
+
+1. ``data synth`` -> ``run prepare-rl`` (short histories) on S3;
+2. a small Qwen3-shaped model with random weights and its tokenizer (built here);
+3. ``run train`` (verl 0.9.1 DAPO: FSDP actor, vLLM async rollout, ``reward.mode=dcg``) for
+   ``--steps`` optimizer steps with a checkpoint save, uploaded to S3 by our callback;
+4. ``run train`` again with more steps on an *empty* local dir: it must resume from S3;
+5. ``run collect`` (verl model_merger) and ``run merge`` on those checkpoints; the merged model loads
+   and generates.
+
+Writes ``train.md`` (table) and the logs into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+SMALL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=32768,
+             rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def sh(cmd: list[str], log: str, env: dict | None = None, check: bool = True) -> tuple[int, float]:
+    print(f"\n$ {' '.join(cmd)}   (log: {os.path.basename(log)})", flush=True)
+    t = time.time()
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or os.environ.copy(), cwd=ROOT)
+    dt = time.time() - t
+    tail = open(log, errors="replace").read().splitlines()[-25:]
+    print(f"  -> exit {p.returncode} in {dt:.1f}s", flush=True)
+    if p.returncode != 0:
+        print("\n".join("  | " + line for line in tail), flush=True)
+        if check:
+            raise SystemExit(f"failed: {' '.join(cmd)}")
+    return p.returncode, dt
+
+
+def ms(*args: str) -> list[str]:
+    return [sys.executable, "-m", "memsifter.cli", *args]
+
+
+def write_yaml(path: str, data: dict) -> str:
+    import yaml
+
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    return path
+
+
+def verl_steps(log: str) -> list[dict]:
+    """verl's console logger lines 'step:N - key:value - ...' as dicts."""
+    rows = []
+    for line in open(log, errors="replace"):
+        m = re.search(r"step:(\d+) - (.*)$", line)
+        if not m:
+            continue
+        row = {"step": int(m.group(1))}
+        for kv in m.group(2).split(" - "):
+            k, _, v = kv.partition(":")
+            try:
+                row[k.strip()] = float(v)
+            except ValueError:
+                pass
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--work", default="/root/gpu-train")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--more-steps", type=int, default=2, help="steps of the resumed run")
+    ap.add_argument("--batch", type=int, default=8, help="prompts per step")
+    ap.add_argument("--n", type=int, default=4, help="rollouts per prompt")
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=3072)
+    ap.add_argument("--phase", default="all", choices=["all", "first", "resume", "collect"])
+    ap.add_argument("--extra", nargs="*", default=[], help="extra verl overrides")
+    ap.add_argument("--dry-run", action="store_true", help="compose the verl config only (runs on a CPU machine)")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    from memsifter import storage
+    from memsifter.testing import seaweedfs
+    from memsifter.tiny import build_random_model
+
+    with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
+        os.environ.update(s3.env())
+        storage.ensure_bucket("s3://memsifter/")
+        run = "s3://memsifter/gpu"
+        # 1-2: data and model
+        model = os.path.join(a.work, "model")
+        t = time.time()
+        build_random_model(model, SMALL, corpus=[], tokenizer_vocab=4000, dtype="bfloat16")
+        print(f"model {model} in {time.time() - t:.1f}s", flush=True)
+        sh(ms("data", "synth", f"{run}/synth", "--questions", "48", "--sessions", "12", "--seed", "0"),
+           f"{a.out}/synth.log")
+        cfg = write_yaml(f"{a.work}/prepare_rl.yaml", {
+            "output": f"{run}/rl", "datasets": [f"{run}/synth"], "tokenizer": model,
+            "recipe": {"train": {"synth": 40}, "test": {"synth": 8}},
+            "history_budget_tokens": a.prompt - 512, "max_prompt_tokens": a.prompt, "shard_rows": 2000})
+        sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl.log")
+
+        def train_cfg(total: int, local: str) -> str:
+            return write_yaml(f"{a.work}/train_{total}.yaml", {
+                "output": f"{run}/train", "data": f"{run}/rl", "model": model,
+                "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "gpu-proof",
+                "reward": {"mode": "dcg"}, "local_dir": local, "keep_local_checkpoints": 2,
+                "dapo": {"max_prompt_length": a.prompt, "max_response_length": a.response,
+                         "overlong_buffer_len": a.response // 4, "train_batch_size": a.batch,
+                         "gen_batch_size": a.batch, "ppo_mini_batch_size": a.batch, "rollout_n": a.n,
+                         "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1,
+                         "param_offload": False, "optimizer_offload": False,
+                         # a random model never writes a valid ranking: every group would be
+                         # filtered as zero-variance and the run would only generate
+                         "filter_groups": False,
+                         "rollout_gpu_memory_utilization": 0.4, "save_freq": a.steps, "test_freq": -1,
+                         "total_training_steps": total, "lr_warmup_steps": 0},
+                "extra_overrides": list(a.extra),
+            })
+
+        rows = []
+        if a.dry_run:
+            sh(ms("run", "train", "--config", train_cfg(a.steps, f"{a.work}/pod1"), "--dry-run"), f"{a.out}/dry.log")
+            print(open(f"{a.out}/dry.log").read()[-1500:])
+            return
+        if a.phase in ("all", "first"):
+            # 3: first run, fresh
+            shutil.rmtree(f"{a.work}/pod1", ignore_errors=True)
+            rc, dt1 = sh(ms("run", "train", "--config", train_cfg(a.steps, f"{a.work}/pod1")), f"{a.out}/train1.log",
+                         check=False)
+            rows.append(("train (fresh)", rc, dt1, verl_steps(f"{a.out}/train1.log")))
+            if rc != 0:
+                raise SystemExit("train run 1 failed")
+        if a.phase in ("all", "resume"):
+            # 4: resume from S3 on an empty local dir
+            shutil.rmtree(f"{a.work}/pod2", ignore_errors=True)
+            rc, dt2 = sh(ms("run", "train", "--config", train_cfg(a.steps + a.more_steps, f"{a.work}/pod2")),
+                         f"{a.out}/train2.log", check=False)
+            rows.append(("train (resumed)", rc, dt2, verl_steps(f"{a.out}/train2.log")))
+        ckpts = storage.read_json(f"{run}/train/checkpoints.json") if storage.exists(f"{run}/train/checkpoints.json") else {}
+        print("checkpoints in S3:", ckpts, flush=True)
+        steps = [str(s) for s in ckpts.get("steps", [])]
+        if a.phase in ("all", "collect") and steps:
+            sh(ms("run", "collect", "--checkpoints", f"{run}/train", "--output", f"{run}/collect"), f"{a.out}/collect.log")
+            sh(ms("run", "merge", "--checkpoints", f"{run}/collect", "--steps", *steps, "--output", f"{run}/merged"),
+               f"{a.out}/merge.log")
+            local = storage.download_dir(f"{run}/merged", f"{a.work}/merged")
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            m = AutoModelForCausalLM.from_pretrained(local, dtype=torch.bfloat16).cuda()
+            g = m.generate(torch.tensor([[5, 6, 7]], device="cuda"), max_new_tokens=4, do_sample=False)
+            print(f"merged model of steps {steps} loads and generates: {g.tolist()}", flush=True)
+        # table
+        keys = ["critic/score/mean", "critic/rewards/mean", "acc/mean", "response_length/mean", "timing_s/step",
+                "timing_s/gen", "timing_s/update_actor", "timing_s/save_checkpoint", "perf/throughput",
+                "perf/total_num_tokens", "actor/pg_loss", "actor/grad_norm"]
+        lines = ["| run | exit | wall s | step | " + " | ".join(keys) + " | rollout tok/s |",
+                 "|---|---|---|---|" + "---|" * len(keys) + "---|"]
+        for name, rc, dt, steps_ in rows:
+            for r in steps_ or [{"step": "-"}]:
+                gen_tok = r.get("response_length/mean", 0) * a.batch * a.n
+                tps = f"{gen_tok / r['timing_s/gen']:.0f}" if r.get("timing_s/gen") else "-"
+                vals = [f"{r[k]:.4g}" if k in r else "-" for k in keys]
+                lines.append(f"| {name} | {rc} | {dt:.0f} | {r['step']} | " + " | ".join(vals) + f" | {tps} |")
+        text = "\n".join(lines)
+        print("\n" + text, flush=True)
+        with open(f"{a.out}/train.md", "w") as f:
+            f.write(text + "\n\ncheckpoints: " + json.dumps(ckpts) + "\n")
+
+
+if __name__ == "__main__":
+    main()

