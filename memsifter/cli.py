@@ -102,11 +102,22 @@ def _stage_main(argv: Sequence[str]) -> int:
                 print(f"  {name:<12} (unavailable: {e})")
         print("\n`memsifter run STAGE --help` lists a stage's options.")
         return 0
-    name, rest = argv[0], list(argv[1:])
+    return run_stage_cli(argv[0], list(argv[1:]))
+
+
+def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
+                  positionals: Sequence[tuple[str, str]] = ()) -> int:
+    """One command line per stage, generated from its config: ``memsifter run NAME`` and the
+    front doors that are the same stage (``memsifter data import SRC DEST`` = ``run import`` with
+    ``source``/``output`` given positionally); same flags, same precedence, same skip/--force."""
+    from . import stage as stg
+
     st = stg.get_stage(name)
-    p = argparse.ArgumentParser(prog=f"memsifter run {name}", description=st.help,
+    p = argparse.ArgumentParser(prog=prog or f"memsifter run {name}", description=st.help,
                                 epilog="Any field, nested ones too: --set key.sub=value. "
                                        "Precedence: --config < flags < --set.")
+    for field, meta in positionals:
+        p.add_argument(f"_pos_{field}", metavar=meta, help=f"the {field!r} field")
     p.add_argument("--config", help="YAML/JSON config file (local path or s3:// URI)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
     p.add_argument("--force", action="store_true", help="run even if the output is already published")
@@ -120,12 +131,16 @@ def _stage_main(argv: Sequence[str]) -> int:
     if args.schema:
         print(json.dumps(st.config.model_json_schema(), indent=2))
         return 0
-    cfg = stg.build_config(name, args.config, args.set, {f: getattr(args, f) for f in fields})
+    flags = {f: getattr(args, f) for f in fields}
+    for field, _ in positionals:
+        flags[field] = getattr(args, f"_pos_{field}")
+    cfg = stg.build_config(name, args.config, args.set, flags)
     if args.print_config:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
     manifest = st.run(cfg, force=args.force)
-    report_manifest(cfg.output, manifest)
+    if not manifest.get("dry_run"):
+        report_manifest(cfg.output, manifest)
     return 0
 
 
@@ -141,17 +156,14 @@ def report_manifest(uri: str, manifest: dict) -> None:
 def _data_main(argv: Sequence[str]) -> int:
     from . import stage as stg
 
+    if argv and argv[0] == "import":
+        return run_stage_cli("import", list(argv[1:]), prog="memsifter data import",
+                             positionals=(("source", "SRC"), ("output", "DEST")))
     p = argparse.ArgumentParser(prog="memsifter data", description="Import, export, synthesise and inspect datasets")
     p.add_argument("-v", "--verbose", action="count", default=0)
     sub = p.add_subparsers(dest="cmd", required=True)
-    imp = sub.add_parser("import", help="convert a raw source file into a memsifter dataset")
-    imp.add_argument("--format", required=True, choices=["longmemeval", "locomo", "personamem", "memsifter"])
-    imp.add_argument("--dataset-name", default=None, help="value of the 'dataset' column (default: per format)")
-    imp.add_argument("--questions", default=None,
-                     help="personamem: the questions CSV (SRC is then the shared-contexts JSONL)")
-    imp.add_argument("--force", action="store_true")
-    imp.add_argument("src", help="source file URI (json, json.gz, csv, jsonl, parquet)")
-    imp.add_argument("dest", help="output dataset URI")
+    sub.add_parser("import", help="convert a raw source file into a memsifter dataset (= memsifter run import "
+                                  "--source SRC --output DEST; `memsifter data import --help` lists its flags)")
     exp = sub.add_parser("export", help="export a dataset to MemSifter-style parquet (one row per question)")
     exp.add_argument("--format", default="memsifter", choices=["memsifter"])
     exp.add_argument("src")
@@ -166,15 +178,7 @@ def _data_main(argv: Sequence[str]) -> int:
     info.add_argument("uri")
     args = p.parse_args(argv)
     setup_logging(args.verbose)
-    if args.cmd == "import":
-        cfg = {"format": args.format, "source": args.src, "output": args.dest}
-        if args.dataset_name:
-            cfg["dataset_name"] = args.dataset_name
-        if args.questions:
-            cfg["questions_file"] = args.questions
-        m = stg.get_stage("import").run(cfg, force=args.force)
-        report_manifest(args.dest, m)
-    elif args.cmd == "synth":
+    if args.cmd == "synth":
         cfg = {"output": args.dest, "questions": args.questions, "sessions_per_question": args.sessions,
                "seed": args.seed}
         m = stg.get_stage("synth").run(cfg, force=args.force)

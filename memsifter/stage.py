@@ -137,6 +137,9 @@ class Stage:
     help: str
     gpus: int = 0                                   # GPUs one worker of this stage wants by default
     needs: list[str] = field(default_factory=list)  # names of stages it reads from (for pipelines)
+    # Runs instead of the body when the config says ``dry_run``: before the output store is touched
+    # (no manifest read, no staging, nothing published), so an unreachable store cannot stop it.
+    preview: Callable | None = None
 
     def published(self, config: StageConfig) -> dict | None:
         """The manifest at ``config.output`` if it holds this stage's output for this exact config
@@ -151,6 +154,8 @@ class Stage:
     def run(self, config: StageConfig | dict, force: bool = False) -> dict:
         if isinstance(config, dict):
             config = validate_config(self.name, config)
+        if self.preview is not None and getattr(config, "dry_run", False):
+            return {"stage": self.name, "dry_run": True, **(self.preview(config) or {})}
         h = config_hash(config)
         existing = storage.try_manifest(config.output)
         if existing and not force and self.published(config):
@@ -177,11 +182,11 @@ STAGES: dict[str, Stage] = {}
 
 
 def stage(name: str, config: type[StageConfig], *, family: str, help: str, gpus: int = 0,
-          needs: list[str] | None = None) -> Callable:
+          needs: list[str] | None = None, preview: Callable | None = None) -> Callable:
     """Register a stage body; returns the module-level ``run(config, force=False)``."""
 
     def deco(body: Callable) -> Callable[..., dict]:
-        st = Stage(name, config, body, family, help, gpus, needs or [])
+        st = Stage(name, config, body, family, help, gpus, needs or [], preview)
         STAGES[name] = st
 
         def run(cfg: StageConfig | dict, force: bool = False) -> dict:

@@ -6,6 +6,7 @@ import csv
 import gzip
 import io
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -217,14 +218,50 @@ def test_locomo_evidence_naming_a_missing_session(tmp_path, capsys):
     src = put(str(tmp_path / "locomo10.json"), json.dumps(data))
     out = str(tmp_path / "out")
     with pytest.raises(InputError) as ei:
-        _import("locomo", src, out)
+        _import("locomo", src, out, on_bad_evidence="error")
     assert (ei.value.file, ei.value.item, ei.value.field) == (src, "conversation 'conv-1' qa #2", "evidence[0]")
-    assert_import_fails(capsys, ["data", "import", "--format", "locomo", src, out], out,
-                        src, "conversation 'conv-1' qa #2", "field 'evidence[0]'", "session 3")
-    # Opt-in recovery: drop the id and record it.
-    _import("locomo", src, out, on_bad_evidence="drop")
+    assert_import_fails(capsys, ["data", "import", "--format", "locomo", "--on-bad-evidence", "error", src, out],
+                        out, src, "conversation 'conv-1' qa #2", "field 'evidence[0]'", "session 3")
+    # The default: drop the id, record it, and say so.
+    _import("locomo", src, out)
     q = read_dataset(out).question("conv-1_q2")
     assert q.gold_session_ids == [] and q.extra["evidence_dropped"] == ["D3:1"]
+
+
+def test_locomo_official_malformed_ids_import_with_the_default_command(tmp_path, capsys):
+    """The official locomo10.json has ids like 'D', 'D:11:26', 'D8:6; D9:17' and space-separated
+    lists: the README command imports it, parsing what parses and dropping the rest with a warning."""
+    from memsifter.cli import main
+
+    data = locomo_data()
+    data[0]["qa"][0]["evidence"] = ["D1:1", "D"]              # conv-42 qa #88 in the official file
+    data[0]["qa"][1]["evidence"] = ["D1:2 D", "D:2:1"]        # a list with a stray token; a colon variant
+    src = put(str(tmp_path / "locomo10.json"), json.dumps(data))
+    out = str(tmp_path / "out")
+    assert main(["data", "import", "--format", "locomo", src, out]) == 0
+    err = capsys.readouterr().err
+    q = {x.question_id: x for x in read_dataset(out).questions}
+    assert q["conv-1_q0"].gold_session_ids == ["conv-1_session_1"] and q["conv-1_q0"].extra["evidence_dropped"] == ["D"]
+    assert q["conv-1_q1"].gold_session_ids == ["conv-1_session_1", "conv-1_session_2"]
+    assert q["conv-1_q1"].extra["evidence_dropped"] == ["D"]
+    assert "conversation 'conv-1' qa #0: evidence[1]: malformed dia_id 'D' in 'D': dropped" in err
+    stats = storage.read_manifest(out)["stats"]["read"]
+    assert stats["evidence_ids_dropped"] == 2
+    assert {"item": "conversation 'conv-1' qa #1", "value": "D1:2 D", "dropped": "D"} in stats["evidence_dropped_examples"]
+
+
+def test_data_import_and_run_import_are_one_command(capsys):
+    """One front door: `data import` is the import stage's generated command line (same flags)."""
+    from memsifter.cli import main
+
+    def flags(argv):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        return sorted(set(re.findall(r"--[a-z][a-z-]+", text)) - {"--help", "--source", "--output"})
+
+    assert flags(["data", "import", "--help"]) == flags(["run", "import", "--help"])
+    assert "--on-bad-evidence" in flags(["data", "import", "--help"])
 
 
 # --------------------------------------------------------------------------- PersonaMem
@@ -510,3 +547,23 @@ def test_dataset_name_from_file_name():
     assert f("longmemeval_oracle.json.gz") == "longmemeval_oracle"
     assert f("data.json") == "longmemeval_s"
 
+
+
+def test_real_sample_files_import_with_the_readme_command(shared_dir, tmp_path):
+    """The real files (../shared/data: 2 LoCoMo conversations, 30 LongMemEval_S questions) import with
+    the README's default command, nothing dropped silently."""
+    from memsifter.cli import main
+
+    loc = str(tmp_path / "locomo")
+    assert main(["data", "import", "--format", "locomo", str(shared_dir / "data" / "locomo_dev2.json.gz"), loc]) == 0
+    ds = read_dataset(loc)
+    st = storage.read_manifest(loc)["stats"]["read"]
+    assert st["conversations"] == 2 and len(ds.questions) > 100
+    dropped = sum(len(q.extra.get("evidence_dropped", [])) for q in ds.questions)
+    assert dropped == st.get("evidence_ids_dropped", 0)
+    scored = [q for q in ds.questions if q.question_type != "adversarial"]
+    assert sum(1 for q in scored if q.gold_session_ids) >= 0.95 * len(scored)
+    lme = str(tmp_path / "lme")
+    assert main(["data", "import", "--format", "longmemeval", str(shared_dir / "data" / "longmemeval_s_dev30.json.gz"),
+                 lme]) == 0
+    assert len(read_dataset(lme).questions) == 30

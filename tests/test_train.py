@@ -265,3 +265,17 @@ def test_overrides_turn_off_flashinfer_sampler_when_absent(tmp_path, monkeypatch
     cfg = TrainConfig(output=str(tmp_path / "t"), data=fake_prepare_rl(str(tmp_path / "rl")))
     ov = verl_overrides(cfg)
     assert "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_FLASHINFER_SAMPLER='0'" in ov
+
+
+def test_dry_run_never_touches_the_output_store_and_says_what_it_did_not_check(tmp_path):
+    """An unreachable S3 endpoint stops neither the composition nor the validation of a dry run."""
+    env = {**os.environ, "MEMSIFTER_S3_ENDPOINT": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1"}
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "train", "--dry-run",
+                        "--data", "s3://nowhere/rl", "--output", "s3://nowhere/train", "--set", "reward.mode=dcg",
+                        "--local-dir", "/scratch"], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["data"]["train_files"] == ["/scratch/data/train_00000.parquet"]
+    assert "# not checked:" in p.stderr and "data s3://nowhere/rl: not read" in p.stderr
+    assert "output s3://nowhere/train: not touched" in p.stderr

@@ -19,8 +19,10 @@ Formats (``format`` field; ``source`` and ``questions_file`` are URIs, local or 
     `` [shares image: {blip_caption}]``. Every QA becomes question ``{sample_id}_q{idx}`` whose
     haystack is all sessions of its conversation in N order. Gold = the sessions named by the
     evidence dia_ids, after normalising malformed ids (``"D8:6; D9:17"`` -> two ids, ``"D:11:26"``
-    -> ``D11:26``, ``"D30:05"`` -> ``D30:5``). Decisions: an id whose *session* does not exist is an
-    error (``on_bad_evidence: drop`` drops it instead and records it in ``extra``); an id whose
+    -> ``D11:26``, ``"D30:05"`` -> ``D30:5``). Decisions: by default (``on_bad_evidence: drop``, as the
+    official file needs) a token that cannot be parsed (``"D"``) or an id whose *session* does not
+    exist is dropped with a warning naming conversation, QA and value, recorded in the question's
+    ``extra.evidence_dropped`` and in the import summary (``on_bad_evidence: error`` stops); an id whose
     session exists but whose turn does not is recoverable (the gold unit is the session): kept, with
     a warning and ``extra.evidence_unresolved_turns``; an empty evidence string is skipped.
     Category 5 (adversarial) QAs without ``answer`` are kept with ``answer`` = ``adversarial_answer``
@@ -97,8 +99,9 @@ class ImportConfig(StageConfig):
     session_messages: int = Field(20, ge=1, description="personamem: messages per session block "
                                                        "(sessions also start at every system message)")
     on_bad_evidence: Literal["error", "drop"] = Field(
-        "error", description="locomo: an evidence id naming a session that does not exist is an error, "
-                             "or is dropped (recorded in extra)")
+        "drop", description="locomo: an evidence id that cannot be parsed (e.g. 'D') or names a session that "
+                            "does not exist is dropped with a warning (recorded in the question's extra and in "
+                            "the import summary), or is an error")
 
 
 # --------------------------------------------------------------------------- reading
@@ -348,11 +351,12 @@ def normalise_evidence(raw: str) -> tuple[list[tuple[int, int]], list[str]]:
     return pairs, bad
 
 
-def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = "error") -> tuple[Dataset, dict]:
+def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = "drop") -> tuple[Dataset, dict]:
     convs = _load_json_list(_read_raw(uri), uri, what="conversation", id_key="sample_id")
     dataset = dataset or "locomo"
     b = DatasetBuilder(uri)
     st: Counter = Counter()
+    examples: list[dict] = []  # dropped evidence values, for the import summary (first 20)
     for ci, conv in enumerate(_progress(convs, desc="locomo", unit="conv")):
         citem = f"conversation #{ci}"
         if not isinstance(conv, dict):
@@ -439,11 +443,16 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                                      field=f"evidence[{ei}]")
                 pairs, bad = normalise_evidence(raw)
                 if bad:
-                    if on_bad_evidence == "drop":
-                        dropped.extend(bad)
-                        continue
-                    raise InputError(f"malformed dia_id {bad[0]!r} in {raw!r}", file=uri, item=qitem,
-                                     field=f"evidence[{ei}]")
+                    if on_bad_evidence != "drop":
+                        raise InputError(f"malformed dia_id {bad[0]!r} in {raw!r}", file=uri, item=qitem,
+                                         field=f"evidence[{ei}]")
+                    # parse what can be parsed ('D8:6 D' keeps D8:6), drop the rest, say so
+                    for tok in bad:
+                        dropped.append(tok)
+                        log.warning("%s: %s: evidence[%d]: malformed dia_id %r in %r: dropped", uri, qitem, ei,
+                                    tok, raw)
+                        if len(examples) < 20:
+                            examples.append({"item": qitem, "value": raw, "dropped": tok})
                 if len(pairs) != 1 or raw.strip() != f"D{pairs[0][0]}:{pairs[0][1]}":
                     st["evidence_ids_normalised"] += 1
                 for sn, tn in pairs:
@@ -453,6 +462,9 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                             dropped.append(norm)
                             log.warning("%s: %s: evidence %s names session %d, which does not exist: dropped",
                                         uri, qitem, norm, sn)
+                            if len(examples) < 20:
+                                examples.append({"item": qitem, "value": raw,
+                                                                        "dropped": norm})
                             continue
                         raise InputError(f"evidence {raw!r} names session {sn}, which does not exist "
                                          f"(sessions: {numbers[0]}..{numbers[-1]})", file=uri, item=qitem,
@@ -481,7 +493,10 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                                     haystack_dates=list(dates), extra=extra))
             st["qa"] += 1
     ds = b.build()
-    return ds, {"conversations": len(convs), **dict(sorted(st.items()))}
+    out = {"conversations": len(convs), **dict(sorted(st.items()))}
+    if examples:
+        out["evidence_dropped_examples"] = examples
+    return ds, out
 
 
 # --------------------------------------------------------------------------- PersonaMem

@@ -354,9 +354,19 @@ def validate_composed(yaml_text: str) -> Any:
     return cfg
 
 
-def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False) -> str:
-    """Compose (and validate) the verl config without starting anything."""
-    train, test = data_files(config)
+def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False,
+            unchecked: list[str] | None = None) -> str:
+    """Compose (and validate) the verl config without starting anything.
+
+    The output store is not touched; the prepare-rl manifest is read for the file names when it can
+    be, else the usual names stand in and the reason is appended to ``unchecked``."""
+    try:
+        train, test = data_files(config)
+    except Exception as e:  # noqa: BLE001 - unreachable store, missing/unpublished input: still compose
+        train, test = ["train_00000.parquet"], ["test.parquet"]
+        if unchecked is not None:
+            unchecked.append(f"data {config.data}: not read ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                             f"file names assumed: {train + test}")
     p = local_paths(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
     text = compose(config, overrides, in_process=in_process)
@@ -565,14 +575,23 @@ def _run_verl(overrides: list[str]) -> None:
         raise RuntimeError(f"verl main_ppo exited with status {rc}")
 
 
-@stage("train", TrainConfig, family="train", gpus=8, needs=["prepare-rl"],
+def preview(config: TrainConfig) -> dict:
+    """``--dry-run``: print the composed verl config (stdout) and what was not checked (stderr)."""
+    unchecked: list[str] = []
+    print(dry_run(config, unchecked=unchecked))
+    unchecked += [f"output {config.output}: not touched (no manifest read, nothing published)",
+                  f"model {config.model}: not loaded (verl loads it at start)",
+                  f"checkpoints under {checkpoint_uri(config)}: not listed (resume is decided at start)"]
+    if config.reward.mode == "task":
+        unchecked.append(f"working LLM {config.reward.base_url}: not called")
+    print("# dry run: verl config composed and validated; nothing was started or published\n# not checked:\n"
+          + "\n".join(f"#   - {u}" for u in unchecked), file=sys.stderr)
+    return {"unchecked": unchecked}
+
+
+@stage("train", TrainConfig, family="train", gpus=8, needs=["prepare-rl"], preview=preview,
        help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
 def run(config: TrainConfig, out: storage.Publication) -> dict:
-    if config.dry_run:
-        print(dry_run(config))
-        print("# dry run: verl config composed and validated; nothing was started or published",
-              file=sys.stderr)
-        raise SystemExit(0)
     train, test = data_files(config)
     p = local_paths(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
