@@ -98,6 +98,8 @@ class ImportConfig(StageConfig):
     dataset_name: str | None = Field(None, description="value of the 'dataset' column (default: per format)")
     session_messages: int = Field(20, ge=1, description="personamem: messages per session block "
                                                        "(sessions also start at every system message)")
+    limit: int | None = Field(None, ge=1, description="keep only the first N questions (and the sessions they "
+                                                     "reference): samples, demos, smoke runs")
     on_bad_evidence: Literal["error", "drop"] = Field(
         "drop", description="locomo: an evidence id that cannot be parsed (e.g. 'D') or names a session that "
                             "does not exist is dropped with a warning (recorded in the question's extra and in "
@@ -872,6 +874,11 @@ def run(config: ImportConfig, out: storage.Publication) -> dict:
     if config.questions_file and config.format != "personamem":
         log.warning("import: questions_file is only read for format personamem; ignoring %s", config.questions_file)
     ds, read = load(config)
+    if config.limit and len(ds.questions) > config.limit:
+        keep = ds.questions[:config.limit]
+        used = {s for q in keep for s in q.haystack_session_ids}
+        ds = Dataset({k: v for k, v in ds.sessions.items() if k in used}, keep)
+        read["limited_to_questions"] = config.limit
     stats = ds.write(out)
     log.info("import: read %s", ", ".join(f"{k}={v}" for k, v in read.items()))
     log.info("import: writing %d questions, %d sessions (%d references, %d gold) to %s", stats["questions"],
