@@ -126,8 +126,6 @@ def quiet_terminal(log_path: str, verbose: bool):
     if verbose:
         yield sys.stdout
         return
-    import logging
-
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -135,7 +133,6 @@ def quiet_terminal(log_path: str, verbose: bool):
     log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    root = logging.getLogger()
     try:
         yield term
     finally:
@@ -146,7 +143,7 @@ def quiet_terminal(log_path: str, verbose: bool):
         for fd in saved:
             os.close(fd)
         log.close()
-        del root
+        term.close()
 
 
 def first_stage_table(results: dict[str, dict]) -> list[str]:
