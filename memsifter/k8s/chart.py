@@ -52,6 +52,14 @@ FAMILY_PROFILES: dict[str, dict[str, Any]] = {
     "train": {"head": {"cpu": "8", "memory": "64Gi", "shm": "8Gi"},
               "workers": {"cpu": "64", "memory": "512Gi", "shm": "64Gi"}},
 }
+# Every pod and container of the chart (Ray heads/workers, the autoscaler sidecar, KubeRay's submitter, the
+# driver): non-root, no privilege escalation, no capabilities, RuntimeDefault seccomp, read-only root
+# filesystem with emptyDir mounts where the workloads write (/tmp, the cache volume, HOME). k8s/SECURITY.md.
+POD_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                              "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                              "seccompProfile": {"type": "RuntimeDefault"}}
 DRIVER_FAMILY = "chat"  # the driver runs in the chat image (light, no torch; it has the kubernetes client)
 
 
@@ -60,9 +68,10 @@ def image_families(infos: list[StageInfo]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- values
-def _resources(cpu: str, memory: str, gpus: int = 0) -> dict:
+def _resources(cpu: str, memory: str, gpus: int = 0, cpu_limit: str | None = None) -> dict:
+    """Requests and limits; the CPU limit defaults to the request (Ray sizes num-cpus from it)."""
     req: dict[str, Any] = {"cpu": cpu, "memory": memory}
-    lim: dict[str, Any] = {"memory": memory}
+    lim: dict[str, Any] = {"cpu": cpu_limit or cpu, "memory": memory}
     if gpus:
         lim["nvidia.com/gpu"] = gpus
     return {"requests": req, "limits": lim}
@@ -130,7 +139,7 @@ def global_values(infos: list[StageInfo]) -> dict:
             "extraEnv": [],
         },
         "images": {
-            "pullPolicy": "IfNotPresent",
+            "pullPolicy": "Always",
             "pullSecrets": [],
             "families": {f: {"repository": IMAGE_REPOSITORY.format(family=DRIVER_FAMILY if f == "driver" else f),
                              "tag": __version__} for f in image_families(infos)},
@@ -139,9 +148,11 @@ def global_values(infos: list[StageInfo]) -> dict:
         "env": [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
         "cacheVolume": {"sizeLimit": "100Gi", "mountPath": "/cache"},
         "scratchVolume": {"sizeLimit": "200Gi"},
+        "homeVolume": {"sizeLimit": "1Gi", "mountPath": "/home/memsifter"},
         "volumes": [],
         "volumeMounts": [],
-        "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "podSecurityContext": POD_SECURITY_CONTEXT,
+        "containerSecurityContext": CONTAINER_SECURITY_CONTEXT,
         "cpuPool": {"nodeSelector": {}, "tolerations": [], "affinity": {}},
         "gpuPool": {"nodeSelector": {"memsifter.io/pool": "gpu"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -152,9 +163,14 @@ def global_values(infos: list[StageInfo]) -> dict:
             "pollSeconds": 15,
             "stageTimeoutSeconds": 0,
             "backoffLimit": 3,
-            "resources": _resources("200m", "512Mi"),
+            "resources": _resources("200m", "512Mi", cpu_limit="1"),
             "serviceAccount": {"create": True, "name": ""},
         },
+        "submitter": {"resources": _resources("500m", "1Gi")},
+        "networkPolicy": {"enabled": False,
+                          "operatorNamespaceLabels": {"kubernetes.io/metadata.name": "kuberay-system"},
+                          "extraIngress": [],
+                          "egress": [{}]},
     }
 
 
@@ -166,13 +182,22 @@ _GLOBAL_COMMENTS = {
     "secrets": "Secrets are referenced by name and key (create them first: k8s/secrets.example.yaml).\n"
                "  They reach the pods as env vars via secretKeyRef; nothing secret is stored in values.",
     "images": "One image per stage family (images/<family>/Dockerfile); a stage's `image` overrides it.\n"
-              "  The driver uses the chat image (it holds the kubernetes client).",
+              "  The driver uses the chat image (it holds the kubernetes client). Pin by digest with\n"
+              "  tag: \"0.1.0@sha256:<digest>\". pullPolicy Always re-checks the registry (and the pull\n"
+              "  credentials) at each pod start; IfNotPresent for images loaded into nodes (kind, air-gapped).",
     "rayVersion": "Ray version of the images (KubeRay uses it for the cluster spec).",
     "env": "Extra env vars for every Ray pod (name/value or name/valueFrom).",
     "cacheVolume": "emptyDir for model and compile caches (HF_HOME, XDG_CACHE_HOME point here).",
     "scratchVolume": "emptyDir mounted at /tmp: Ray's session files and stage scratch (train's local_dir:\n"
                      "  data, model and checkpoint shards before upload). Needs that much node disk.",
-    "podSecurityContext": "Pods run as the images' non-root user (uid 1000).",
+    "homeVolume": "emptyDir used as HOME (the root filesystem is read-only).",
+    "podSecurityContext": "Pods run as the images' non-root user (uid 1000, group users), seccomp RuntimeDefault.",
+    "containerSecurityContext": "Every container: no privilege escalation, all capabilities dropped, read-only root\n"
+                                "  filesystem (writes go to the /tmp, cache and HOME emptyDirs). k8s/SECURITY.md.",
+    "submitter": "KubeRay's submitter pod of each RayJob (`ray job submit`, in the head's image).",
+    "networkPolicy": "Optional NetworkPolicy for all pods of the release: ingress only from the release's own pods\n"
+                     "  and (dashboard port) the KubeRay operator's namespace; egress to the release's pods, DNS and\n"
+                     "  the rules in `egress` (default [{}]: anywhere; narrow it to your S3/LLM endpoints).",
     "cpuPool": "Scheduling of head pods (and of workers of CPU-only stages).",
     "gpuPool": "Scheduling of GPU worker pods: the GPU node pool's labels and taints (k8s/gpu-node-pool.md).",
     "driver": "The pipeline driver (`memsifter k8s drive`): a Job that creates the enabled stages' RayJobs in\n"
@@ -394,7 +419,16 @@ def values_schema(infos: list[StageInfo]) -> dict:
             "scratchVolume": {"type": "object", "additionalProperties": False, "properties": {"sizeLimit": _SHM}},
             "volumes": {"type": "array", "items": {"type": "object"}},
             "volumeMounts": {"type": "array", "items": {"type": "object"}},
+            "homeVolume": {"type": "object", "additionalProperties": False, "properties": {
+                "sizeLimit": _SHM, "mountPath": {"type": "string", "pattern": "^/"}}},
             "podSecurityContext": {"type": "object"},
+            "containerSecurityContext": {"type": "object"},
+            "submitter": {"type": "object", "additionalProperties": False, "properties": {"resources": _RESOURCES}},
+            "networkPolicy": {"type": "object", "additionalProperties": False, "properties": {
+                "enabled": {"type": "boolean"},
+                "operatorNamespaceLabels": {"type": "object", "additionalProperties": _STR},
+                "extraIngress": {"type": "array", "items": {"type": "object"}},
+                "egress": {"type": "array", "items": {"type": "object"}}}},
             "cpuPool": pool, "gpuPool": pool,
             "driver": {"type": "object", "additionalProperties": False, "properties": {
                 "enabled": {"type": "boolean"}, "image": _IMAGE, "pollSeconds": _POS_INT,

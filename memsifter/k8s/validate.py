@@ -335,3 +335,60 @@ def validate_rayjob(rayjob: dict, schema: dict | None = None) -> list[str]:
         errs += [f"CEL: {e}" for e in cel_errors(rayjob, schema)]
     errs += [f"kuberay: {e}" for e in kuberay_errors(rayjob)]
     return errs
+
+
+# --------------------------------------------------------------------------- policy scanning
+def _rayjobs_in(doc: dict) -> list[dict]:
+    if doc.get("kind") == "RayJob":
+        return [doc]
+    if doc.get("kind") == "ConfigMap" and "plan.json" in (doc.get("data") or {}):
+        import json
+
+        return [s["rayjob"] for s in json.loads(doc["data"]["plan.json"]).get("stages", [])]
+    return []
+
+
+def workload_manifests(docs: list[dict]) -> list[dict]:
+    """``docs`` plus the pods hidden inside RayJobs, as core kinds that policy scanners understand.
+
+    Scanners such as checkov skip custom resources, and with the driver enabled the RayJobs sit in the plan
+    ConfigMap. For each RayJob this adds what KubeRay will create from it: a ``Pod`` for the head (with the
+    autoscaler sidecar as a second container when in-tree autoscaling is on, as KubeRay adds it), a ``Pod``
+    per worker group, and a ``Job`` for the submitter (``submitterPodTemplate``). Names are
+    ``<rayjob>-head``, ``<rayjob>-<group>-worker`` and ``<rayjob>-submitter``.
+    """
+    out = list(docs)
+    for doc in docs:
+        for rj in _rayjobs_in(doc):
+            meta, spec = rj.get("metadata") or {}, rj.get("spec") or {}
+            name, ns = meta.get("name", "rayjob"), meta.get("namespace")
+            rcs = spec.get("rayClusterSpec") or {}
+
+            def pod(suffix: str, template: dict, extra: list[dict] | None = None) -> dict:
+                tpl = copy.deepcopy(template or {})
+                pmeta = {"name": f"{name}-{suffix}", "labels": (tpl.get("metadata") or {}).get("labels") or {}}
+                if ns:
+                    pmeta["namespace"] = ns
+                pspec = tpl.get("spec") or {}
+                pspec["containers"] = list(pspec.get("containers") or []) + (extra or [])
+                return {"apiVersion": "v1", "kind": "Pod", "metadata": pmeta, "spec": pspec}
+
+            head = (rcs.get("headGroupSpec") or {}).get("template") or {}
+            extra = []
+            if rcs.get("enableInTreeAutoscaling"):
+                ao = rcs.get("autoscalerOptions") or {}
+                image = ao.get("image") or (_containers(head) or [{}])[0].get("image")
+                extra.append({"name": "autoscaler", "image": image,
+                              **{k: ao[k] for k in ("imagePullPolicy", "resources", "securityContext", "env",
+                                                    "envFrom", "volumeMounts", "command", "args") if k in ao}})
+            out.append(pod("head", head, extra))
+            for wg in rcs.get("workerGroupSpecs") or []:
+                out.append(pod(f"{wg.get('groupName', 'group')}-worker", wg.get("template") or {}))
+            sub = spec.get("submitterPodTemplate")
+            if sub and spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
+                jmeta = {"name": f"{name}-submitter", "labels": meta.get("labels") or {}}
+                if ns:
+                    jmeta["namespace"] = ns
+                out.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": jmeta,
+                            "spec": {"backoffLimit": 0, "template": copy.deepcopy(sub)}})
+    return out

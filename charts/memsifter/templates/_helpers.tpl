@@ -190,10 +190,20 @@ memsifter.io/run: {{ include "memsifter.runId" . }}
       key: {{ .key }}
       optional: {{ .optional | default false }}
 {{- end }}
+- name: HOME
+  value: {{ $v.homeVolume.mountPath | quote }}
 - name: HF_HOME
   value: {{ printf "%s/huggingface" $v.cacheVolume.mountPath | quote }}
 - name: XDG_CACHE_HOME
   value: {{ $v.cacheVolume.mountPath | quote }}
+- name: TRITON_CACHE_DIR
+  value: {{ printf "%s/triton" $v.cacheVolume.mountPath | quote }}
+- name: VLLM_CACHE_ROOT
+  value: {{ printf "%s/vllm" $v.cacheVolume.mountPath | quote }}
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: {{ printf "%s/torchinductor" $v.cacheVolume.mountPath | quote }}
+- name: MPLCONFIGDIR
+  value: {{ printf "%s/matplotlib" $v.cacheVolume.mountPath | quote }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 {{- with $v.env }}
@@ -204,7 +214,8 @@ memsifter.io/run: {{ include "memsifter.runId" . }}
 {{- end }}
 {{- end }}
 
-{{/* Pod template of a Ray group. dict root name stage group kind(head|worker) gpu(bool) */}}
+{{/* Pod template of a Ray group. dict root name stage group kind(head|worker) gpu(bool) token(bool)
+     token: mount the ServiceAccount token (only a head with the in-tree autoscaler needs the API). */}}
 {{- define "memsifter.podTemplate" -}}
 {{- $v := .root.Values }}
 {{- $g := .group }}
@@ -216,6 +227,7 @@ metadata:
     memsifter.io/run: {{ include "memsifter.runId" .root }}
     memsifter.io/stage: {{ .name }}
 spec:
+  automountServiceAccountToken: {{ .token }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
   {{- with $v.images.pullSecrets }}
@@ -239,7 +251,7 @@ spec:
       image: {{ include "memsifter.image" (dict "root" .root "family" .stage.family "image" .stage.image) }}
       imagePullPolicy: {{ $v.images.pullPolicy }}
       securityContext:
-        allowPrivilegeEscalation: false
+        {{- toYaml $v.containerSecurityContext | nindent 8 }}
       env:
         {{- include "memsifter.env" . | nindent 8 }}
       {{- with $g.resources }}
@@ -253,6 +265,8 @@ spec:
           mountPath: {{ $v.cacheVolume.mountPath }}
         - name: scratch
           mountPath: /tmp
+        - name: home
+          mountPath: {{ $v.homeVolume.mountPath }}
         {{- with $v.volumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -267,9 +281,64 @@ spec:
     - name: scratch
       emptyDir:
         sizeLimit: {{ $v.scratchVolume.sizeLimit }}
+    - name: home
+      emptyDir:
+        sizeLimit: {{ $v.homeVolume.sizeLimit }}
     {{- with $v.volumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end }}
+
+{{/* KubeRay's submitter pod (K8sJobMode: a Job running `ray job submit`; KubeRay fills in the command and
+     the dashboard address). Same image as the head, hardened like the Ray containers. dict root name stage */}}
+{{- define "memsifter.submitterTemplate" -}}
+{{- $v := .root.Values }}
+metadata:
+  labels:
+    {{- include "memsifter.selectorLabels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .name }}
+    memsifter.io/run: {{ include "memsifter.runId" .root }}
+    memsifter.io/stage: {{ .name }}
+    memsifter.io/role: submitter
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
+  {{- with $v.images.pullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.cpuPool.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.cpuPool.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: ray-job-submitter
+      image: {{ include "memsifter.image" (dict "root" .root "family" .stage.family "image" .stage.image) }}
+      imagePullPolicy: {{ $v.images.pullPolicy }}
+      securityContext:
+        {{- toYaml $v.containerSecurityContext | nindent 8 }}
+      env:
+        - name: HOME
+          value: /tmp
+        - name: RAY_USAGE_STATS_ENABLED
+          value: "0"
+      {{- with $v.submitter.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+  volumes:
+    - name: tmp
+      emptyDir:
+        sizeLimit: 1Gi
 {{- end }}
 
 {{/* A stage's RayJob. dict root name stage */}}
@@ -302,6 +371,7 @@ apiVersion: ray.io/v1
 kind: RayJob
 metadata:
   name: {{ include "memsifter.rayjobName" (dict "root" $root "name" .name) }}
+  namespace: {{ $root.Release.Namespace }}
   labels:
     {{- include "memsifter.labels" $root | nindent 4 }}
     app.kubernetes.io/component: {{ .name }}
@@ -320,6 +390,8 @@ spec:
   {{- end }}
   activeDeadlineSeconds: {{ int $s.activeDeadlineSeconds }}
   backoffLimit: {{ int $s.backoffLimit }}
+  submitterPodTemplate:
+    {{- include "memsifter.submitterTemplate" (dict "root" $root "name" .name "stage" $s) | nindent 4 }}
   rayClusterSpec:
     rayVersion: {{ $root.Values.rayVersion | quote }}
     enableInTreeAutoscaling: {{ and (gt $maxR 0) $w.autoscaling }}
@@ -327,15 +399,26 @@ spec:
     autoscalerOptions:
       upscalingMode: Default
       idleTimeoutSeconds: {{ int $w.idleTimeoutSeconds }}
+      imagePullPolicy: {{ $root.Values.images.pullPolicy }}
       resources:
         requests: {cpu: 500m, memory: 512Mi}
-        limits: {memory: 512Mi}
+        limits: {cpu: 500m, memory: 512Mi}
+      securityContext:
+        {{- toYaml $root.Values.containerSecurityContext | nindent 8 }}
+      env:
+        - name: HOME
+          value: {{ $root.Values.homeVolume.mountPath | quote }}
+      volumeMounts:
+        - name: scratch
+          mountPath: /tmp
+        - name: home
+          mountPath: {{ $root.Values.homeVolume.mountPath }}
     {{- end }}
     headGroupSpec:
       rayStartParams:
         {{- toYaml ($s.head.rayStartParams | default dict) | nindent 8 }}
       template:
-        {{- include "memsifter.podTemplate" (dict "root" $root "name" .name "stage" $s "group" $s.head "kind" "head" "gpu" false) | nindent 8 }}
+        {{- include "memsifter.podTemplate" (dict "root" $root "name" .name "stage" $s "group" $s.head "kind" "head" "gpu" false "token" (and (gt $maxR 0) $w.autoscaling)) | nindent 8 }}
     {{- if gt $maxR 0 }}
     workerGroupSpecs:
       - groupName: {{ ternary "gpu" "cpu" (gt $gpus 0) }}
@@ -345,7 +428,7 @@ spec:
         rayStartParams:
           {{- toYaml ($w.rayStartParams | default dict) | nindent 10 }}
         template:
-          {{- include "memsifter.podTemplate" (dict "root" $root "name" .name "stage" $s "group" $workerGroup "kind" "worker" "gpu" (gt $gpus 0)) | nindent 10 }}
+          {{- include "memsifter.podTemplate" (dict "root" $root "name" .name "stage" $s "group" $workerGroup "kind" "worker" "gpu" (gt $gpus 0) "token" false) | nindent 10 }}
     {{- end }}
 {{- end }}
 
