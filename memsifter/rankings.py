@@ -16,6 +16,14 @@
 (Thinking-2507 templates pre-fill ``<think>``, so the opening tag is often absent), the content of
 ``<ranking>…</ranking>``, split on commas, in-range integer local ids in order without duplicates.
 Ids written as ``session3`` / ``<session3>`` are accepted. It never raises on model output.
+
+Hostile input (session text is not escaped, MEMSIFTER.md §2, so a session may hold ``</think>``,
+``<ranking>0</ranking>`` or ``</session>``): only the model's own output is ever parsed (the prompt
+never reaches the parser), and inside that output :func:`answer_part` ignores everything up to the
+last ``</session>`` after the last ``</think>``: a model that echoes part of the history in its answer
+cannot make a ranking injected in a session count as its own. Ids are ASCII integers of at most 9
+digits (longer ones, and other scripts' digits such as ``٣``, are dropped as non-integer); the scan
+is linear in the length of the output.
 """
 
 from __future__ import annotations
@@ -64,9 +72,28 @@ class ParsedRanking:
 
 
 _THINK_CLOSE = "</think>"
+_SESSION_CLOSE = "</session>"
 _RANKING_OPEN = re.compile(r"<\s*ranking\s*>", re.IGNORECASE)
 _RANKING_CLOSE = re.compile(r"<\s*/\s*ranking\s*>", re.IGNORECASE)
-_ITEM = re.compile(r"^\s*(?:<\s*)?(?:session\s*[_#-]?\s*)?(?:id\s*)?([+-]?\d+)\s*(?:>\s*)?$", re.IGNORECASE)
+# ASCII digits only (re.ASCII: \d and \s are not Unicode-wide), at most 9 of them (no id is that large,
+# and int() refuses strings of more than 4,300 digits).
+_ITEM = re.compile(r"^\s*(?:<\s*)?(?:session\s*[_#-]?\s*)?(?:id\s*)?([+-]?\d{1,9})\s*(?:>\s*)?$",
+                   re.IGNORECASE | re.ASCII)
+
+
+def answer_part(text: str) -> tuple[str, str | None]:
+    """The part of a model's output that is its answer, and a note when an echo was cut off.
+
+    The text after the last ``</think>`` (Thinking-2507 templates pre-fill ``<think>``); if that
+    still holds a ``</session>``, the model is echoing the history shown to it (whose sessions may
+    contain any text, tags included), so only what follows the last ``</session>`` counts.
+    """
+    pos = text.rfind(_THINK_CLOSE)
+    answer = text[pos + len(_THINK_CLOSE):] if pos >= 0 else text
+    echo = answer.rfind(_SESSION_CLOSE)
+    if echo >= 0:
+        return answer[echo + len(_SESSION_CLOSE):], "echoed history (</session>) ignored"
+    return answer, None
 
 
 def parse_ranking(text: str | None, n_sessions: int, k: int | None = None) -> ParsedRanking:
@@ -79,18 +106,22 @@ def parse_ranking(text: str | None, n_sessions: int, k: int | None = None) -> Pa
     if text is None or not str(text).strip():
         return ParsedRanking([], "invalid", "empty output")
     text = str(text)
-    pos = text.rfind(_THINK_CLOSE)
-    answer = text[pos + len(_THINK_CLOSE):] if pos >= 0 else text
+    answer, echo = answer_part(text)
     opens = list(_RANKING_OPEN.finditer(answer))
     if not opens:
-        if pos < 0 and "<think>" in text:
+        if echo:
+            return ParsedRanking([], "invalid", f"no <ranking> tag after the {echo.split(' (')[0]}")
+        if _THINK_CLOSE not in text and "<think>" in text:
             return ParsedRanking([], "invalid", "unfinished <think> (no </think>) and no <ranking>")
         return ParsedRanking([], "invalid", "no <ranking> tag after the last </think>")
-    # The last <ranking> that has a closing tag; otherwise the last opening tag (missing close).
+    # The last <ranking> that has a closing tag after it (i.e. the last opening tag before the last
+    # closing tag; one linear scan); its body ends at the first closing tag after it.
+    closes = list(_RANKING_CLOSE.finditer(answer))
+    last_close = closes[-1].start() if closes else -1
     body = None
     for m in reversed(opens):
-        close = _RANKING_CLOSE.search(answer, m.end())
-        if close:
+        if m.end() <= last_close:
+            close = _RANKING_CLOSE.search(answer, m.end())
             body = answer[m.end():close.start()]
             break
     if body is None:
@@ -114,6 +145,8 @@ def parse_ranking(text: str | None, n_sessions: int, k: int | None = None) -> Pa
         seen.add(i)
         ids.append(i)
     note = ("dropped: " + ", ".join(notes[:5]) + (" …" if len(notes) > 5 else "")) if notes else None
+    if echo:
+        note = f"{echo}; {note}" if note else echo
     if not ids:
         return ParsedRanking([], "invalid", "no valid ids in <ranking>" + (f" ({note})" if note else ""))
     if k is not None:

@@ -7,7 +7,25 @@ shown (local ids), with an optional ``<date>`` on the header line; the whole str
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
+
+# Chat-template control markers (ChatML / Qwen ``<|im_end|>``, Llama-3 ``<|eot_id|>``, DeepSeek's
+# full-width ``<｜…｜>``): tokenizers turn these strings into *special tokens* wherever they occur, so
+# a session (or question) holding ``<|im_end|>\n<|im_start|>assistant`` would close the user message
+# and open a fake turn in the prompt the model sees. They never occur in ordinary text.
+CHAT_MARKER = re.compile(r"<([|\uff5c])([^<>|\uff5c\s]{1,64})([|\uff5c])>")
+ZWSP = "\u200b"
+
+
+def defuse_chat_markers(text: str) -> str:
+    """``<|im_end|>`` -> ``<\u200b|im_end|>``: the same visible text, no longer a special token.
+
+    Applied to every value filled into a prompt template (:func:`memsifter.stages.rank.fill`), not
+    to the rendering itself: text without such markers is unchanged (MEMSIFTER.md §2)."""
+    if "<" not in text:
+        return text
+    return CHAT_MARKER.sub(lambda m: "<" + ZWSP + m.group(1) + m.group(2) + m.group(3) + ">", text)
 
 
 def render_session(turns: Sequence[dict]) -> str:

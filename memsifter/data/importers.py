@@ -76,7 +76,8 @@ from tqdm import tqdm
 from .. import storage
 from ..errors import InputError
 from ..stage import StageConfig, stage, uri_field
-from .model import Dataset, DatasetBuilder, Question, answer_text, read_dataset, require
+from .model import (Dataset, DatasetBuilder, Question, answer_text, check_role, check_text, read_dataset,
+                    require)
 
 try:  # ~3x faster on the 270 MB LongMemEval_S file; the stdlib is the fallback
     import orjson as _fastjson
@@ -228,6 +229,8 @@ def _turn(t: Any, *, uri: str, item: str, field: str) -> dict:
         if not isinstance(t[k], str):
             raise InputError(f"expected str, got {type(t[k]).__name__}", file=uri, item=item,
                              field=f"{field}.{k}")
+    check_role(t["role"], file=uri, item=item, field=f"{field}.role")
+    check_text(t["content"], file=uri, item=item, field=f"{field}.content")
     return {"role": t["role"], "content": t["content"]}
 
 
@@ -301,7 +304,7 @@ def convert_longmemeval(uri: str, dataset: str | None = None) -> tuple[Dataset, 
                 continue
             turns = [_turn(t, uri=uri, item=item, field=f"haystack_sessions[{j}][{k}]") for k, t in enumerate(sess)]
             flagged = [k for k, t in enumerate(sess) if t.get("has_answer")]
-            real = b.add_session(sid, turns, date, item=item)
+            real = b.add_session(sid, turns, date, item=item, field=f"haystack_sessions[{j}]")
             idmap[sid] = real
             ids.append(real)
             if qdates is not None:
@@ -393,6 +396,8 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                         raise InputError(f"expected str, got {type(t[name]).__name__}", file=uri, item=citem,
                                          field=f"{f}.{name}")
                 speaker, text = t["speaker"], t["text"]
+                check_role(speaker, file=uri, item=citem, field=f"{f}.speaker")
+                check_text(text, file=uri, item=citem, field=f"{f}.text")
                 if t.get("blip_caption"):
                     text = f"{text} [shares image: {t['blip_caption']}]"
                     st["image_turns"] += 1
@@ -401,7 +406,7 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                 dia.update(tt for ss, tt in pairs if ss == n)
             date = c.get(f"{key}_date_time")
             date = str(date) if date not in (None, "") else None
-            sid = b.add_session(f"{sample}_session_{n}", turns, date, item=citem)
+            sid = b.add_session(f"{sample}_session_{n}", turns, date, item=citem, field=f"conversation.{key}")
             hay.append(sid)
             dates.append(date)
             turns_of[n], sid_of[n] = dia, sid
@@ -743,6 +748,21 @@ def _str_list(v: Any, *, uri: str, item: str, field: str, required: bool = True)
     return out
 
 
+def _batch_rows(batch: pa.RecordBatch, uri: str, before: int) -> list[dict]:
+    """Rows of a parquet batch; a string that is not valid UTF-8 names its row and column."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError as e:
+        for name, col in zip(batch.schema.names, batch.columns):
+            for i in range(len(col)):
+                try:
+                    col[i].as_py()
+                except UnicodeDecodeError as ce:
+                    raise InputError(f"not valid UTF-8 text ({ce.reason} at byte {ce.start})", file=uri,
+                                     item=f"row {before + i + 1}", field=name) from None
+        raise InputError(f"not valid UTF-8 text ({e.reason})", file=uri) from None
+
+
 def convert_memsifter(uri: str, dataset: str | None = None) -> tuple[Dataset, dict]:
     table = _read_parquet_bytes(uri)
     cols = set(table.column_names)
@@ -758,7 +778,7 @@ def convert_memsifter(uri: str, dataset: str | None = None) -> tuple[Dataset, di
              "haystack_dates", "gold_session_ids", "answer_session_ids", "extra", "haystack_sessions"}
     with _progress(total=table.num_rows, desc="memsifter", unit="q") as bar:
         for batch in table.to_batches(max_chunksize=256):
-            for r in batch.to_pylist():
+            for r in _batch_rows(batch, uri, rows):
                 rows += 1
                 bar.update(1)
                 item = f"row {rows}"
@@ -795,7 +815,7 @@ def convert_memsifter(uri: str, dataset: str | None = None) -> tuple[Dataset, di
                         raise InputError(f"session '{sid}' is empty or not a list of turns", file=uri, item=item,
                                          field=f)
                     turns = [_turn(t, uri=uri, item=item, field=f"{f}[{k}]") for k, t in enumerate(sess)]
-                    real = b.add_session(sid, turns, date, item=item)
+                    real = b.add_session(sid, turns, date, item=item, field=f)
                     idmap[sid] = real
                     ids.append(real)
                 gold = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -72,6 +73,39 @@ class Question:
     @property
     def abstention(self) -> bool:
         return bool(self.extra.get("abstention"))
+
+
+# Text rules for imported data (shared by every importer through DatasetBuilder; see
+# tests/test_hostile_input.py for the full table of hostile inputs and their outcomes):
+# - any valid Unicode text is kept as it is, byte for byte: tags such as </session>, <ranking>,
+#   </think>, braces such as {history}, prompt-injection sentences, control characters, 1 MB turns
+#   and empty turn contents are data (session content is not escaped, MEMSIFTER.md §2);
+# - text that UTF-8 cannot encode (a lone surrogate such as "\ud800", which JSON escapes can produce)
+#   is an InputError naming file, item and field: parquet strings are UTF-8;
+# - a role is the tag name of its turns (<R{k}>…</R>): it must be non-empty and hold no '<', '>' or
+#   control character (newline included), or the rendering would break; an InputError otherwise.
+_BAD_ROLE = re.compile(r"[<>\x00-\x1f\x7f]")
+
+
+def check_text(value: Any, *, file: str, item: str | None, field: str) -> None:
+    """Refuse text that is not valid Unicode (UTF-8 cannot encode it), naming where it is."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"not valid Unicode text: lone surrogate U+{ord(value[e.start]):04X} at character "
+                         f"{e.start}", file=file, item=item, field=field) from None
+
+
+def check_role(role: str, *, file: str, item: str | None, field: str) -> None:
+    check_text(role, file=file, item=item, field=field)
+    if not role.strip():
+        raise InputError("empty role (a role is the tag name of its turns)", file=file, item=item, field=field)
+    m = _BAD_ROLE.search(role)
+    if m:
+        raise InputError(f"role {role[:40]!r} contains {m.group(0)!r} (a role is the tag name of its turns: no "
+                         f"'<', '>' or control characters)", file=file, item=item, field=field)
 
 
 def content_hash(turns: list[dict]) -> str:
@@ -162,20 +196,28 @@ class DatasetBuilder:
         self.questions: list[Question] = []
         self._qids: set[str] = set()
 
-    def add_session(self, session_id: str, turns: list[dict], date: str | None, *, item: str) -> str:
+    def add_session(self, session_id: str, turns: list[dict], date: str | None, *, item: str,
+                    field: str = "turns") -> str:
+        """``field``: where the session's turns are in the source (``haystack_sessions[3]``), for errors."""
         if not session_id:
             raise InputError("empty session id", file=self.file, item=item, field="session_id")
+        check_text(session_id, file=self.file, item=item, field="session_id")
+        check_text(date, file=self.file, item=item, field=f"{field} (date)")
         if not turns:
-            raise InputError(f"session '{session_id}' has no turns", file=self.file, item=item, field="turns")
+            raise InputError(f"session '{session_id}' has no turns", file=self.file, item=item, field=field)
         clean = []
         for i, t in enumerate(turns):
             if not isinstance(t, dict) or "role" not in t or "content" not in t:
                 raise InputError(f"session '{session_id}' turn {i} needs 'role' and 'content'",
-                                 file=self.file, item=item, field="turns")
+                                 file=self.file, item=item, field=field)
             if not isinstance(t["content"], str):
                 raise InputError(f"session '{session_id}' turn {i}: content must be text, got "
-                                 f"{type(t['content']).__name__}", file=self.file, item=item, field="content")
-            clean.append({"role": str(t["role"]), "content": t["content"]})
+                                 f"{type(t['content']).__name__}", file=self.file, item=item,
+                                 field=f"{field}[{i}].content")
+            role = str(t["role"])
+            check_role(role, file=self.file, item=item, field=f"{field}[{i}].role")
+            check_text(t["content"], file=self.file, item=item, field=f"{field}[{i}].content")
+            clean.append({"role": role, "content": t["content"]})
         h = content_hash(clean)
         existing = self.sessions.get(session_id)
         if existing is None:
@@ -195,6 +237,12 @@ class DatasetBuilder:
             raise InputError("duplicate question id", file=self.file, item=item, field="question_id")
         if not isinstance(q.question, str) or not q.question.strip():
             raise InputError("empty question text", file=self.file, item=item, field="question")
+        for name in ("question_id", "dataset", "question", "answer", "question_date", "question_type"):
+            check_text(getattr(q, name), file=self.file, item=item, field=name)
+        for k, d in enumerate(q.haystack_dates or []):
+            check_text(d, file=self.file, item=item, field=f"haystack_dates[{k}]")
+        if q.extra:
+            check_text(json.dumps(q.extra, ensure_ascii=False), file=self.file, item=item, field="extra")
         if not q.haystack_session_ids:
             raise InputError("empty haystack", file=self.file, item=item, field="haystack_session_ids")
         if len(set(q.haystack_session_ids)) != len(q.haystack_session_ids):

@@ -76,11 +76,13 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
 def extract_answer(text: str | None) -> str:
-    """Text inside the last <answer>…</answer> after the last </think>; else the whole reply."""
+    """Text inside the last <answer>…</answer> after the last </think>; else the whole reply.
+
+    As for rankings (:func:`memsifter.rankings.answer_part`), a reply that echoes the history shown
+    counts only after its last ``</session>``: an ``<answer>`` written in a session is not the model's."""
     if not text:
         return ""
-    pos = text.rfind("</think>")
-    tail = text[pos + len("</think>"):] if pos >= 0 else text
+    tail, _ = rankings.answer_part(text)
     found = _ANSWER.findall(tail)
     if found:
         return found[-1].strip()
@@ -109,6 +111,10 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
     dates = [q.date_of(s, ds.sessions) for s in hay]
     costs = [c + 8 for c in counter.count_many(texts)]  # + header/footer
     budget = config.context_tokens - counter.count(q.question)
+    over = sum(1 for c in costs if c > budget)
+    if over:  # e.g. a 1 MB turn: never shown, whatever its rank
+        log.warning("chat: question %s: %d session(s) larger than the memory budget (%d tokens) left out",
+                    q.question_id, over, budget)
     chosen = sorted(fill_budget([pos[s] for s in order], costs, budget,
                                 stop_at_first_overflow=config.stop_at_first_overflow))
     hist = render_history_texts([texts[i] for i in chosen], [dates[i] for i in chosen])

@@ -49,7 +49,7 @@ from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..render import render_history_texts, render_session
+from ..render import defuse_chat_markers, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..vllm_env import engine_env
 
@@ -70,11 +70,14 @@ def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
 
 def fill(template: str, **slots: str) -> str:
     """Literal slot replacement in one pass (session text may contain braces or even a slot name
-    like ``{current}``, so neither str.format nor successive replaces)."""
+    like ``{current}``, so neither str.format nor successive replaces). Chat-template markers in the
+    values (``<|im_end|>``…) are defused (:func:`memsifter.render.defuse_chat_markers`): filled text
+    is data, never prompt structure; the template's own text is kept as it is."""
     if not slots:
         return template
+    values = {k: defuse_chat_markers(str(v)) for k, v in slots.items()}
     pattern = re.compile("|".join(re.escape("{" + k + "}") for k in slots))
-    return pattern.sub(lambda m: slots[m.group(0)[1:-1]], template)
+    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
 
 
 class VLLMSettings(BaseModel):
@@ -188,6 +191,12 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
 
     empty = counter.chat_prompt_tokens(messages([]))
     budget = config.context_limit - empty
+    # Sessions that alone exceed the whole history budget (e.g. a 1 MB turn) can never be shown: say
+    # so (a warning and the manifest's count). With stop_at_first_overflow, the scan stops there.
+    over = [hay[i] for i, c in enumerate(costs) if c > budget]
+    if over:
+        log.warning("rank: question %s: %d session(s) larger than the history budget (%d tokens) cannot be "
+                    "shown, e.g. %s (%d tokens)", q.question_id, len(over), budget, over[0], costs[pos[over[0]]])
     chosen = fill_budget([pos[s] for s in order], costs, budget,
                          stop_at_first_overflow=config.stop_at_first_overflow)
     msgs = messages(chosen)
@@ -197,8 +206,13 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
         msgs = messages(chosen)
         n_tok = counter.chat_prompt_tokens(msgs)
     id_map = [hay[i] for i in sorted(chosen)]
-    skipped = None if chosen else f"no session fits the context limit ({config.context_limit} tokens)"
-    return Prompted(q.question_id, msgs, id_map, order, n_tok, skipped)
+    skipped = None
+    if not chosen:
+        first = pos[order[0]] if order else None
+        skipped = (f"no session fits the context limit ({config.context_limit} tokens)"
+                   + (f": the most similar one needs {costs[first]} of {budget} history tokens"
+                      if first is not None and budget > 0 else f": the prompt without history needs {empty}"))
+    return Prompted(q.question_id, msgs, id_map, order, n_tok, skipped, {"sessions_over_budget": len(over)})
 
 
 # --------------------------------------------------------------------------- generation
@@ -395,6 +409,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
         "resumed": len(prompts) - len(todo) - sum(1 for p in prompts if p.skipped),
         "generated": len(todo), "sessions_shown_mean": round(sum(shown) / max(1, len(shown)), 2),
         "prompt_tokens_max": max([p.prompt_tokens for p in prompts] or [0]),
+        "sessions_over_budget": sum(p.extra.get("sessions_over_budget", 0) for p in prompts),
         "token_cache": {"hits": counter.hits, "misses": counter.misses},
         "seconds": {"prompts": round(t_prompts, 2), "generation": round(t_gen, 2)},
         "engine_tokens": engine_tokens,
