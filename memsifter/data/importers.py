@@ -122,12 +122,42 @@ def _read_raw(uri: str) -> bytes:
     return data
 
 
-def _text(data: bytes, uri: str) -> str:
+def _text(data: bytes, uri: str, *, what: str | None = None, id_key: str = "") -> str:
+    """UTF-8 text of a source file; bytes that are not UTF-8 are an error naming byte, line and, for a
+    JSON list of ``what`` items, the item that holds them."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise InputError(f"not UTF-8 text (byte {e.start}, line {line})", file=uri) from e
+        item = _item_at(data, e.start, what, id_key) if what else None
+        raise InputError(f"not UTF-8 text (byte {e.start}, line {line}: {e.reason})", file=uri, item=item) from None
+
+
+def _item_at(data: bytes, byte: int, what: str, id_key: str) -> str | None:
+    """Which item of a JSON list holds byte ``byte`` (the file decoded with replacement characters)."""
+    text = data.decode("utf-8-sig", errors="replace")
+    pos = len(data[:byte].decode("utf-8-sig", errors="replace"))
+    dec = json.JSONDecoder()
+    i = _WS.match(text, 0).end()
+    if i >= len(text) or text[i] != "[":
+        return None
+    i = _WS.match(text, i + 1).end()
+    idx = 0
+    while i < len(text):
+        start = i
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return None
+        if start <= pos < i:
+            ident = obj.get(id_key) if isinstance(obj, dict) else None
+            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+        i = _WS.match(text, i).end()
+        if i >= len(text) or text[i] != ",":
+            return None
+        i = _WS.match(text, i + 1).end()
+        idx += 1
+    return None
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
@@ -158,7 +188,7 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
     try:
         obj = _fastjson.loads(data) if _fastjson is not None else json.loads(data)
     except ValueError:
-        text = _text(data, uri)
+        text = _text(data, uri, what=what, id_key=id_key)
         try:  # what orjson refuses (a BOM, huge integers) the stdlib may still read
             obj = json.loads(text)
         except ValueError:
