@@ -120,7 +120,10 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
         p.add_argument(f"_pos_{field}", metavar=meta, help=f"the {field!r} field")
     p.add_argument("--config", help="YAML/JSON config file (local path or s3:// URI)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
-    p.add_argument("--force", action="store_true", help="run even if the output is already published")
+    p.add_argument("--force", action="store_true", help="run even if the output is already published "
+                   "(does not take an output a live run holds: see --steal-lease)")
+    p.add_argument("--steal-lease", action="store_true", help="take over the output's lease from another "
+                   "run (use only when that run is dead; it stops before publishing if it is not)")
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     p.add_argument("--schema", action="store_true", help="print the config's JSON schema and exit")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -138,7 +141,7 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
     if args.print_config:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
-    manifest = st.run(cfg, force=args.force)
+    manifest = st.run(cfg, force=args.force, steal_lease=args.steal_lease)
     if not manifest.get("dry_run"):
         report_manifest(cfg.output, manifest)
     return 0

@@ -151,7 +151,14 @@ class Stage:
             return existing
         return None
 
-    def run(self, config: StageConfig | dict, force: bool = False) -> dict:
+    def run(self, config: StageConfig | dict, force: bool = False, steal_lease: bool = False) -> dict:
+        """Run the stage unless its output is published for this config and inputs.
+
+        ``force`` re-runs it even when published; it does not take an output that a live run holds
+        (``<output>/_LEASE``, :mod:`memsifter.lease`): that is refused with the holder's name.
+        ``steal_lease`` takes that lease over (the other run then stops before publishing). A publish
+        that a crash interrupted is completed from its journal instead of re-running the body.
+        """
         if isinstance(config, dict):
             config = validate_config(self.name, config)
         if self.preview is not None and getattr(config, "dry_run", False):
@@ -165,15 +172,32 @@ class Stage:
         if existing and not force and existing.get("stage") != self.name:
             raise ConfigError(f"{config.output}: holds output of stage '{existing.get('stage')}', "
                               f"not '{self.name}'; choose another output URI")
-        fingerprints = inputs_fingerprint(config)
-        pub = storage.Publication(config.output, self.name, config.model_dump(mode="json"), h, code_version())
+        from . import lease
+
+        storage.ensure_bucket(config.output)
+        prev_stage = storage.CURRENT_STAGE["name"]
+        storage.CURRENT_STAGE["name"] = self.name
         try:
-            pub.inputs = fingerprints
-            stats = self.body(config, pub) or {}
-        except BaseException:
-            pub.abort()
-            raise
-        manifest = pub.publish(stats)
+            with lease.hold(config.output, purpose=f"stage {self.name}", steal=steal_lease) as held:
+                if not force and self.published(config):  # another writer finished while we waited
+                    return {**storage.read_manifest(config.output), "skipped": True}
+                fingerprints = inputs_fingerprint(config)
+                if not force:
+                    done = storage.roll_forward(config.output, self.name, h, fingerprints)
+                    if done is not None:
+                        log.info("%s: completed the interrupted publish of %s", self.name, config.output)
+                        return {**done, "resumed_publish": True}
+                pub = storage.Publication(config.output, self.name, config.model_dump(mode="json"), h,
+                                          code_version())
+                try:
+                    pub.inputs = fingerprints
+                    stats = self.body(config, pub) or {}
+                    manifest = pub.publish(stats, check=held.check)
+                except BaseException:
+                    pub.abort()
+                    raise
+        finally:
+            storage.CURRENT_STAGE["name"] = prev_stage
         log.info("%s: published %s (%d files)", self.name, config.output, len(manifest["files"]))
         return manifest
 
@@ -189,8 +213,8 @@ def stage(name: str, config: type[StageConfig], *, family: str, help: str, gpus:
         st = Stage(name, config, body, family, help, gpus, needs or [], preview)
         STAGES[name] = st
 
-        def run(cfg: StageConfig | dict, force: bool = False) -> dict:
-            return st.run(cfg, force=force)
+        def run(cfg: StageConfig | dict, force: bool = False, steal_lease: bool = False) -> dict:
+            return st.run(cfg, force=force, steal_lease=steal_lease)
         run.__doc__ = body.__doc__
         run.stage = st  # type: ignore[attr-defined]
         return run

@@ -9,6 +9,22 @@
   every file with its size and sha256, the stage config and its hash, the code version and times.
   Readers (:func:`read_manifest`, :func:`published_file`) refuse a prefix without a manifest.
 * ``<out>/_work/`` is scratch that survives a crash, for stages that resume part-way.
+
+Guarantees (tests/test_faults.py, tests/test_kill.py):
+
+* Transient store errors (resets, stalls, 5xx/SlowDown, a store down for a while) are retried by the
+  AWS SDK (``MEMSIFTER_S3_ATTEMPTS`` tries per request) and then by :func:`retrying` for at most
+  ``MEMSIFTER_STORE_RETRY_SECONDS`` (default 120 s); then one :class:`StorageError` names the URI, the
+  operation, the attempts and the last error. Nothing hangs: every request has a timeout
+  (``MEMSIFTER_S3_CONNECT_TIMEOUT`` / ``MEMSIFTER_S3_REQUEST_TIMEOUT``).
+* Publishing is journalled: ``_PUBLISHING`` (the manifest to be) is written before the first move, so a
+  run killed between the moves and ``_SUCCESS`` is rolled forward by the next run (no re-computation);
+  moves are idempotent. ``_SUCCESS`` is one PUT on S3 and a rename on a local disk.
+* Readers are checked: every file a reader opens under a manifest it read (``read_manifest`` then
+  ``published_file``/``join`` and ``read_bytes``/``read_parquet``/``copy_file``) is verified against
+  that manifest's sha256; a file replaced by a concurrent publish raises :class:`ConcurrentPublishError`
+  instead of mixing generations.
+* Keys built with :func:`join` cannot leave their prefix (``..``, ``.``, ``%2F``, ``\\``, NUL).
 """
 
 from __future__ import annotations
@@ -21,6 +37,9 @@ import io
 import json
 import logging
 import os
+import re
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,9 +54,57 @@ from .errors import NotPublishedError, StorageError
 
 log = logging.getLogger(__name__)
 MANIFEST = "_SUCCESS"
+JOURNAL = "_PUBLISHING"
 STAGING = "_staging"
 WORK = "_work"
 T = TypeVar("T")
+
+
+class ConcurrentPublishError(NotPublishedError):
+    """A file changed under a reader: the output was re-published after the reader read its manifest."""
+
+
+def _env_num(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise StorageError(f"{name}={raw!r}: expected a number") from None
+
+
+# Counters of what the retry layer did in this process (the fault tests print them).
+STATS: dict[str, int] = {"retries": 0, "gave_up": 0, "verified_reads": 0}
+_stats_lock = threading.Lock()
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _stats_lock:
+        STATS[key] = STATS.get(key, 0) + n
+
+
+# --------------------------------------------------------------------------- kill points (tests)
+CURRENT_STAGE = {"name": ""}   # set by memsifter.stage while a stage runs
+_kill_counts: dict[str, int] = {}
+
+
+def kill_point(point: str) -> None:
+    """Test hook: ``MEMSIFTER_KILL_AT=<stage>:<point>:<n>`` SIGKILLs this process at the n-th time
+    ``point`` is reached while ``stage`` runs. Points: ``write`` (any file written by the storage
+    layer: work shards, staged files), ``publish-start``, ``publish-move`` (after each file moved into
+    place), ``publish-commit`` (every file in place, ``_SUCCESS`` not yet written)."""
+    spec = os.environ.get("MEMSIFTER_KILL_AT", "")
+    if not spec:
+        return
+    try:
+        stage, where, n = spec.rsplit(":", 2)
+        n_i = int(n)
+    except ValueError:
+        raise StorageError(f"MEMSIFTER_KILL_AT={spec!r}: expected <stage>:<point>:<n>") from None
+    if where != point or stage != CURRENT_STAGE["name"]:
+        return
+    _kill_counts[point] = _kill_counts.get(point, 0) + 1
+    if _kill_counts[point] >= n_i:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- filesystems
@@ -49,6 +116,9 @@ class S3Settings:
     access_key: str | None
     secret_key: str | None
     session_token: str | None
+    attempts: int = 4
+    connect_timeout: float = 10
+    request_timeout: float = 120
 
     @classmethod
     def from_env(cls) -> "S3Settings":
@@ -62,14 +132,18 @@ class S3Settings:
                    region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
                    access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
                    secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
-                   session_token=os.environ.get("AWS_SESSION_TOKEN"))
+                   session_token=os.environ.get("AWS_SESSION_TOKEN"),
+                   attempts=int(_env_num("MEMSIFTER_S3_ATTEMPTS", 4)),
+                   connect_timeout=_env_num("MEMSIFTER_S3_CONNECT_TIMEOUT", 10),
+                   request_timeout=_env_num("MEMSIFTER_S3_REQUEST_TIMEOUT", 120))
 
 
 @functools.lru_cache(maxsize=8)
 def _s3(settings: S3Settings) -> pafs.S3FileSystem:
     kw: dict[str, Any] = dict(region=settings.region, scheme=settings.scheme,
-                              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=6),
-                              connect_timeout=10, request_timeout=120,
+                              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=settings.attempts),
+                              connect_timeout=settings.connect_timeout,
+                              request_timeout=settings.request_timeout,
                               allow_bucket_creation=True)
     if settings.endpoint:
         kw["endpoint_override"] = settings.endpoint
@@ -99,21 +173,51 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
 
 
+_BAD_KEY = re.compile(r"%(2f|5c|2e|00)|\\|\x00", re.IGNORECASE)
+
+
+def check_key(part: str, base: str = "") -> str:
+    """A key part built from data (ids, names) must stay under its prefix: no ``..``/``.`` segments,
+    no percent-encoded ``/``, ``\\``, ``.`` or NUL, no backslash or NUL, no empty segment. A leading
+    ``/`` is not an absolute path here: it is refused too, so a mistake does not pass silently."""
+    where = f" under {base}" if base else ""
+    if part.startswith("/") or _BAD_KEY.search(part):
+        raise StorageError(f"object key {part!r}{where}: refused (absolute, encoded separator or control "
+                           f"character: keys built from ids must stay under their prefix)")
+    segs = part.rstrip("/").split("/")
+    if any(s in ("", ".", "..") for s in segs) or any(ord(c) < 32 for c in part):
+        raise StorageError(f"object key {part!r}{where}: refused ('.', '..' or empty path segment: keys "
+                           f"built from ids must stay under their prefix)")
+    return part.rstrip("/")
+
+
 def join(uri: str, *parts: str) -> str:
+    """``uri/part/...``; each part is checked with :func:`check_key` (it cannot leave ``uri``)."""
     out = uri.rstrip("/")
     for p in parts:
-        out = f"{out}/{p.strip('/')}"
+        out = f"{out}/{check_key(p, out)}"
     return out
+
+
+_TRANSIENT = ("503", "slowdown", "slow_down", "timed out", "timeout", "internal error", "internalerror",
+              "connection reset", "throttl", "500 ", "network_connection", "curlcode", "could not connect",
+              "couldn't connect", "connection refused", "broken pipe", "recv failure", "send failure",
+              "failure when receiving", "empty reply", "service unavailable", "request_timeout",
+              "unexpected end", "connection closed", "reset by peer")
 
 
 def _transient(exc: BaseException) -> bool:
     msg = str(exc).lower()
-    return any(s in msg for s in ("503", "slowdown", "timed out", "timeout", "internal error",
-                                  "connection reset", "throttl", "500 "))
+    return any(s in msg for s in _TRANSIENT)
 
 
-def retrying(fn: Callable[[], T], what: str, attempts: int = 4) -> T:
-    """Run ``fn``, retrying transient S3 errors with exponential backoff; wrap the rest."""
+def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
+    """Run ``fn``, retrying transient store errors with capped exponential backoff, for at most
+    ``attempts`` tries (default ``MEMSIFTER_STORE_ATTEMPTS``, 8) and ``MEMSIFTER_STORE_RETRY_SECONDS``
+    (default 120 s); then one StorageError naming the URI/operation, the attempts and the last error."""
+    attempts = attempts or int(_env_num("MEMSIFTER_STORE_ATTEMPTS", 8))
+    budget = _env_num("MEMSIFTER_STORE_RETRY_SECONDS", 120)
+    t0 = time.monotonic()
     for i in range(attempts):
         try:
             return fn()
@@ -122,10 +226,20 @@ def retrying(fn: Callable[[], T], what: str, attempts: int = 4) -> T:
         except PermissionError as e:
             raise StorageError(f"{what}: permission denied") from e
         except OSError as e:
-            if i + 1 < attempts and _transient(e):
-                time.sleep(0.5 * 2 ** i)
-                continue
             msg = str(e)
+            if _transient(e):
+                wait = min(0.5 * 2 ** i, 8.0)
+                spent = time.monotonic() - t0
+                if i + 1 < attempts and spent + wait <= budget:
+                    _count("retries")
+                    log.warning("%s: transient store error (attempt %d/%d), retrying in %.1fs: %s", what,
+                                i + 1, attempts, wait, msg.splitlines()[0] if msg else type(e).__name__)
+                    time.sleep(wait)
+                    continue
+                _count("gave_up")
+                raise StorageError(f"{what}: object store unavailable: gave up after {i + 1} attempt(s) over "
+                                   f"{spent:.0f}s (each with the S3 client's own retries); last error: "
+                                   f"{msg.splitlines()[0] if msg else type(e).__name__}") from e
             if "ACCESS_DENIED" in msg or "InvalidAccessKeyId" in msg or "SignatureDoesNotMatch" in msg \
                     or "403" in msg:
                 raise StorageError(f"{what}: access denied: check AWS_ACCESS_KEY_ID / "
@@ -148,6 +262,34 @@ def is_file(uri: str) -> bool:
     return retrying(lambda: fs.get_file_info(path), uri).type == pafs.FileType.File
 
 
+# URI -> (bytes, sha256, manifest attempt) of files listed in manifests this process read: reads of
+# those URIs are checked against the manifest, so a reader never mixes two publications.
+_expected: dict[str, tuple[int, str, str]] = {}
+_expected_lock = threading.Lock()
+
+
+def _expect(root: str, manifest: dict) -> None:
+    with _expected_lock:
+        if len(_expected) > 50000:
+            _expected.clear()
+        for name, meta in (manifest.get("files") or {}).items():
+            if isinstance(meta, dict) and "sha256" in meta:
+                _expected[f"{root.rstrip('/')}/{name}"] = (meta.get("bytes", -1), meta["sha256"],
+                                                           str(manifest.get("attempt", "")))
+
+
+def _check_expected(uri: str, nbytes: int, sha: str) -> None:
+    exp = _expected.get(uri.rstrip("/"))
+    if exp is None:
+        return
+    _count("verified_reads")
+    if sha != exp[1]:
+        raise ConcurrentPublishError(
+            f"{uri}: content ({nbytes} bytes, sha256 {sha[:12]}) is not what the manifest read before "
+            f"lists ({exp[0]} bytes, sha256 {exp[1][:12]}, attempt {exp[2]}): the output was re-published "
+            f"while it was being read; read it again")
+
+
 def read_bytes(uri: str) -> bytes:
     fs, path = resolve(uri)
 
@@ -159,7 +301,10 @@ def read_bytes(uri: str) -> bytes:
             raise StorageError(f"{uri}: is a directory, expected a file")
         with fs.open_input_stream(path) as f:
             return f.read()
-    return retrying(_read, uri)
+    data = retrying(_read, uri)
+    if uri.rstrip("/") in _expected:
+        _check_expected(uri, len(data), sha256_bytes(data))
+    return data
 
 
 def read_text(uri: str) -> str:
@@ -176,6 +321,18 @@ def write_bytes(uri: str, data: bytes) -> None:
         with fs.open_output_stream(path) as f:
             f.write(data)
     retrying(_write, uri)
+    kill_point("write")
+
+
+def write_atomic(uri: str, data: bytes) -> None:
+    """Write a file that no reader ever sees half-written: one PUT on S3; temp file + rename locally."""
+    if is_s3(uri):
+        write_bytes(uri, data)
+        return
+    _, path = resolve(uri)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    write_bytes(tmp, data)
+    os.replace(tmp, path)
 
 
 def delete(uri: str) -> None:
@@ -256,7 +413,11 @@ def copy_file(src: str, dst: str, chunk: int = 8 << 20) -> tuple[int, str]:
         if tmp != dpath:
             os.replace(tmp, dpath)
         return n, h.hexdigest()
-    return retrying(_copy, f"copy {src} -> {dst}")
+    n, sha = retrying(_copy, f"copy {src} -> {dst}")
+    if src.rstrip("/") in _expected:
+        _check_expected(src, n, sha)
+    kill_point("write")
+    return n, sha
 
 
 def upload_dir(local_dir: str, uri: str) -> list[str]:
@@ -271,6 +432,9 @@ def upload_dir(local_dir: str, uri: str) -> list[str]:
 
 
 def read_parquet(uri: str, columns: list[str] | None = None) -> pa.Table:
+    if uri.rstrip("/") in _expected:  # a published file: read whole, check against the manifest
+        data = read_bytes(uri)
+        return pq.read_table(pa.BufferReader(data), columns=columns)
     fs, path = resolve(uri)
     return retrying(lambda: pq.read_table(path, filesystem=fs, columns=columns), uri)
 
@@ -302,7 +466,14 @@ def read_manifest(uri: str) -> dict:
             raise NotPublishedError(f"{uri}: does not exist")
         raise NotPublishedError(f"{uri}: no {MANIFEST} manifest: the data was never published or a "
                                 f"stage crashed while writing it; re-run the stage that writes it")
-    return read_json(m_uri)
+    try:
+        manifest = read_json(m_uri)
+    except StorageError as e:
+        if "not found" in str(e):  # removed by a publish that started after the check
+            raise NotPublishedError(f"{uri}: being re-published (no {MANIFEST} right now); retry later") from e
+        raise
+    _expect(uri, manifest)
+    return manifest
 
 
 def try_manifest(uri: str) -> dict | None:
@@ -328,10 +499,12 @@ def utcnow() -> str:
 class Publication:
     """Stage output under construction; ``publish()`` makes it visible atomically.
 
-    Files are written to ``<out>/_staging/<attempt>/<name>``; ``publish`` first removes the old
-    manifest (so readers never pair an old manifest with new files), moves each staged file into
-    place and writes ``_SUCCESS`` last. A crash at any point leaves no manifest, so readers refuse
-    the prefix and a re-run starts over (keeping ``_work/``).
+    Files are written to ``<out>/_staging/<attempt>/<name>``; ``publish`` writes the journal
+    ``_PUBLISHING`` (the manifest to be, naming the staging attempt), removes the old manifest, moves
+    each staged file into place (idempotently) and writes ``_SUCCESS`` last. A crash before the journal
+    leaves the old state; a crash after it leaves no manifest (readers refuse the prefix) and the next
+    run of the same config rolls the journal forward (:func:`roll_forward`) without recomputing. A
+    reader that read the old manifest and meets a new file gets :class:`ConcurrentPublishError`.
     """
 
     def __init__(self, uri: str, stage: str, config: dict, config_hash: str, code_version: str):
@@ -377,33 +550,107 @@ class Publication:
                 rel = os.path.relpath(full, local_dir).replace(os.sep, "/")
                 self.add_file(f"{name}/{rel}" if name else rel, full)
 
-    def publish(self, stats: dict | None = None) -> dict:
+    def publish(self, stats: dict | None = None, check: Callable[[], None] | None = None) -> dict:
+        """Move the staged files into place and write ``_SUCCESS``; ``check()`` runs just before the
+        first visible change (the stage's lease check)."""
         if stats:
             self.stats.update(stats)
-        fs, root = resolve(self.uri)
-        delete(join(self.uri, MANIFEST))
-        for name in self.files:
-            src, dst = f"{root}/{STAGING}/{self.attempt}/{name}", f"{root}/{name}"
-            if isinstance(fs, pafs.LocalFileSystem):
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                retrying(lambda s=src, d=dst: os.replace(s, d), f"publish {dst}")
-            else:
-                retrying(lambda s=src, d=dst: fs.move(s, d), f"publish s3://{dst}")
         manifest = {
             "stage": self.stage, "config": self.config, "config_hash": self.config_hash,
             "code_version": self.code_version, "started_at": self.started, "published_at": utcnow(),
             "attempt": self.attempt, "files": self.files, "stats": self.stats, "inputs": self.inputs,
         }
-        write_bytes(join(self.uri, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True,
-                                                          default=str).encode())
-        with contextlib.suppress(Exception):
-            delete(join(self.uri, STAGING))
-        return manifest
+        kill_point("publish-start")
+        if check is not None:
+            check()
+        self.journalled = True   # from here on a crash is completed by roll_forward: keep the staging
+        write_atomic(join(self.uri, JOURNAL), _dumps(manifest))
+        return _complete(self.uri, manifest)
 
     def abort(self) -> None:
+        if getattr(self, "journalled", False):
+            return
         with contextlib.suppress(Exception):
             delete(self.staging)
 
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
+
+
+def _file_matches(fs: pafs.FileSystem, path: str, uri: str, meta: dict) -> bool:
+    info = retrying(lambda: fs.get_file_info(path), uri)
+    if info.type != pafs.FileType.File or info.size != meta["bytes"]:
+        return False
+
+    def _hash() -> str:
+        h = hashlib.sha256()
+        with fs.open_input_stream(path) as f:
+            while b := f.read(8 << 20):
+                h.update(b)
+        return h.hexdigest()
+    return retrying(_hash, uri) == meta["sha256"]
+
+
+def _complete(uri: str, manifest: dict) -> dict:
+    """Carry out a journalled publish (idempotent: safe to repeat after a crash at any point)."""
+    fs, root = resolve(uri)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    delete(join(uri, MANIFEST))
+    for name, meta in manifest["files"].items():
+        src, dst = f"{root}/{STAGING}/{manifest['attempt']}/{name}", f"{root}/{name}"
+        shown = dst if local else f"s3://{dst}"
+
+        def _move(s: str = src, d: str = dst) -> None:
+            if local:
+                os.makedirs(os.path.dirname(d), exist_ok=True)
+                os.replace(s, d)
+            else:
+                fs.move(s, d)
+        try:
+            retrying(_move, f"publish {shown}")
+        except StorageError:
+            # already moved by an earlier attempt (a crash, or a move whose reply was lost)?
+            if not _file_matches(fs, dst, shown, meta):
+                raise
+        kill_point("publish-move")
+    kill_point("publish-commit")
+    write_atomic(join(uri, MANIFEST), _dumps(manifest))
+    _expect(uri, manifest)
+    with contextlib.suppress(Exception):
+        delete(join(uri, JOURNAL))
+    with contextlib.suppress(Exception):
+        delete(join(uri, STAGING))
+    return manifest
+
+
+def roll_forward(uri: str, stage: str, config_hash: str, inputs: dict) -> dict | None:
+    """Finish a publish that a crash interrupted, when its journal is for this stage, config and
+    inputs and every file is staged or already in place (checked by sha256); else drop the journal
+    (the stage runs again) and return None."""
+    j_uri = join(uri, JOURNAL)
+    if not exists(j_uri):
+        return None
+    try:
+        manifest = read_json(j_uri)
+    except StorageError:
+        manifest = {}
+    fs, root = resolve(uri)
+    ok = (manifest.get("stage") == stage and manifest.get("config_hash") == config_hash
+          and manifest.get("inputs", {}) == inputs and isinstance(manifest.get("files"), dict))
+    if ok:
+        for name, meta in manifest["files"].items():
+            staged = f"{root}/{STAGING}/{manifest['attempt']}/{name}"
+            if not (_file_matches(fs, staged, staged, meta) or _file_matches(fs, f"{root}/{name}", name, meta)):
+                ok = False
+                break
+    if not ok:
+        log.info("%s: dropping an interrupted publish that cannot be completed", uri)
+        delete(j_uri)
+        return None
+    log.info("%s: completing the publish interrupted in attempt %s", uri, manifest["attempt"])
+    manifest["resumed_publish_at"] = utcnow()
+    return _complete(uri, manifest)
 
 def verify(uri: str) -> dict:
     """Check every file of a manifest against its recorded size; returns the manifest."""

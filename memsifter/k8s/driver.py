@@ -302,6 +302,7 @@ class Driver:
     write_manifest: bool = True
     check_configs: bool = True
     is_published: Callable[[StagePlan], tuple[bool, str]] = published_hash
+    steal_lease: bool = False           # take over the run lease of a dead driver at once
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.time
     manifest: dict = field(default_factory=dict)
@@ -341,6 +342,21 @@ class Driver:
         return errors
 
     def run(self) -> dict:
+        """Drive the run. One driver per run: the run lease ``<root>/_run/_LEASE`` (the one ``memsifter
+        pipeline`` takes too) is taken before any RayJob is created; a second driver of the run is
+        refused with the holder's name (:class:`memsifter.lease.LeaseHeldError`). A driver that does
+        not write to the store (``write_manifest=False``) takes no lease."""
+        if not self.write_manifest:
+            return self._run()
+        from .. import lease
+
+        storage.ensure_bucket(self.plan.manifest_uri)
+        with lease.hold(storage.join(self.plan.run["root"], "_run"), steal=self.steal_lease,
+                        purpose=f"driver of run {self.plan.run.get('id', '?')}") as held:
+            self._lease = held
+            return self._run()
+
+    def _run(self) -> dict:
         order = self.plan.ordered()
         errors = self.preflight() if self.check_configs else []
         if errors:
@@ -386,6 +402,9 @@ class Driver:
             else:
                 log.info("%s: RayJob %s exists (%s): attaching", st.name, st.rayjob_name, state)
         if existing is None:
+            held = getattr(self, "_lease", None)
+            if held is not None:
+                held.check()   # robbed of the run while we waited: the new driver creates the jobs
             self.backend.create(st.rayjob)
         self._set(st.name, state="running", started_at=storage.utcnow())
         status = self._wait(st)
