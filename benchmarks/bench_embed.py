@@ -13,6 +13,14 @@ and checks that all three give the same similarities.
 
     python benchmarks/bench_embed.py                  # synthetic data with shared sessions
     python benchmarks/bench_embed.py --dataset lme --questions 8   # ../shared LongMemEval dev30
+
+CPU precision (``--mode precision``): the same texts and length-bucketed batches through the
+Embedder in float32 (the embed stage before issue 9), bfloat16 (the CPU default where the CPU has
+bf16 matrix units) and torch int8 dynamic quantisation of the Linear layers, side by side in one run:
+texts/s, the ratio to float32, the largest question-session similarity difference and the share of
+questions whose top-10 is identical to float32's.
+
+    python benchmarks/bench_embed.py --mode precision --dataset sample --questions 6
 """
 
 from __future__ import annotations
@@ -33,7 +41,12 @@ def load(dataset: str, questions: int, tmp: str):
     from memsifter.data.model import Dataset, read_dataset
     from memsifter.stage import get_stage
 
-    if dataset == "lme":
+    if dataset == "sample":
+        from memsifter import samples
+
+        get_stage("import").run({"output": f"{tmp}/d", "format": "longmemeval",
+                                 "source": samples.path(samples.LONGMEMEVAL)})
+    elif dataset == "lme":
         src = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "longmemeval_s_dev30.json.gz")
         get_stage("import").run({"output": f"{tmp}/d", "format": "longmemeval", "source": os.path.abspath(src)})
     else:
@@ -53,12 +66,77 @@ def padded_tokens(emb, batches) -> int:
     return total
 
 
+def precision(args, ds) -> int:
+    """float32 vs bf16 vs int8 on the same texts and batches (see the module docstring)."""
+    import copy
+
+    import torch
+
+    from memsifter import embedding
+    from memsifter.render import render_session
+    from memsifter.stages.embed import turn_units
+
+    os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")  # the stage's settings (max_length 256)
+    emb = embedding.Embedder(spec, "cpu")
+    sids = sorted({s for q in ds.questions for s in q.haystack_session_ids})
+    units = {s: turn_units(ds.sessions[s].turns, 200) for s in sids}
+    texts = sorted({q.question for q in ds.questions} | {t for s in sids for t in units[s]}
+                   | ({render_session(ds.sessions[s].turns) for s in sids} if args.sessions else set()))
+    plan = embedding.plan_batches([(str(i), t) for i, t in enumerate(texts)], spec.max_length)
+    fp32 = emb.model
+    variants = {"float32": fp32, "bfloat16": copy.deepcopy(fp32).to(torch.bfloat16),
+                "int8 dynamic": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear},
+                                                                       dtype=torch.qint8)}
+    res, vecs = {}, {}
+    for name, model in variants.items():
+        emb.model = model
+        emb.encode(texts[:8])  # warm-up
+        out = np.zeros((len(texts), emb.dim), dtype=np.float32)
+        t0 = time.perf_counter()
+        for b in plan:
+            out[[int(i) for i, _ in b]] = emb.encode([t for _, t in b])
+        res[name] = time.perf_counter() - t0
+        vecs[name] = out
+        print(f"  {name}: {len(texts) / res[name]:.1f} texts/s", flush=True)
+    idx = {t: i for i, t in enumerate(texts)}
+
+    def sims(v, q):  # the turns method's session scores: best unit per session
+        qv = v[idx[q.question]]
+        return np.array([max(float(v[idx[u]] @ qv) for u in units[s]) for s in q.haystack_session_ids])
+
+    print(f"\nCPU precision: {len(ds.questions)} LongMemEval questions, {len(sids)} sessions, {len(texts)} "
+          f"texts (turn units + questions{' + whole sessions' if args.sessions else ''}), all-MiniLM-L6-v2, "
+          f"max_length {spec.max_length}, {torch.get_num_threads()} threads, {len(plan)} batches\n")
+    print("| precision | seconds | texts/s | speed vs float32 | max |similarity diff| | max |vector diff| "
+          "| identical top-10 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in variants:
+        v = vecs[name]
+        diff, same = 0.0, 0
+        for q in ds.questions:
+            a, b = sims(vecs["float32"], q), sims(v, q)
+            diff = max(diff, float(np.abs(a - b).max()))
+            same += embedding_top(a) == embedding_top(b)
+        print(f"| {name} | {res[name]:.2f} | {len(texts) / res[name]:.1f} | {res['float32'] / res[name]:.2f}x | "
+              f"{diff:.2e} | {float(np.abs(v - vecs['float32']).max()):.2e} | {same}/{len(ds.questions)} |")
+    return 0
+
+
+def embedding_top(scores, k: int = 10) -> list[int]:
+    from memsifter.stages.embed import order_by
+
+    return order_by(scores)[:k]
+
+
 def main() -> int:
     from memsifter import embedding
     from memsifter.render import render_session
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", choices=["synth", "lme"], default="synth")
+    p.add_argument("--mode", choices=["batching", "precision"], default="batching")
+    p.add_argument("--sessions", action="store_true", help="precision: also embed whole sessions")
+    p.add_argument("--dataset", choices=["synth", "lme", "sample"], default="synth")
     p.add_argument("--questions", type=int, default=12)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-length", type=int, default=512)
@@ -69,6 +147,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ds = load(args.dataset, args.questions, tmp)
+    if args.mode == "precision":
+        return precision(args, ds)
+    os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"  # the batching comparison is in float32
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2", max_length=args.max_length)
     emb = embedding.Embedder(spec)
     emb.encode(["warm up"] * 4)

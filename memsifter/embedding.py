@@ -118,6 +118,65 @@ class ModelSpec:
         return f"{base}-{h}"
 
 
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 natively (Intel AMX or AVX512-BF16), where bf16 is fast."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_bf16_enabled() -> bool:
+    v = os.environ.get("MEMSIFTER_EMBED_CPU_BF16", "auto").lower()
+    if v in ("0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    return cpu_has_bf16_units()
+
+
+class Progress:
+    """Texts embedded, texts/s and ETA: a tqdm bar on a terminal, a log line every ``every`` seconds
+    otherwise (pod logs), both only once a run has lasted ``after`` seconds."""
+
+    def __init__(self, total: int, every: float = 15.0, after: float = 3.0, desc: str = "embed"):
+        import sys
+
+        self.total, self.every, self.after, self.desc = total, every, after, desc
+        self.done, self.t0, self.last = 0, time.time(), time.time()
+        self.bar = None
+        self.tty = sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.time()
+        if now - self.t0 < self.after and self.done < self.total:
+            return
+        if self.tty:
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=self.done - n, unit="text", desc=self.desc,
+                                dynamic_ncols=True, smoothing=0.1)
+            self.bar.update(n)
+        elif now - self.last >= self.every or self.done >= self.total:
+            self.last = now
+            log.info("%s", self.line(now))
+
+    def line(self, now: float | None = None) -> str:
+        el = (now or time.time()) - self.t0
+        rate = self.done / el if el > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        return (f"{self.desc}: {self.done}/{self.total} texts, {rate:.1f} texts/s, "
+                f"elapsed {el:.0f} s, ETA {eta:.0f} s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class Embedder:
     """One dense encoder loaded with FlagEmbedding (see the module docstring)."""
 
@@ -138,6 +197,12 @@ class Embedder:
         self.model = self.flag.model.to(self.device).eval()
         if not on_gpu:
             self.model.float()
+        # On a CPU with native bf16 matrix units (AMX / AVX512-BF16) the encoder runs in bfloat16 with
+        # pooling and normalisation in float32: benchmarks/bench_embed.py measures it against float32
+        # (similarities within 1e-3, same top-10). MEMSIFTER_EMBED_CPU_BF16=0 forces float32, =1 forces bf16.
+        self.cpu_bf16 = not on_gpu and spec.dtype == "auto" and cpu_bf16_enabled()
+        if self.cpu_bf16:
+            self.model.to(torch.bfloat16)
         self.tokenizer = self.flag.tokenizer
         self.dim = int(getattr(self.model.config, "hidden_size", 0))
 
@@ -151,7 +216,7 @@ class Embedder:
             enc = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length,
                                  padding=True, return_tensors="pt").to(self.device)
             hidden = self.model(**enc, return_dict=True).last_hidden_state
-            vec = self.flag.pooling(hidden, enc["attention_mask"])
+            vec = self.flag.pooling(hidden.float(), enc["attention_mask"])
             if self.spec.normalize:
                 vec = torch.nn.functional.normalize(vec, dim=-1)
             return vec.float().cpu().numpy().astype(np.float32)
@@ -309,14 +374,20 @@ def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, wo
                         num_gpus=gpus_per_worker or None, num_cpus=cpus_per_worker)
     t0 = time.time()
     done = 0
-    for row in ds.iter_rows():
-        b = todo[int(row["batch_id"])]
-        vec = np.frombuffer(row["vectors"], dtype=np.float32).reshape(len(b), int(row["dim"]))
-        store.add_shard([h for h, _ in b], vec)
-        done += 1
-        if on_shard:
-            on_shard(done)
+    progress = Progress(len(missing))
+    try:
+        for row in ds.iter_rows():
+            b = todo[int(row["batch_id"])]
+            vec = np.frombuffer(row["vectors"], dtype=np.float32).reshape(len(b), int(row["dim"]))
+            store.add_shard([h for h, _ in b], vec)
+            done += 1
+            progress.update(len(b))
+            if on_shard:
+                on_shard(done)
+    finally:
+        progress.close()
     stats["embed_seconds"] = round(time.time() - t0, 2)
+    stats["texts_per_second"] = round(len(missing) / max(stats["embed_seconds"], 1e-9), 1)
     return stats
 
 

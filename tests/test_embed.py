@@ -50,7 +50,7 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     ds = read_dataset(data)
     store = str(tmp_path / "store")
     m1 = get_stage("embed").run({"output": str(tmp_path / "e1"), "input": data, "model": "all-MiniLM-L6-v2",
-                                 "store": store, "max_batch_size": 8})
+                                 "store": store, "max_batch_size": 8, "turns": False, "bm25": False})
     st = m1["stats"]
     n_texts = len({render_session(s.turns) for s in ds.sessions.values()} | {q.question for q in ds.questions})
     assert st["texts"] == n_texts and st["embedded"] == n_texts and st["reused"] == 0
@@ -75,17 +75,20 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     assert np.allclose(sims["dense"], vec[1:] @ vec[0], atol=1e-4)
     assert sims["chunked"] is None
 
-    # a second run with chunked + BM25 reuses every stored vector and embeds only the new chunks
+    # a second run with chunked + turns + BM25 (the defaults) reuses every stored vector and embeds
+    # only the new chunks and turn units
     m2 = get_stage("embed").run({"output": str(tmp_path / "e2"), "input": data, "model": "all-MiniLM-L6-v2",
-                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1,
-                                 "bm25": True})
+                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1})
     st2 = m2["stats"]
     assert st2["store_vectors_before"] == n_texts and st2["reused"] >= n_texts
     assert st2["embedded"] == st2["texts"] - st2["reused"] > 0
-    assert set(st2["retrieval"]) == {"dense", "chunked", "bm25", "hybrid"} and st2["primary"] == "hybrid"
-    assert {"rankings_dense.parquet", "rankings_chunked.parquet", "rankings_bm25.parquet",
-            "rankings_hybrid.parquet", "rankings.parquet", "similarities.parquet"} <= set(m2["files"])
-    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:hybrid"
+    assert set(st2["retrieval"]) == {"dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window",
+                                     "hybrid", "fusion"} and st2["primary"] == "fusion"
+    assert {"rankings_dense.parquet", "rankings_chunked.parquet", "rankings_turns.parquet",
+            "rankings_bm25.parquet", "rankings_bm25_dated.parquet", "rankings_bm25_window.parquet",
+            "rankings_hybrid.parquet", "rankings_fusion.parquet", "rankings.parquet",
+            "similarities.parquet"} <= set(m2["files"])
+    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:fusion"
     # dense results do not depend on the run that embedded them
     d1 = rankings.read_rankings(storage.join(str(tmp_path / "e1"), "rankings_dense.parquet"))
     d2 = rankings.read_rankings(storage.join(str(tmp_path / "e2"), "rankings_dense.parquet"))
@@ -154,7 +157,7 @@ def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path, ray_local):
     pub.publish({})
 
     m = get_stage("embed").run({"output": str(tmp_path / "emb"), "input": sub, "model": "all-MiniLM-L6-v2",
-                                "bm25": True})
+                                "bm25": True, "turns": False})  # turns: tests/test_first_stage.py
     ours = m["stats"]["retrieval"]["dense"]
     hybrid = m["stats"]["retrieval"]["hybrid"]
     base = rankings.summarize(_baseline(ds, embedding.minilm_dir(), max_length=256), ds.questions)

