@@ -4,7 +4,8 @@ A stage takes the lease on its output before it stages anything, and the pipelin
 ``<run root>/_run`` before it creates any RayJob. A second writer is refused with
 :class:`LeaseHeldError`, which names the holder (run id, host, pid, what it runs, since when, when
 the lease expires). A holder that dies stops renewing, so its lease expires after ``ttl`` seconds
-(``MEMSIFTER_LEASE_TTL``, default 60) and the next writer takes it over; ``steal=True``
+(``MEMSIFTER_LEASE_TTL``, default 60) and the next writer takes it over (at once when the dead holder
+ran on the same host: its pid is checked); ``steal=True``
 (``--steal-lease``) takes a live lease at once, and the robbed holder notices at its next heartbeat or
 at the latest just before it publishes, and stops without publishing.
 
@@ -68,6 +69,22 @@ def describe(holder: dict, now: float | None = None) -> str:
     state = f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
     return (f"run {holder.get('run_id')} ({holder.get('purpose') or 'writer'}, host {holder.get('host')}, "
             f"pid {holder.get('pid')}, since {holder.get('started_at')}, lease {state})")
+
+
+def _dead_here(holder: dict) -> bool:
+    """A holder on this very host whose process is gone (a killed run restarted on the same machine
+    need not wait for the expiry). Other hosts' holders are judged by expiry only."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    if holder["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 # --------------------------------------------------------------------------- store backends
@@ -210,7 +227,10 @@ class Lease:
             if cur is None:
                 continue   # released meanwhile
             other, other_etag = cur
-            expired = other.get("expires_at", 0) < time.time()
+            if other.get("token") == self.token:   # our create went through but its reply was lost
+                self.etag = other_etag
+                return self
+            expired = other.get("expires_at", 0) < time.time() or _dead_here(other)
             if not expired and not steal:
                 raise LeaseHeldError(
                     f"{self.prefix}: another writer holds this output: {describe(other)}. Wait for it to "
@@ -231,6 +251,9 @@ class Lease:
         etag = self.store.replace(self._body(), self.etag or "")
         if etag is None:
             cur = self.store.read()
+            if cur is not None and cur[0].get("token") == self.token:   # done, but the reply was lost
+                self.etag = cur[1]
+                return
             self.lost = (f"{self.prefix}: our lease (run {self.holder.get('run_id')}) was taken over by "
                          + (describe(cur[0]) if cur else "nobody (it was deleted)"))
             log.error("%s", self.lost)

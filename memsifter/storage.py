@@ -203,12 +203,16 @@ _TRANSIENT = ("503", "slowdown", "slow_down", "timed out", "timeout", "internal 
               "connection reset", "throttl", "500 ", "network_connection", "curlcode", "could not connect",
               "couldn't connect", "connection refused", "broken pipe", "recv failure", "send failure",
               "failure when receiving", "empty reply", "service unavailable", "request_timeout",
-              "unexpected end", "connection closed", "reset by peer")
+              "unexpected end", "connection closed", "reset by peer", "internal_failure",
+              "failed to flush response stream")
+
+
+_HTTP_5XX = re.compile(r"(http status|status code:?|\bstatus) 5\d\d", re.IGNORECASE)
 
 
 def _transient(exc: BaseException) -> bool:
     msg = str(exc).lower()
-    return any(s in msg for s in _TRANSIENT)
+    return any(s in msg for s in _TRANSIENT) or bool(_HTTP_5XX.search(msg))
 
 
 def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
