@@ -92,6 +92,9 @@ def kill_point(point: str) -> None:
     ``point`` is reached while ``stage`` runs. Points: ``write`` (any file written by the storage
     layer: work shards, staged files), ``publish-start``, ``publish-move`` (after each file moved into
     place), ``publish-commit`` (every file in place, ``_SUCCESS`` not yet written)."""
+    pause = os.environ.get("MEMSIFTER_PAUSE_AT", "")   # <stage>:<point>:<seconds>: widen a window
+    if pause and pause.rsplit(":", 2)[:2] == [CURRENT_STAGE["name"], point]:
+        time.sleep(float(pause.rsplit(":", 1)[1]))
     spec = os.environ.get("MEMSIFTER_KILL_AT", "")
     if not spec:
         return

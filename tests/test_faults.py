@@ -123,6 +123,7 @@ def test_store_that_stays_down_fails_clearly_and_publishes_nothing(proxied):
     assert proxied.counts["outage"] > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.xfail(strict=True, reason="merge.py's ranged tensor reads are not retried (change requested in "
                    "memsifter/stages/merge.py: ModelDir.read through a retrying, re-opening read)")
 def test_merge_survives_answers_cut_off_mid_body(proxied, tiny_model_dir, tmp_path):

@@ -20,7 +20,8 @@ import time
 import uuid
 
 import pyarrow.fs as pafs
-from stage_cases import before_stage, output_hashes, setup_inputs, stored_hashes
+import pytest
+from stage_cases import STAGE_NAMES, before_stage, output_hashes, setup_inputs, stored_hashes
 
 from memsifter import storage
 from memsifter.errors import NotPublishedError, StorageError
@@ -29,6 +30,9 @@ from memsifter.stage import get_stage
 CHILD = ("import json, sys; from memsifter.stage import get_stage; "
          "get_stage(sys.argv[1]).run(json.loads(sys.argv[2]))")
 KILLS = ("write:1", "publish-move:1", "publish-commit:1")
+# CI: every point on the cheap stages; the full matrix (prepare-rl too: its tokenizer load makes each
+# process slow) runs with `python -m pytest -q --heavy tests/test_kill.py tests/test_faults.py`.
+CI_STAGES = ("import", "synth", "evaluate", "merge")
 
 
 def run_child(name: str, cfg: dict, kill: str | None = None) -> subprocess.CompletedProcess:
@@ -66,7 +70,7 @@ class PollingReader(threading.Thread):
                     self.complete += 1
                 except (NotPublishedError, StorageError):
                     self.refused += 1
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     def raw_read(self, out: str) -> None:
         """One unchecked read (manifest, then the files with plain pyarrow): for the comparison."""
@@ -85,6 +89,15 @@ class PollingReader(threading.Thread):
 
 
 def test_sigkill_at_every_point_resumes_byte_identical(s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    _kill_chain(CI_STAGES, s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.heavy
+def test_sigkill_every_stage_full_matrix(s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    _kill_chain(STAGE_NAMES, s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch)
+
+
+def _kill_chain(stages, s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("MEMSIFTER_LEASE_TTL", "30")
     cases = setup_inputs(s3_root, str(tmp_path), tiny_model_dir)
     clean = {}
@@ -93,6 +106,7 @@ def test_sigkill_at_every_point_resumes_byte_identical(s3_root, tiny_model_dir, 
         clean[name] = output_hashes(get_stage(name).run(cfg))
     for _, cfg in cases:
         storage.delete(cfg["output"])
+    cases = [(n, c) for n, c in cases if n in stages or n == "synth"]   # synth feeds evaluate
     reader = PollingReader([cfg["output"] for _, cfg in cases])
     reader.start()
     rows, kills = [], 0
