@@ -141,3 +141,98 @@ def test_transient_errors_are_retried():
         raise OSError("AWS Error ACCESS_DENIED during GetObject: 403")
     with pytest.raises(StorageError, match="access denied"):
         storage.retrying(broken, "s3://b/k")
+
+
+# --------------------------------------------------------------------------- issue 10: keys, publish, reads
+@pytest.mark.parametrize("part", ["../x", "a/../../b", "..", "./a", "/etc/passwd", "a/%2F..%2Fb", "a%2fb",
+                                  "%2e%2e/x", "a\\..\\b", "a\x00b", "a//b", "q\n1"])
+def test_keys_built_from_ids_cannot_leave_their_prefix(part):
+    with pytest.raises(StorageError, match="refused"):
+        storage.join("s3://bucket/run/out", part)
+    with pytest.raises(StorageError, match="refused"):
+        storage.Publication("/tmp/never-created-ms", "t", {}, "h", "0").write_bytes(part, b"x")
+
+
+def test_ordinary_keys_still_join():
+    assert storage.join("s3://b/run/", "out", "sub/q-1.parquet", "a.b_c") == "s3://b/run/out/sub/q-1.parquet/a.b_c"
+    assert storage.join("/data", "conv-26_session_3/") == "/data/conv-26_session_3"
+
+
+def test_store_errors_are_classified():
+    for msg in ("AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not connect to server",
+                "AWS Error UNKNOWN (HTTP status 500) during HeadObject operation: No response body.",
+                "AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate.",
+                "Recv failure: Connection reset by peer"):
+        assert storage._transient(OSError(msg)), msg
+    for msg in ("AWS Error ACCESS_DENIED during GetObject: 403", "NoSuchBucket"):
+        assert not storage._transient(OSError(msg)), msg
+
+
+def test_retries_are_bounded_by_time_and_name_the_uri(monkeypatch):
+    monkeypatch.setenv("MEMSIFTER_STORE_RETRY_SECONDS", "1.6")
+    calls = {"n": 0}
+
+    def down():
+        calls["n"] += 1
+        raise OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7, Could not connect")
+    t0 = __import__("time").time()
+    with pytest.raises(StorageError, match=r"s3://b/k: object store unavailable: gave up after 3 attempt\(s\)"):
+        storage.retrying(down, "s3://b/k")
+    assert calls["n"] == 3 and __import__("time").time() - t0 < 3
+
+
+def test_publish_journal_rolls_forward_after_a_crash_mid_publish(store_root, monkeypatch):
+    out = storage.join(store_root, "j")
+    pub = _publication(out)
+    pub.inputs = {"input": ["x"]}
+    pub.write_table("a.parquet", pa.table({"x": [1]}))
+    pub.write_table("b.parquet", pa.table({"x": [2]}))
+    moved = {"n": 0}
+
+    def crash_after_first_move(point):
+        if point == "publish-move":
+            moved["n"] += 1
+            raise KeyboardInterrupt("simulated kill")   # what SIGKILL leaves behind, in-process
+    monkeypatch.setattr(storage, "kill_point", crash_after_first_move)
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish()
+    monkeypatch.undo()
+    with pytest.raises(NotPublishedError):
+        storage.read_manifest(out)
+    assert storage.roll_forward(out, "test", "other-hash", {"input": ["x"]}) is None   # another config: dropped
+    assert not storage.exists(storage.join(out, storage.JOURNAL))
+
+
+def test_roll_forward_completes_the_same_config(store_root, monkeypatch):
+    out = storage.join(store_root, "j2")
+    pub = _publication(out)
+    pub.write_table("a.parquet", pa.table({"x": [1]}))
+    pub.write_table("b.parquet", pa.table({"x": [2]}))
+    monkeypatch.setattr(storage, "kill_point",
+                        lambda p: (_ for _ in ()).throw(KeyboardInterrupt()) if p == "publish-commit" else None)
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish()
+    monkeypatch.undo()
+    m = storage.roll_forward(out, "test", "h1", {})
+    assert m is not None and m["attempt"] == pub.attempt and "resumed_publish_at" in m
+    assert storage.read_parquet(storage.published_file(out, "b.parquet")).to_pylist() == [{"x": 2}]
+    assert storage.list_files(out) == ["_SUCCESS", "a.parquet", "b.parquet"]
+
+
+def test_reader_of_an_old_manifest_never_gets_new_files(store_root):
+    out = storage.join(store_root, "gen")
+    p1 = _publication(out)
+    p1.write_table("t.parquet", pa.table({"x": [1]}))
+    p1.publish()
+    storage.read_manifest(out)                       # a reader holds generation 1 ...
+    p2 = _publication(out, {"a": 2})
+    p2.write_table("t.parquet", pa.table({"x": [1, 2]}))
+    fs, root = storage.resolve(out)
+    # ... while generation 2's file replaces the old one (publish in progress, seen from outside)
+    storage.write_bytes(storage.join(out, "t.parquet"), storage.parquet_bytes(pa.table({"x": [1, 2]})))
+    with pytest.raises(storage.ConcurrentPublishError, match="re-published while it was being read"):
+        storage.read_parquet(storage.join(out, "t.parquet"))
+    with pytest.raises(storage.ConcurrentPublishError):
+        storage.read_bytes(storage.join(out, "t.parquet"))
+    p2.publish()
+    assert storage.read_parquet(storage.published_file(out, "t.parquet")).num_rows == 2   # fresh manifest
