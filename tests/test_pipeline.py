@@ -135,3 +135,22 @@ def test_demo_config_is_valid(tmp_path):
         assert [n for n, _ in plan] == ["synth", "embed", "rank", "chat", "evaluate"]
         for name, cfg in plan:
             validate_config(name, cfg)
+
+
+def test_one_pipeline_per_run(tmp_path):
+    """A second pipeline (or a driver) of a run that a live one holds is refused, naming the holder."""
+    from memsifter import lease
+    from memsifter.pipeline import run_pipeline
+
+    run = str(tmp_path / "run")
+    spec = {"run": run, "stages": {"synth": {"questions": 2, "sessions_per_question": 3}}}
+    held = lease.Lease(storage.join(run, "_run"), purpose="pipeline", ttl=30).acquire().start()
+    try:
+        with pytest.raises(lease.LeaseHeldError, match=f"pid {held.holder['pid']}"):
+            run_pipeline(spec, echo=lambda s: None)
+        assert not storage.exists(storage.join(run, "synth"))
+    finally:
+        held.release()
+    out = run_pipeline(spec, echo=lambda s: None)
+    assert out["synth"]["stage"] == "synth"
+    assert not storage.exists(storage.join(run, "_run", lease.LEASE))
