@@ -109,22 +109,22 @@ def test_fusion_default_beats_the_anchors_on_real_locomo(locomo_conv26):
     assert summ["bm25_dated"]["ndcg@10"] > summ["bm25"]["ndcg@10"]  # speaker names are words
 
 
-def test_cpu_bf16_agrees_with_float32(monkeypatch):
-    """The CPU bf16 path (default on CPUs with bf16 units) gives float32's similarities within 1e-3."""
+def test_cpu_float32_by_default_bf16_opt_in(monkeypatch):
+    """float32 is the CPU default (bf16 misses the agreement bar: benchmarks/README.md); the opt-in
+    bf16 path runs in another precision, returns float32 unit vectors and stays close."""
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
     texts = ["When did Caroline go to the LGBTQ support group?",
              "Caroline: I went to a LGBTQ support group yesterday and it was so powerful.",
              "Melanie: I'm swamped with the kids & work. What's up with you? Anything new?",
              "assistant: " + "NYC is a hub for art enthusiasts with many exhibitions. " * 30,
              "user: Where did I get my guitar serviced? The music shop on Main St. did a great job."]
-    monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "0")
+    monkeypatch.delenv("MEMSIFTER_EMBED_CPU_BF16", raising=False)
     ref = embedding.Embedder(spec, "cpu")
-    assert not ref.cpu_bf16
+    assert not ref.cpu_bf16 and next(ref.model.parameters()).dtype.is_floating_point
     a = ref.encode(texts)
     monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "1")
     bf = embedding.Embedder(spec, "cpu")
-    assert bf.cpu_bf16
+    assert bf.cpu_bf16 and str(next(bf.model.parameters()).dtype) == "torch.bfloat16"
     b = bf.encode(texts)
     assert b.dtype == np.float32 and np.allclose(np.linalg.norm(b, axis=1), 1, atol=1e-5)
-    assert np.abs(a[1:] @ a[0] - b[1:] @ b[0]).max() <= 1e-3
-    assert np.abs(a - b).max() > 0  # it did run in another precision
+    assert 0 < np.abs(a - b).max() and np.abs(a[1:] @ a[0] - b[1:] @ b[0]).max() <= 1e-2
