@@ -214,10 +214,15 @@ class Lease:
         self.holder.update(renewed_at=storage.utcnow(), expires_at=round(now + self.ttl, 3), ttl=self.ttl)
         return json.dumps(self.holder, indent=2, sort_keys=True).encode()
 
-    def acquire(self, steal: bool = False) -> "Lease":
+    def acquire(self, steal: bool = False, wait: float | None = None) -> "Lease":
+        """Take the lease; a live holder's lease is waited for up to ``wait`` seconds (default
+        ``MEMSIFTER_LEASE_WAIT``, 0: refuse at once), then refused with LeaseHeldError."""
         if storage.is_s3(self.uri):
             storage.ensure_bucket(self.uri)
-        for _ in range(5):   # a lease that changes under us (released, renewed) is read again
+        wait = float(os.environ.get("MEMSIFTER_LEASE_WAIT") or 0) if wait is None else wait
+        deadline = time.time() + wait
+        races = 0
+        while races < 5:   # a lease that changes under us (released, renewed) is read again
             etag = self.store.create(self._body())
             if etag is not None:
                 self.etag = etag
@@ -225,12 +230,16 @@ class Lease:
                 return self
             cur = self.store.read()
             if cur is None:
+                races += 1
                 continue   # released meanwhile
             other, other_etag = cur
             if other.get("token") == self.token:   # our create went through but its reply was lost
                 self.etag = other_etag
                 return self
             expired = other.get("expires_at", 0) < time.time() or _dead_here(other)
+            if not expired and not steal and time.time() < deadline:
+                time.sleep(min(2.0, max(0.1, deadline - time.time())))
+                continue
             if not expired and not steal:
                 raise LeaseHeldError(
                     f"{self.prefix}: another writer holds this output: {describe(other)}. Wait for it to "
@@ -243,6 +252,7 @@ class Lease:
                             "stolen" if not expired else "expired")
                 self.holder["took_over"] = {k: other.get(k) for k in ("run_id", "host", "pid", "token")}
                 return self
+            races += 1
         raise LeaseHeldError(f"{self.prefix}: could not take the lease: it changed hands 5 times in a row")
 
     def renew(self) -> None:
@@ -299,9 +309,10 @@ class Lease:
 
 
 @contextlib.contextmanager
-def hold(prefix: str, purpose: str = "", steal: bool = False, ttl: float | None = None) -> Iterator[Lease]:
+def hold(prefix: str, purpose: str = "", steal: bool = False, ttl: float | None = None,
+         wait: float | None = None) -> Iterator[Lease]:
     """Take the lease on ``prefix``, renew it while the block runs, release it after."""
-    lease = Lease(prefix, purpose, ttl).acquire(steal=steal).start()
+    lease = Lease(prefix, purpose, ttl).acquire(steal=steal, wait=wait).start()
     try:
         yield lease
     finally:

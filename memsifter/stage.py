@@ -174,6 +174,10 @@ class Stage:
                               f"not '{self.name}'; choose another output URI")
         from . import lease
 
+        if existing and existing.get("stage") == self.name and not force:
+            log.warning("%s: %s holds this stage's output for another config or other inputs (hash %s, "
+                        "published %s by run %s): it will be replaced", self.name, config.output,
+                        existing.get("config_hash"), existing.get("published_at"), existing.get("run_id"))
         storage.ensure_bucket(config.output)
         prev_stage = storage.CURRENT_STAGE["name"]
         storage.CURRENT_STAGE["name"] = self.name

@@ -566,6 +566,7 @@ class Publication:
             "stage": self.stage, "config": self.config, "config_hash": self.config_hash,
             "code_version": self.code_version, "started_at": self.started, "published_at": utcnow(),
             "attempt": self.attempt, "files": self.files, "stats": self.stats, "inputs": self.inputs,
+            "run_id": os.environ.get("MEMSIFTER_RUN_ID"),
         }
         kill_point("publish-start")
         if check is not None:

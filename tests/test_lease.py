@@ -151,7 +151,7 @@ def test_two_drivers_of_one_run_do_not_both_create_rayjobs(s3_root):
     be = Backend()
     try:
         with pytest.raises(lease.LeaseHeldError, match="driver of run r9"):
-            Driver(plan, be, poll=0, check_configs=False, sleep=lambda s: None,
+            Driver(plan, be, poll=0, check_configs=False, sleep=lambda s: None, lease_wait=1,
                    is_published=lambda st: (bool(be.created), "x")).run()
         assert be.created == []
     finally:
@@ -160,3 +160,12 @@ def test_two_drivers_of_one_run_do_not_both_create_rayjobs(s3_root):
                is_published=lambda st: (bool(be.created), "x")).run()
     assert m["state"] == "succeeded" and be.created == ["r9-synth"]
     assert not storage.exists(storage.join(s3_root, "_run", lease.LEASE))
+
+
+def test_restarted_driver_waits_for_the_dead_drivers_lease(s3_root):
+    """A driver pod that replaces a dead one (other host) waits for its lease to expire, then runs."""
+    foreign_lease(storage.join(s3_root, "_run"), expires_in=1.5, run="r9", host="driver-pod-old")
+    plan = Plan.from_dict({"run": {"id": "r9", "root": s3_root}, "stages": []})
+    t0 = time.time()
+    m = Driver(plan, object(), poll=0, check_configs=False, sleep=lambda s: None, lease_wait=20).run()
+    assert m["state"] == "succeeded" and 1.0 < time.time() - t0 < 15

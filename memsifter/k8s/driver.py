@@ -303,6 +303,9 @@ class Driver:
     check_configs: bool = True
     is_published: Callable[[StagePlan], tuple[bool, str]] = published_hash
     steal_lease: bool = False           # take over the run lease of a dead driver at once
+    lease_wait: float | None = None     # seconds to wait for a (dead) holder's lease to expire; None:
+                                        # MEMSIFTER_LEASE_WAIT, else one lease TTL + 15 s (a restarted
+                                        # driver pod takes over from the one it replaces)
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.time
     manifest: dict = field(default_factory=dict)
@@ -351,7 +354,11 @@ class Driver:
         from .. import lease
 
         storage.ensure_bucket(self.plan.manifest_uri)
-        with lease.hold(storage.join(self.plan.run["root"], "_run"), steal=self.steal_lease,
+        wait = self.lease_wait
+        if wait is None:
+            wait = float(os.environ.get("MEMSIFTER_LEASE_WAIT")
+                         or float(os.environ.get("MEMSIFTER_LEASE_TTL") or 60) + 15)
+        with lease.hold(storage.join(self.plan.run["root"], "_run"), steal=self.steal_lease, wait=wait,
                         purpose=f"driver of run {self.plan.run.get('id', '?')}") as held:
             self._lease = held
             return self._run()
