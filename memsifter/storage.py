@@ -438,6 +438,41 @@ def upload_dir(local_dir: str, uri: str) -> list[str]:
     return out
 
 
+class RangeReader:
+    """Ranged reads of one file (safetensors tensors, parquet pages) that survive store faults: a read
+    cut off mid-answer closes the handle, re-opens the file and reads the same range again
+    (:func:`retrying`'s bounds)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.fs, self.path = resolve(uri)
+        self._f: Any = None
+
+    def read_into(self, offset: int, buf: Any) -> int:
+        """Fill ``buf`` (anything with the buffer protocol) from ``offset``; returns the bytes read."""
+        view = memoryview(buf).cast("B")
+
+        def _read() -> int:
+            if self._f is None:
+                self._f = self.fs.open_input_file(self.path)
+            try:
+                self._f.seek(offset)
+                got = self._f.readinto(view)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._f.close()
+                self._f = None
+                raise
+            return got
+        return retrying(_read, f"read {view.nbytes} bytes at {offset} of {self.uri}")
+
+    def close(self) -> None:
+        if self._f is not None:
+            with contextlib.suppress(Exception):
+                self._f.close()
+            self._f = None
+
+
 def read_parquet(uri: str, columns: list[str] | None = None) -> pa.Table:
     if uri.rstrip("/") in _expected:  # a published file: read whole, check against the manifest
         data = read_bytes(uri)

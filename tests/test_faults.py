@@ -131,3 +131,21 @@ def test_merge_survives_answers_cut_off_mid_body(proxied, tiny_model_dir, tmp_pa
     name, cfg = setup_inputs(root, str(tmp_path), tiny_model_dir)[-1]
     proxied.set_plan(FaultPlan(rate=0.5, seed=7, kinds=("reset_after",)))
     get_stage(name).run(cfg)
+
+
+def test_range_reader_survives_answers_cut_off_mid_body(proxied):
+    """storage.RangeReader (the retrying ranged read offered to merge.py) under a fault on every
+    other request: cut-off answers, resets, 5xx."""
+    import numpy as np
+
+    uri = storage.join(_root(), "blob.bin")
+    payload = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8).tobytes()
+    storage.write_bytes(uri, payload)
+    proxied.set_plan(FaultPlan(rate=0.5, seed=11, kinds=("reset_after", "reset", "503", "500")))
+    proxied.reset_counts()
+    r = storage.RangeReader(uri)
+    for off, n in ((0, 8), (1000, 1 << 20), (len(payload) - 4096, 4096), (5, 300000)):
+        buf = np.empty(n, dtype=np.uint8)
+        assert r.read_into(off, buf) == n and buf.tobytes() == payload[off:off + n]
+    r.close()
+    assert proxied.counts["faults"] > 0

@@ -26,6 +26,7 @@ from stage_cases import STAGE_NAMES, before_stage, output_hashes, setup_inputs, 
 from memsifter import storage
 from memsifter.errors import NotPublishedError, StorageError
 from memsifter.stage import get_stage
+from memsifter.testing import env_vars
 
 CHILD = ("import json, sys; from memsifter.stage import get_stage; "
          "get_stage(sys.argv[1]).run(json.loads(sys.argv[2]))")
@@ -185,3 +186,32 @@ def test_local_disk_kill_mid_publish_rolls_forward(tmp_path):
     assert output_hashes(m) == output_hashes(ref) == stored_hashes(out)
     assert sorted(os.listdir(out)) == sorted([*m["files"], storage.MANIFEST])
     assert pafs.LocalFileSystem().get_file_info(os.path.join(out, "_LEASE")).type == pafs.FileType.NotFound
+
+
+@pytest.mark.heavy
+def test_embed_real_minilm_under_faults_and_kills(s3_server, s3_root, tmp_path, capsys):
+    """embed (real all-MiniLM-L6-v2 on a local Ray cluster in each process): a clean run, then the same
+    config killed while writing its embedding shards, mid-publish and before _SUCCESS, then finished
+    through the fault proxy; outputs byte-identical to the clean run."""
+    from memsifter.faults import FaultPlan, fault_proxy
+
+    synth = storage.join(s3_root, "synth")
+    get_stage("synth").run({"output": synth, "questions": 6, "sessions_per_question": 6, "seed": 5})
+    cfg = {"input": synth, "model": "all-MiniLM-L6-v2", "output": storage.join(s3_root, "embed-clean"),
+           "max_batch_size": 8}
+    assert run_child("embed", cfg).returncode == 0
+    clean = output_hashes(storage.read_manifest(cfg["output"]))
+    cfg = {**cfg, "output": storage.join(s3_root, "embed")}
+    for kill in KILLS:
+        p = run_child("embed", cfg, kill)
+        assert p.returncode == -9, p.stderr[-3000:]
+    with fault_proxy(s3_server.endpoint, FaultPlan(rate=0.1, seed=3, kinds=("reset", "503", "500", "slow"))) as proxy:
+        with env_vars({"MEMSIFTER_S3_ENDPOINT": proxy.endpoint, "MEMSIFTER_S3_REQUEST_TIMEOUT": "5"}):
+            p = run_child("embed", cfg)
+        faults = proxy.counts["faults"]
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = storage.read_manifest(cfg["output"])
+    assert output_hashes(m) == clean == stored_hashes(cfg["output"])
+    with capsys.disabled():
+        print(f"\nembed (MiniLM): {len(KILLS)} kills survived, {faults} store faults on the final run, "
+              f"outputs byte-identical to the clean run\n")
