@@ -293,6 +293,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
         rankings.write_rankings(out, rank_rows[m], f"rankings_{m}.parquet")
         stats["retrieval"][m] = rankings.summarize(rank_rows[m], ds.questions)
     rankings.write_rankings(out, rank_rows[config.primary_method()])
-    log.info("embed %s: %s", config_hash(config), {m: stats["retrieval"][m].get("recall_any@5")
-                                                  for m in methods})
+    log.info("embed %s: primary %s; recall_any@5 / NDCG@10 per method: %s", config_hash(config),
+             config.primary_method(), ", ".join(f"{m} {stats['retrieval'][m].get('recall_any@5', 0):.3f} / "
+                                                f"{stats['retrieval'][m].get('ndcg@10', 0):.3f}" for m in methods))
     return stats
