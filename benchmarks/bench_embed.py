@@ -88,9 +88,17 @@ def precision(args, ds) -> int:
     variants = {"float32": fp32, "bfloat16": copy.deepcopy(fp32).to(torch.bfloat16),
                 "int8 dynamic": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear},
                                                                        dtype=torch.qint8)}
+    encoders = {}
+    try:  # ONNX Runtime (float32 and int8 dynamic) of the same weights, when installed (not a dependency)
+        encoders = onnx_encoders(emb, tempfile.mkdtemp(prefix="bench-onnx-"))
+    except ImportError as e:
+        print(f"  (ONNX Runtime variants skipped: {e})")
     res, vecs = {}, {}
-    for name, model in variants.items():
-        emb.model = model
+    for name, model in list(variants.items()) + list(encoders.items()):
+        if name in encoders:
+            emb.encode = model
+        else:
+            emb.model = model
         emb.encode(texts[:8])  # warm-up
         out = np.zeros((len(texts), emb.dim), dtype=np.float32)
         t0 = time.perf_counter()
@@ -111,7 +119,7 @@ def precision(args, ds) -> int:
     print("| precision | seconds | texts/s | speed vs float32 | max |similarity diff| | max |vector diff| "
           "| identical top-10 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in variants:
+    for name in vecs:
         v = vecs[name]
         diff, same = 0.0, 0
         for q in ds.questions:
@@ -121,6 +129,48 @@ def precision(args, ds) -> int:
         print(f"| {name} | {res[name]:.2f} | {len(texts) / res[name]:.1f} | {res['float32'] / res[name]:.2f}x | "
               f"{diff:.2e} | {float(np.abs(v - vecs['float32']).max()):.2e} | {same}/{len(ds.questions)} |")
     return 0
+
+
+def onnx_encoders(emb, tmp: str) -> dict:
+    """encode() functions running the Embedder's float32 weights exported to ONNX (TorchScript exporter),
+    in ONNX Runtime as exported and int8 dynamically quantised; pooling and normalisation as the Embedder."""
+    import onnxruntime as ort
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    enc = emb.tokenizer(["warm up", "two"], return_tensors="pt", padding=True)
+    names = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    model = emb.model
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, *args):
+            return self.m(**dict(zip(names, args))).last_hidden_state
+
+    fp32, int8 = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.int8.onnx")
+    axes = {k: {0: "batch", 1: "seq"} for k in names + ["hidden"]}
+    torch.onnx.export(Wrap(), tuple(enc[k] for k in names), fp32, input_names=names, output_names=["hidden"],
+                      dynamic_axes=axes, opset_version=17, dynamo=False)
+    quantize_dynamic(fp32, int8, weight_type=QuantType.QInt8)
+    out = {}
+    for label, path in (("onnxruntime float32", fp32), ("onnxruntime int8", int8)):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = torch.get_num_threads()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+        def encode(texts, sess=sess):
+            x = emb.tokenizer(list(texts), truncation=True, max_length=emb.spec.max_length, padding=True,
+                              return_tensors="np")
+            h = sess.run(None, {k: x[k].astype(np.int64) for k in names})[0]
+            m = x["attention_mask"][..., None].astype(np.float32)
+            v = (h * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+            return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+        out[label] = encode
+    return out
 
 
 def embedding_top(scores, k: int = 10) -> list[int]:
