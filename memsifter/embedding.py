@@ -206,6 +206,16 @@ class Embedder:
             self.model.to(torch.bfloat16)
         self.tokenizer = self.flag.tokenizer
         self.dim = int(getattr(self.model.config, "hidden_size", 0))
+        # On a GPU, BERT-family encoders (bge-m3 is XLM-RoBERTa) run unpadded: one packed sequence per
+        # batch, FlashAttention's varlen kernel (memsifter.packed). MEMSIFTER_EMBED_PACKED=0 turns it off,
+        # MEMSIFTER_EMBED_COMPILE=1 adds torch.compile (benchmarks/gpu/run_embed.py measures both).
+        self.packed = None
+        if on_gpu and os.environ.get("MEMSIFTER_EMBED_PACKED", "1") != "0":
+            from . import packed
+
+            if packed.supports(self.model):
+                self.packed = packed.PackedEncoder(self.model, spec.pooling, spec.normalize,
+                                                   compile=os.environ.get("MEMSIFTER_EMBED_COMPILE") == "1")
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Vectors (float32, L2-normalised) for one batch of texts, in order."""
@@ -213,6 +223,9 @@ class Embedder:
 
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if self.packed is not None:
+            ids = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length)["input_ids"]
+            return self.packed.encode_ids(ids).cpu().numpy().astype(np.float32)
         with torch.inference_mode():
             enc = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length,
                                  padding=True, return_tensors="pt").to(self.device)

