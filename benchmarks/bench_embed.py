@@ -152,8 +152,11 @@ def onnx_encoders(emb, tmp: str) -> dict:
 
     fp32, int8 = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.int8.onnx")
     axes = {k: {0: "batch", 1: "seq"} for k in names + ["hidden"]}
-    torch.onnx.export(Wrap(), tuple(enc[k] for k in names), fp32, input_names=names, output_names=["hidden"],
+    # The exporter restores the wrapper's train/eval mode recursively afterwards: export an eval-mode
+    # wrapper, or dropout would be left on in the Embedder's model.
+    torch.onnx.export(Wrap().eval(), tuple(enc[k] for k in names), fp32, input_names=names, output_names=["hidden"],
                       dynamic_axes=axes, opset_version=17, dynamo=False)
+    model.eval()
     quantize_dynamic(fp32, int8, weight_type=QuantType.QInt8)
     out = {}
     for label, path in (("onnxruntime float32", fp32), ("onnxruntime int8", int8)):
