@@ -41,6 +41,12 @@ GPUS, CPUS = 2, 6  # one "worker pod" of the chart for the training stage: GPUs 
 LOCAL_RAY_ENV = {**RAY_ENV, "RAY_AUTH_MODE": "disabled"}
 
 
+# where a pod's writable mounts are (read-only root filesystem): locations, not behaviour; the local
+# head keeps this machine's own
+CACHE_LOCATIONS = ("HOME", "HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT",
+                   "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR")
+
+
 @pytest.fixture(scope="module")
 def pod_env(s3_server, tmp_path_factory) -> dict[str, str]:
     """What the chart's head and worker containers get as process env (S3 settings and credentials,
@@ -203,7 +209,7 @@ def test_rendered_rayjobs_run_on_local_ray(ray_cluster, pod_env, s3_env, tiny_mo
     for e in head_env:
         ref = (e.get("valueFrom") or {}).get("secretKeyRef") or {}
         assert e["name"] in pod_env or e["name"] in runtime_keys or ref.get("optional") or \
-            e["name"] in ("AWS_REGION",), e
+            e["name"] in ("AWS_REGION",) + CACHE_LOCATIONS, e
     backend = RayBackend(ray_cluster)
     dry = _dry_run_stages(infos)
     main = Plan(full.run, [s for s in full.stages if s.name not in dry])

@@ -102,14 +102,14 @@ def main() -> None:
     vectors: dict[str, dict[str, np.ndarray]] = {}
 
     def timed(name: str, batches: list[list[tuple[str, str]]], encode, note: str = "") -> None:
-        for b in batches[:2]:  # warm-up (kernels, allocator, compile)
-            encode([t for _, t in b])
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
         out = {}
         try:
+            for b in batches[:2]:  # warm-up (kernels, allocator, compile); an OOM here is a result too
+                encode([t for _, t in b])
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
             for b in batches:
                 v = encode([t_ for _, t_ in b])
                 out.update(zip([h for h, _ in b], v))

@@ -133,7 +133,7 @@ class KubernetesBackend:
                     return e
                 if e.status in (401, 403):
                     raise DriveError(f"{what}: the Kubernetes API refused ({e.status} {e.reason}): the driver's "
-                                     f"ServiceAccount needs get/list/create/delete on rayjobs.ray.io in namespace "
+                                     f"ServiceAccount needs get/create/delete on rayjobs.ray.io in namespace "
                                      f"{self.namespace} (the chart's Role grants exactly that)") from e
                 if e.status == 404 and "the server could not find the requested resource" in str(e.body or ""):
                     raise DriveError(f"{what}: the RayJob CRD is not installed: install the KubeRay operator "
