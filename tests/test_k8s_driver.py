@@ -299,7 +299,7 @@ def test_kubernetes_backend_failure_retry_and_rbac(kube):
     # RBAC refusal: a clear message naming what the Role must grant
     srv.objects.clear()
     srv.fail_next = [403]
-    with pytest.raises(DriveError, match="get/list/create/delete on rayjobs.ray.io"):
+    with pytest.raises(DriveError, match="get/create/delete on rayjobs.ray.io"):
         backend.get("r1-embed")
     # an attach after 409 (created concurrently) is not an error
     backend.create(rayjob("r1-x"))

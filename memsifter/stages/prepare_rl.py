@@ -320,6 +320,13 @@ def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
                 shortfall.setdefault(split, {})[name] = count - taken
                 log.warning("prepare-rl: %s/%s: %d of %d questions available", split, name, taken, count)
 
+    for split, items in chosen.items():
+        if not items and sum(config.recipe.get(split, {}).values()) > 0:
+            # an empty split would be published as a 0-row parquet, which verl's loader cannot read
+            # (seen on the GPU run: ArrowInvalid "BatchSize must be greater than 0")
+            raise InputError(f"recipe {split}: no question fits: {over_max} over max_prompt_tokens="
+                             f"{config.max_prompt_tokens}; raise max_prompt_tokens or lower "
+                             f"history_budget_tokens", field=f"recipe.{split}")
     files: dict[str, list[str]] = {}
     prompt_tokens: list[int] = []
     kept: list[int] = []
