@@ -75,6 +75,7 @@ def main() -> None:
     from memsifter.data.model import read_dataset
     from memsifter.packed import flops_per_text
     from memsifter.render import render_session
+    from memsifter.testing import env_vars
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ds = read_dataset(a.inputs)
@@ -162,9 +163,7 @@ def main() -> None:
         torch.cuda.empty_cache() if dev == "cuda" else None
 
     def stage_rows(prefix: str, budgets: list[int], env: dict[str, str]) -> None:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with env_vars(env):
             spec = embedding.ModelSpec.resolve(model_dir, pooling="cls", max_length=a.max_length)
             e = embedding.Embedder(spec, device=dev)
             print(f"{prefix}: dtype {next(e.model.parameters()).dtype}, packed={e.packed is not None}"
@@ -185,12 +184,6 @@ def main() -> None:
                 timed(f"{prefix} (budget {bud})", plan, e.encode,
                       "packed real tokens" if e.packed is not None else "padded tokens, stage default plan")
             del e
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         torch.cuda.empty_cache() if dev == "cuda" else None
 
     budgets = [int(x) for x in a.budgets.split(",")]
