@@ -279,3 +279,32 @@ def test_dry_run_never_touches_the_output_store_and_says_what_it_did_not_check(t
     assert cfg["data"]["train_files"] == ["/scratch/data/train_00000.parquet"]
     assert "# not checked:" in p.stderr and "data s3://nowhere/rl: not read" in p.stderr
     assert "output s3://nowhere/train: not touched" in p.stderr
+
+
+def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
+    """verl 0.9.1 loads the actor with flash_attention_2 unless told otherwise; without the flash-attn
+    package transformers refuses (the first real GPU run stopped there). auto picks SDPA on padded
+    batches then, unless Ulysses parallelism (which needs remove-padding) is asked for."""
+    import importlib.util
+
+
+    real = importlib.util.find_spec
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+
+    def ov(have: bool, **dapo) -> dict:
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda n, *a: (real("json") if have else None) if n == "flash_attn" else real(n, *a))
+        return dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output=str(tmp_path / "t"), data=data,
+                                                                          dapo=dapo)))
+
+    key, rp = "+actor_rollout_ref.model.override_config.attn_implementation", "actor_rollout_ref.model.use_remove_padding"
+    o = ov(False, ulysses_sequence_parallel_size=1)
+    assert (o[key], o[rp]) == ("'sdpa'", "false")
+    o = ov(True, ulysses_sequence_parallel_size=1)
+    assert (o[key], o[rp]) == ("'flash_attention_2'", "true")
+    o = ov(False)  # the default recipe (Ulysses 2) keeps flash attention: the image must carry it
+    assert (o[key], o[rp]) == ("'flash_attention_2'", "true")
+    o = ov(True, attn_implementation="eager", ulysses_sequence_parallel_size=1)
+    assert (o[key], o[rp]) == ("'eager'", "false")
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 needs flash_attention_2"):
+        ov(True, attn_implementation="sdpa")

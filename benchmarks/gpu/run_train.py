@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=3072)
     ap.add_argument("--phase", default="all", choices=["all", "first", "resume", "collect"])
+    ap.add_argument("--no-resume", action="store_true", help="with --phase all: skip the resumed run")
     ap.add_argument("--extra", nargs="*", default=[], help="extra verl overrides")
     ap.add_argument("--dry-run", action="store_true", help="compose the verl config only (runs on a CPU machine)")
     a = ap.parse_args()
@@ -156,7 +157,7 @@ def main() -> None:
             rows.append(("train (fresh)", rc, dt1, verl_steps(f"{a.out}/train1.log")))
             if rc != 0:
                 raise SystemExit("train run 1 failed")
-        if a.phase in ("all", "resume"):
+        if a.phase == "resume" or (a.phase == "all" and not a.no_resume):
             # 4: resume from S3 on an empty local dir
             shutil.rmtree(f"{a.work}/pod2", ignore_errors=True)
             rc, dt2 = sh(ms("run", "train", "--config", train_cfg(a.steps + a.more_steps, f"{a.work}/pod2")),

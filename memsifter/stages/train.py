@@ -99,6 +99,9 @@ class DapoSettings(BaseModel):
     param_offload: bool = True
     optimizer_offload: bool = True
     gradient_checkpointing: bool = True
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="actor/ref attention (auto: flash_attention_2 where the flash-attn package is "
+        "installed, else sdpa with padded batches; verl's default, flash_attention_2, fails to load without it)")
     rollout_name: str = "vllm"
     rollout_mode: str = "async"
     rollout_temperature: float = 1.0
@@ -200,6 +203,28 @@ def reward_kwargs(config: TrainConfig) -> dict:
     return {k: v for k, v in r.items() if v is not None}
 
 
+def attention(d: DapoSettings) -> tuple[str, bool]:
+    """(attn_implementation, use_remove_padding) for the FSDP actor and ref.
+
+    verl 0.9.1 loads the model with ``flash_attention_2`` unless ``model.override_config`` says
+    otherwise, and transformers refuses that without the ``flash-attn`` package (seen on the first
+    real run, an H100 without it). Remove-padding packs a micro-batch into one sequence, which we only
+    trust to flash attention's varlen kernels; without them the actor runs SDPA on padded batches
+    (slower, same result). Ulysses sequence parallelism needs remove-padding, so ``auto`` keeps flash
+    attention when it is asked for (the pods' image must then carry flash-attn).
+    """
+    import importlib.util
+
+    impl = d.attn_implementation
+    if impl == "auto":
+        have = importlib.util.find_spec("flash_attn") is not None
+        impl = "flash_attention_2" if have or d.ulysses_sequence_parallel_size > 1 else "sdpa"
+    if impl != "flash_attention_2" and d.ulysses_sequence_parallel_size > 1:
+        raise ConfigError(f"dapo.ulysses_sequence_parallel_size={d.ulysses_sequence_parallel_size} needs "
+                          f"flash_attention_2 (remove padding), not {impl!r}")
+    return impl, impl == "flash_attention_2"
+
+
 def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
                    val_files: list[str] | None = None) -> list[str]:
     """The Hydra overrides for ``verl.trainer.main_ppo`` (MEMSIFTER.md §6)."""
@@ -213,6 +238,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         raise ConfigError(f"dapo.gen_batch_size ({d.gen_batch_size}) must be a multiple of "
                           f"dapo.train_batch_size ({d.train_batch_size})")
     max_len = d.max_prompt_length + d.max_response_length
+    attn, remove_padding = attention(d)
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     o: list[tuple[str, Any]] = [
         # data
@@ -230,7 +256,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         ("algorithm.filter_groups.max_inflight_gen_batches", d.gen_batch_size // d.train_batch_size),
         # model
         ("actor_rollout_ref.model.path", model_path(config)),
-        ("actor_rollout_ref.model.use_remove_padding", True),
+        ("actor_rollout_ref.model.use_remove_padding", remove_padding),
         ("actor_rollout_ref.model.enable_gradient_checkpointing", d.gradient_checkpointing),
         # actor: clipped surrogate, token-mean loss, optimiser
         (f"{a}.use_kl_loss", d.use_kl), (f"{a}.kl_loss_coef", 0.0 if not d.use_kl else 0.001),
@@ -275,6 +301,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     out = [f"{k}={_q(v)}" for k, v in o]
     # Keys verl reads but does not declare: added with '+'.
     added: list[tuple[str, Any]] = [
+        ("actor_rollout_ref.model.override_config.attn_implementation", attn),
         ("reward.reward_kwargs.overlong_buffer_cfg.enable", d.overlong_buffer),
         ("reward.reward_kwargs.overlong_buffer_cfg.len", d.overlong_buffer_len),
         ("reward.reward_kwargs.overlong_buffer_cfg.penalty_factor", d.overlong_penalty_factor),
