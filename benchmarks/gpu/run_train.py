@@ -80,6 +80,28 @@ def verl_steps(log: str) -> list[dict]:
     return rows
 
 
+KEYS = ["critic/score/mean", "critic/rewards/mean", "acc/mean", "response_length/mean", "timing_s/step",
+        "timing_s/gen", "timing_s/update_actor", "timing_s/save_checkpoint", "perf/throughput",
+        "perf/total_num_tokens", "actor/pg_loss", "actor/grad_norm"]
+
+
+def write_table(a, rows: list, ckpts: dict) -> str:
+    """``train.md``: one line per verl step of each run (rollout tok/s = responses' tokens / timing_s/gen)."""
+    lines = ["| run | exit | wall s | step | " + " | ".join(KEYS) + " | rollout tok/s |",
+             "|---|---|---|---|" + "---|" * len(KEYS) + "---|"]
+    for name, rc, dt, steps_ in rows:
+        for r in steps_ or [{"step": "-"}]:
+            gen_tok = r.get("response_length/mean", 0) * a.batch * a.n
+            tps = f"{gen_tok / r['timing_s/gen']:.0f}" if r.get("timing_s/gen") else "-"
+            vals = [f"{r[k]:.4g}" if k in r else "-" for k in KEYS]
+            lines.append(f"| {name} | {rc} | {dt:.0f} | {r['step']} | " + " | ".join(vals) + f" | {tps} |")
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    with open(f"{a.out}/train.md", "w") as f:
+        f.write(text + "\n\ncheckpoints: " + json.dumps(ckpts) + "\n")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -94,7 +116,14 @@ def main() -> None:
     ap.add_argument("--no-resume", action="store_true", help="with --phase all: skip the resumed run")
     ap.add_argument("--extra", nargs="*", default=[], help="extra verl overrides")
     ap.add_argument("--dry-run", action="store_true", help="compose the verl config only (runs on a CPU machine)")
+    ap.add_argument("--table-from", nargs=2, metavar=("LOG", "WALL_S"),
+                    help="only rebuild train.md from a run's verl log (when the call was cut off before it)")
     a = ap.parse_args()
+    if a.table_from:
+        log, wall = a.table_from
+        os.makedirs(a.out, exist_ok=True)
+        write_table(a, [("train (fresh)", 0, float(wall), verl_steps(log))], {})
+        return
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     from memsifter import storage
@@ -177,22 +206,7 @@ def main() -> None:
             m = AutoModelForCausalLM.from_pretrained(local, dtype=torch.bfloat16).cuda()
             g = m.generate(torch.tensor([[5, 6, 7]], device="cuda"), max_new_tokens=4, do_sample=False)
             print(f"merged model of steps {steps} loads and generates: {g.tolist()}", flush=True)
-        # table
-        keys = ["critic/score/mean", "critic/rewards/mean", "acc/mean", "response_length/mean", "timing_s/step",
-                "timing_s/gen", "timing_s/update_actor", "timing_s/save_checkpoint", "perf/throughput",
-                "perf/total_num_tokens", "actor/pg_loss", "actor/grad_norm"]
-        lines = ["| run | exit | wall s | step | " + " | ".join(keys) + " | rollout tok/s |",
-                 "|---|---|---|---|" + "---|" * len(keys) + "---|"]
-        for name, rc, dt, steps_ in rows:
-            for r in steps_ or [{"step": "-"}]:
-                gen_tok = r.get("response_length/mean", 0) * a.batch * a.n
-                tps = f"{gen_tok / r['timing_s/gen']:.0f}" if r.get("timing_s/gen") else "-"
-                vals = [f"{r[k]:.4g}" if k in r else "-" for k in keys]
-                lines.append(f"| {name} | {rc} | {dt:.0f} | {r['step']} | " + " | ".join(vals) + f" | {tps} |")
-        text = "\n".join(lines)
-        print("\n" + text, flush=True)
-        with open(f"{a.out}/train.md", "w") as f:
-            f.write(text + "\n\ncheckpoints: " + json.dumps(ckpts) + "\n")
+        write_table(a, rows, ckpts)
 
 
 if __name__ == "__main__":
