@@ -1,7 +1,7 @@
 """``memsifter demo``: the whole inference pipeline offline, in a few minutes on a laptop CPU.
 
 By default on **real data** shipped with the package (:mod:`memsifter.samples`: LoCoMo's
-conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT), a subset of each (40 LoCoMo and 3
+conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT), a subset of each (40 LoCoMo and 2
 LongMemEval questions) so that the demo stays within ~3 minutes on 2 cores: import → embed → rank → chat → evaluate per dataset, then
 one table of the first-stage methods with their gain over plain dense retrieval. ``--data synth``
 runs the synthetic dataset instead (planted gold sessions). Ray, vLLM and library output goes to
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=["real", "synth"], default="real",
                    help="real: the LoCoMo and LongMemEval samples shipped with memsifter (default); synth: synthetic")
     p.add_argument("--questions", type=int, default=None,
-                   help="questions per dataset (default: real 40 LoCoMo + 3 LongMemEval; synth 12)")
+                   help="questions per dataset (default: real 40 LoCoMo + 2 LongMemEval; synth 12)")
     p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default=None,
                    help="vllm: Ray Data LLM engine in the pipeline; endpoint: reuse the server "
                         "(default: endpoint for real data, vllm for synth)")
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                              runtime_env={"env_vars": {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                                                                                    "TOKENIZERS_PARALLELISM") if k in os.environ}})
                 ensure_ray()
-                limits = {"locomo": args.questions or 40, "longmemeval": args.questions or 3}
+                limits = {"locomo": args.questions or 40, "longmemeval": args.questions or 2}
                 for name, imp in REAL:
                     echo(f"[demo] {name}: first {limits[name]} questions of memsifter/samples/{imp['sample']}")
                     spec = real_spec(args.out, name, imp, limits[name], model_dir)
