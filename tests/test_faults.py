@@ -26,11 +26,8 @@ FAULT_ENV = {"MEMSIFTER_S3_REQUEST_TIMEOUT": "2", "MEMSIFTER_S3_CONNECT_TIMEOUT"
              "MEMSIFTER_S3_ATTEMPTS": "3", "MEMSIFTER_STORE_RETRY_SECONDS": "60"}
 # every kind of fault; stalls (each costs a client timeout) drawn less often than the rest
 KINDS_MIX = ("reset", "reset", "reset_after", "reset_after", "stall", "slow", "503", "503", "500", "500")
-# merge reads tensors with ranged reads on an open file handle (memsifter/stages/merge.py
-# ModelDir.read), which nothing retries: an answer cut off mid-body fails it. Until that read goes
-# through a retrying helper, merge gets the faults that happen before a request reaches the server.
-BEFORE_REQUEST = ("reset", "503", "500", "slow")
-KINDS_FOR = {"merge": BEFORE_REQUEST}
+# every stage, merge's ranged tensor reads included (storage.RangeReader), gets every kind of fault
+KINDS_FOR: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +121,6 @@ def test_store_that_stays_down_fails_clearly_and_publishes_nothing(proxied):
 
 
 @pytest.mark.heavy
-@pytest.mark.xfail(strict=True, reason="merge.py's ranged tensor reads are not retried (change requested in "
-                   "memsifter/stages/merge.py: ModelDir.read through a retrying, re-opening read)")
 def test_merge_survives_answers_cut_off_mid_body(proxied, tiny_model_dir, tmp_path):
     root = _root()
     name, cfg = setup_inputs(root, str(tmp_path), tiny_model_dir)[-1]

@@ -159,13 +159,11 @@ class ModelDir:
         if info.dtype not in ST_DTYPES:
             raise InputError(f"tensor '{name}': unsupported dtype {info.dtype}", file=self.uri)
         f = self._handles.get(info.file)
-        if f is None:
-            fs, path = storage.resolve(storage.join(self.uri, info.file))
-            f = self._handles[info.file] = fs.open_input_file(path)
+        if f is None:  # retries a read cut off mid-answer (re-opens the file, reads the range again)
+            f = self._handles[info.file] = storage.RangeReader(storage.join(self.uri, info.file))
         raw = buffer[:info.nbytes] if buffer is not None else torch.empty(info.nbytes, dtype=torch.uint8)
         if info.nbytes:
-            f.seek(info.start)
-            got = f.readinto(raw.numpy())
+            got = f.read_into(info.start, raw.numpy())
             if got != info.nbytes:
                 raise InputError(f"tensor '{name}': short read ({got} of {info.nbytes} bytes)", file=self.uri)
         return raw.view(getattr(torch, ST_DTYPES[info.dtype])).reshape(info.shape)
