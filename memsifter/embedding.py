@@ -203,6 +203,10 @@ class Embedder:
         # --mode precision), outside issue 9's agreement bar, so float32 stays the CPU default.
         self.cpu_bf16 = not on_gpu and spec.dtype == "auto" and cpu_bf16_enabled()
         if self.cpu_bf16:
+            if not cpu_has_bf16_units():
+                log.warning("embed: MEMSIFTER_EMBED_CPU_BF16 is on but this CPU has no AMX / AVX512-BF16 "
+                            "units: bfloat16 runs ~4x slower than float32 here (measured on an AVX2-only "
+                            "AMD EPYC); use 'auto' to enable it only where it pays")
             self.model.to(torch.bfloat16)
         self.tokenizer = self.flag.tokenizer
         self.dim = int(getattr(self.model.config, "hidden_size", 0))

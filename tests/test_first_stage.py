@@ -109,7 +109,7 @@ def test_fusion_default_beats_the_anchors_on_real_locomo(locomo_conv26):
     assert summ["bm25_dated"]["ndcg@10"] > summ["bm25"]["ndcg@10"]  # speaker names are words
 
 
-def test_cpu_float32_by_default_bf16_opt_in(monkeypatch):
+def test_cpu_float32_by_default_bf16_opt_in(monkeypatch, caplog):
     """float32 is the CPU default (bf16 misses the agreement bar: benchmarks/README.md); the opt-in
     bf16 path runs in another precision, returns float32 unit vectors and stays close."""
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
@@ -123,7 +123,10 @@ def test_cpu_float32_by_default_bf16_opt_in(monkeypatch):
     assert not ref.cpu_bf16 and next(ref.model.parameters()).dtype.is_floating_point
     a = ref.encode(texts)
     monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "1")
-    bf = embedding.Embedder(spec, "cpu")
+    with caplog.at_level("WARNING", logger="memsifter.embedding"):
+        bf = embedding.Embedder(spec, "cpu")
+    # forced on a CPU without bf16 units: said, because it is ~4x slower there
+    assert ("no AMX / AVX512-BF16" in caplog.text) == (not embedding.cpu_has_bf16_units())
     assert bf.cpu_bf16 and str(next(bf.model.parameters()).dtype) == "torch.bfloat16"
     b = bf.encode(texts)
     assert b.dtype == np.float32 and np.allclose(np.linalg.norm(b, axis=1), 1, atol=1e-5)
