@@ -297,7 +297,7 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
         return dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output=str(tmp_path / "t"), data=data,
                                                                           dapo=dapo)))
 
-    key, rp = "+actor_rollout_ref.model.override_config.attn_implementation", "actor_rollout_ref.model.use_remove_padding"
+    key, rp = "++actor_rollout_ref.model.override_config.attn_implementation", "actor_rollout_ref.model.use_remove_padding"
     o = ov(False, ulysses_sequence_parallel_size=1)
     assert (o[key], o[rp]) == ("'sdpa'", "false")
     o = ov(True, ulysses_sequence_parallel_size=1)
@@ -308,3 +308,21 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
     assert (o[key], o[rp]) == ("'eager'", "false")
     with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 needs flash_attention_2"):
         ov(True, attn_implementation="sdpa")
+
+    # a user's own override of the key (with '+', as before this setting existed) wins and composes
+    from memsifter.stages import train
+
+    cfg = TrainConfig(output=str(tmp_path / "t"), data=data, dapo={"ulysses_sequence_parallel_size": 1},
+                      extra_overrides=["+actor_rollout_ref.model.override_config.attn_implementation=eager"])
+    ovs = verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"])
+    assert [o for o in ovs if "attn_implementation" in o] == cfg.extra_overrides
+    import yaml
+
+    composed = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
+    assert composed["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "eager"
+    composed = yaml.safe_load(train.compose(cfg.model_copy(update={"extra_overrides": []}),
+                                            verl_overrides(cfg.model_copy(update={"extra_overrides": []}),
+                                                           ["/x/train.parquet"], ["/x/test.parquet"]),
+                                            in_process=True))
+    assert composed["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] in (
+        "sdpa", "flash_attention_2")

@@ -228,6 +228,8 @@ def main() -> None:
         elif r == "ok":
             results.append(rank_run("ok-path", a, model, {"constrained_output": True, "max_tokens": 64, **sub},
                                     {"batch_size": a.questions}))
+        elif r == "hf" and a.deadline - time.time() < 60:
+            print("skipped hf: under 60 s left before the deadline", flush=True)
         elif r == "hf":
             # in a child process, so that its CUDA memory is free again for the engines that follow
             import multiprocessing as mp
@@ -240,6 +242,7 @@ def main() -> None:
             p.join(timeout=max(1.0, a.deadline - time.time()))
             if p.is_alive():
                 p.kill()
+                p.join()
                 print("hf baseline: killed at the deadline", flush=True)
             elif os.path.exists(path):
                 hf = json.load(open(path))
@@ -259,7 +262,8 @@ def main() -> None:
         tot = (tk.get("prompt_tokens", 0) + tk.get("generated_tokens", 0))
         busy = r.get("busy_s") or r["gen_s"]
         vt = r.get("vllm_log_throughput") or {}
-        lines.append(f"| {r['name']} | {n} | {r['gen_s']:.1f} | {busy:.1f} | {n / busy:.4f} | {tk.get('prompt_tokens')} | "
+        mark = "" if r.get("busy_s") else " (no busy time: pipeline)"
+        lines.append(f"| {r['name']}{mark} | {n} | {r['gen_s']:.1f} | {busy:.1f} | {n / busy:.4f} | {tk.get('prompt_tokens')} | "
                      f"{tk.get('generated_tokens')} | {tot / busy:.0f} | {vt.get('prompt_tok_s_max')} / "
                      f"{vt.get('gen_tok_s_max')} | {r['gpu_mib']} | {r['status']} |")
     if hf:

@@ -116,13 +116,14 @@ def main() -> None:
     ap.add_argument("--no-resume", action="store_true", help="with --phase all: skip the resumed run")
     ap.add_argument("--extra", nargs="*", default=[], help="extra verl overrides")
     ap.add_argument("--dry-run", action="store_true", help="compose the verl config only (runs on a CPU machine)")
-    ap.add_argument("--table-from", nargs=2, metavar=("LOG", "WALL_S"),
-                    help="only rebuild train.md from a run's verl log (when the call was cut off before it)")
+    ap.add_argument("--table-from", nargs=4, metavar=("LOG", "NAME", "EXIT", "WALL_S"),
+                    help="only rebuild train.md from a run's verl log, with the run's name, exit status and "
+                         "wall seconds as the driver printed them (when the call was cut off before the table)")
     a = ap.parse_args()
     if a.table_from:
-        log, wall = a.table_from
+        log, name, rc, wall = a.table_from
         os.makedirs(a.out, exist_ok=True)
-        write_table(a, [("train (fresh)", 0, float(wall), verl_steps(log))], {})
+        write_table(a, [(name, rc, float(wall), verl_steps(log))], {})
         return
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)

@@ -219,6 +219,10 @@ def attention(d: DapoSettings) -> tuple[str, bool]:
     if impl == "auto":
         have = importlib.util.find_spec("flash_attn") is not None
         impl = "flash_attention_2" if have or d.ulysses_sequence_parallel_size > 1 else "sdpa"
+        if not have and impl == "flash_attention_2":
+            log.warning("train: flash-attn is not installed here, but dapo.ulysses_sequence_parallel_size=%d "
+                        "needs flash_attention_2: the GPU pods' image must carry flash-attn (or set "
+                        "dapo.ulysses_sequence_parallel_size=1 for SDPA)", d.ulysses_sequence_parallel_size)
     if impl != "flash_attention_2" and d.ulysses_sequence_parallel_size > 1:
         raise ConfigError(f"dapo.ulysses_sequence_parallel_size={d.ulysses_sequence_parallel_size} needs "
                           f"flash_attention_2 (remove padding), not {impl!r}")
@@ -301,7 +305,6 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     out = [f"{k}={_q(v)}" for k, v in o]
     # Keys verl reads but does not declare: added with '+'.
     added: list[tuple[str, Any]] = [
-        ("actor_rollout_ref.model.override_config.attn_implementation", attn),
         ("reward.reward_kwargs.overlong_buffer_cfg.enable", d.overlong_buffer),
         ("reward.reward_kwargs.overlong_buffer_cfg.len", d.overlong_buffer_len),
         ("reward.reward_kwargs.overlong_buffer_cfg.penalty_factor", d.overlong_penalty_factor),
@@ -314,6 +317,11 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
     added += [(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v) for k, v in sorted(env.items())]
     out += [f"+{k}={_q(v)}" for k, v in added]
+    # A user's own override of the same key in extra_overrides (the workaround before this setting
+    # existed, usually with '+') wins: ours is left out, or Hydra would refuse to add the key twice.
+    key = "actor_rollout_ref.model.override_config.attn_implementation"
+    if not any(o.lstrip("+").split("=", 1)[0] == key for o in config.extra_overrides):
+        out.append(f"++{key}={_q(attn)}")
     return out + list(config.extra_overrides)
 
 
