@@ -236,3 +236,18 @@ def test_reader_of_an_old_manifest_never_gets_new_files(store_root):
         storage.read_bytes(storage.join(out, "t.parquet"))
     p2.publish()
     assert storage.read_parquet(storage.published_file(out, "t.parquet")).num_rows == 2   # fresh manifest
+
+
+def test_seaweedfs_restarted_on_its_data_dir_keeps_objects(tmp_path):
+    """The GPU driver runs train, then resume and collect, in separate calls against one SeaweedFS
+    data dir: a restart on a kept dir (new ports, new credentials) must serve what the first stored."""
+    from memsifter.testing import seaweedfs, weed_binary
+
+    if not weed_binary():
+        pytest.skip("weed binary not installed")
+    wd = str(tmp_path / "weed")
+    with seaweedfs(workdir=wd) as s3, env_vars(s3.env()):
+        storage.ensure_bucket("s3://keep/")
+        storage.write_bytes("s3://keep/a/b.txt", b"step 2")
+    with seaweedfs(workdir=wd) as s3, env_vars(s3.env()):
+        assert storage.read_bytes("s3://keep/a/b.txt") == b"step 2"
