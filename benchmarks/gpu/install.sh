@@ -37,6 +37,8 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+# smoke imports once per warm machine (~27 s: vllm alone takes ~11 s); a later call skips them
+if [ ! -f "$SITE/.smoked" ]; then
 python3 -c "
 import importlib, time
 for m in ['torch', 'transformers', 'ray', 'ray.data.llm', 'vllm', 'verl', 'verl.trainer.main_ppo', 'memsifter.cli', 'FlagEmbedding', 'pydantic']:
@@ -46,5 +48,7 @@ for m in ['torch', 'transformers', 'ray', 'ray.data.llm', 'vllm', 'verl', 'verl.
         print(f'smoke: {m} {getattr(mod, \"__version__\", \"\")} ({time.time()-t:.1f}s)')
     except Exception as e:
         print(f'smoke: {m} FAILED {type(e).__name__}: {e}')
-" 2>&1 | grep -v Warning
+" 2>&1 | grep -v Warning | tee /tmp/memsifter-smoke.log
+grep -q FAILED /tmp/memsifter-smoke.log || touch "$SITE/.smoked"
+fi
 which weed ray >/dev/null && echo "smoke: weed and ray on PATH"
