@@ -237,14 +237,16 @@ class Embedder:
         self.dim = int(getattr(self.model.config, "hidden_size", 0))
         # On a GPU, BERT-family encoders (bge-m3 is XLM-RoBERTa) run unpadded: one packed sequence per
         # batch, FlashAttention's varlen kernel (memsifter.packed). MEMSIFTER_EMBED_PACKED=0 turns it off,
-        # MEMSIFTER_EMBED_COMPILE=1 adds torch.compile (benchmarks/gpu/run_embed.py measures both).
+        # and torch.compile fuses each layer's elementwise work (MEMSIFTER_EMBED_COMPILE=0 turns it off;
+        # it falls back to eager where it cannot build). H100, bge-m3 shape, dev30 sessions: 134.5 vs
+        # 127.7 sessions/s, for ~6 s of compiling once per worker (benchmarks/gpu/README.md).
         self.packed = None
         if on_gpu and os.environ.get("MEMSIFTER_EMBED_PACKED", "1") != "0":
             from . import packed
 
             if packed.supports(self.model):
                 self.packed = packed.PackedEncoder(self.model, spec.pooling, spec.normalize,
-                                                   compile=os.environ.get("MEMSIFTER_EMBED_COMPILE") == "1")
+                                                   compile=os.environ.get("MEMSIFTER_EMBED_COMPILE", "1") != "0")
 
     def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of ``texts`` (truncated to ``max_length``), tokenized on ``tokenizer_threads()``
@@ -357,10 +359,11 @@ def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_b
 
 def batch_defaults(gpu: bool) -> tuple[int, int]:
     """(tokens per batch, texts per batch) when the config leaves them unset. On a GPU the packed
-    forward runs only real tokens, and larger batches keep it busy: a 65,536-token plan ran 1.17x the
-    texts/s of 16,384 on an H100 (bge-m3 shape, dev30 sessions; benchmarks/gpu/README.md), and short
-    texts (questions, turns) need more than 64 per batch to fill it. On CPU, 16,384 / 64."""
-    return (65536, 1024) if gpu else (16384, 64)
+    forward runs only real tokens, and larger batches keep it busy: on an H100 (bge-m3 shape, dev30
+    sessions; benchmarks/gpu/README.md) 65,536 / 131,072-token plans ran 113 / 128 sessions/s in one
+    call, at 4.9 GiB peak for the larger; short texts (questions, turns) need more than 64 per
+    batch to fill it. On CPU, 16,384 / 64."""
+    return (131072, 1024) if gpu else (16384, 64)
 
 
 class _EmbedWorker:
@@ -452,8 +455,11 @@ def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, wo
     t0 = time.time()
     done = 0
     progress = Progress(len(missing))
+    first = None
     try:
         for row in ds.iter_rows():
+            if first is None:  # actor start + model load + the first batch
+                first = time.time() - t0
             b = todo[int(row["batch_id"])]
             vec = np.frombuffer(row["vectors"], dtype=np.float32).reshape(len(b), int(row["dim"]))
             store.add_shard([h for h, _ in b], vec)
@@ -464,6 +470,7 @@ def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, wo
     finally:
         progress.close()
     stats["embed_seconds"] = round(time.time() - t0, 2)
+    stats["first_batch_seconds"] = round(first or 0.0, 2)
     stats["texts_per_second"] = round(len(missing) / max(stats["embed_seconds"], 1e-9), 1)
     return stats
 

@@ -122,10 +122,36 @@ class PackedEncoder:
         h = self._act(F.linear(x, wi, bi))
         return F.layer_norm(F.linear(h, wo2, bo2) + x, (hid,), ln2w, ln2b, self.eps[1])
 
+    def _run_layers(self, x: torch.Tensor, cu: torch.Tensor, max_len: int, cu_list: list[int]) -> torch.Tensor:
+        try:
+            for w in self.layers:
+                x_in = x
+                x = self._layer(x_in, w, cu, max_len, None if self.varlen is not None else cu_list)
+            return x
+        except Exception as e:  # noqa: BLE001 - a compile failure (no C compiler, triton) is not the user's
+            if not self.compiled:
+                raise
+            # torch.compile builds on first use: where it cannot (no C compiler for triton's launcher,
+            # an inductor bug), the same layers run eagerly; nothing was written, so redo the batch
+            import logging
+
+            logging.getLogger(__name__).warning("embed: torch.compile of the packed encoder failed (%s: %s); "
+                                                "running eagerly", type(e).__name__, str(e).splitlines()[0][:200]
+                                                if str(e) else "")
+            self._layer = self._layer_impl
+            self.compiled = False
+            raise _Retry() from e
+
     # ------------------------------------------------------------------ API
-    @torch.inference_mode()
     def encode_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Pooled (and L2-normalised when asked) vectors, one per token-id list, float32 on the model's device."""
+        try:
+            return self._encode_ids(ids)
+        except _Retry:
+            return self._encode_ids(ids)
+
+    @torch.inference_mode()
+    def _encode_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         if not ids:
             return torch.zeros((0, self.cfg.hidden_size), device=self.device)
         lens = [len(x) for x in ids]
@@ -146,8 +172,7 @@ class PackedEncoder:
             x = x + emb.token_type_embeddings.weight[0]
         x = emb.LayerNorm(x)
         max_len = max(lens)
-        for w in self.layers:
-            x = self._layer(x, w, cu, max_len, None if self.varlen is not None else cu_list)
+        x = self._run_layers(x, cu, max_len, cu_list)
         if self.pooling == "cls":
             vec = x[cu[:-1].long()]
         else:
@@ -157,6 +182,10 @@ class PackedEncoder:
             vec = vec / lens_t.unsqueeze(1).float()
         vec = vec.float()
         return F.normalize(vec, dim=-1) if self.normalize else vec
+
+
+class _Retry(Exception):
+    """The compiled forward failed and was switched off: run the batch again, eagerly."""
 
 
 def flops_per_text(cfg: Any, n_tokens: int) -> float:

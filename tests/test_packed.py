@@ -139,3 +139,31 @@ def test_batch_defaults_by_device():
     assert embedding.batch_defaults(False) == (16384, 64)
     tokens, texts = embedding.batch_defaults(True)
     assert tokens > 16384 and texts > 64
+
+
+def test_compile_failure_falls_back_to_eager(caplog):
+    """torch.compile builds on first use; where it cannot (no C compiler, triton), the batch is redone
+    eagerly with a warning. CPU has no varlen path, so the compiled layer is swapped in by hand."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64)).eval()
+    ids = [[1, 5, 7, 2], [1, 9, 2], [1, 3, 4, 8, 6, 2]]
+    ref = PackedEncoder(model).encode_ids(ids).numpy()
+    pe = PackedEncoder(model)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("InductorError: no working C compiler found")
+
+    pe._layer, pe.compiled = broken, True
+    with caplog.at_level("WARNING"):
+        got = pe.encode_ids(ids).numpy()
+    assert np.allclose(got, ref, atol=1e-6) and calls == [1] and not pe.compiled
+    assert "torch.compile of the packed encoder failed" in caplog.text
+    # an eager failure is not swallowed
+    pe._layer = broken
+    with pytest.raises(RuntimeError, match="C compiler"):
+        pe.encode_ids(ids)

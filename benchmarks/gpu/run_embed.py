@@ -253,7 +253,8 @@ def main() -> None:
              "texts": st["embedded"], "tokens": total_tokens, "seconds": secs, "texts_s": st["embedded"] / secs,
              "tokens_s": total_tokens / secs, "mfu": sum(flops.values()) / secs / peak if dev == "cuda" else float("nan"),
              "peak_gib": float("nan"), "batches": st["batches_run"],
-             "note": f"plan {st['tokens_per_batch']} tokens / {st['max_batch_size']} texts"}
+             "note": f"plan {st['tokens_per_batch']} tokens / {st['max_batch_size']} texts; first batch back after "
+                     f"{st['first_batch_seconds']} s"}
         results.append(r)
         vectors[r["name"]] = {h: store.get(h) for h, _ in texts if h in store}
         print(json.dumps(r), flush=True)
