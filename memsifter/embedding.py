@@ -178,14 +178,18 @@ class Progress:
 
 
 def tokenizer_threads() -> int:
-    """Threads that tokenize a batch: ``MEMSIFTER_EMBED_TOKENIZER_THREADS``, else min(8, cores)."""
+    """Threads that tokenize a batch: ``MEMSIFTER_EMBED_TOKENIZER_THREADS``, else min(8, usable cores)."""
     v = os.environ.get("MEMSIFTER_EMBED_TOKENIZER_THREADS", "")
     if v.strip():
         try:
             return max(1, int(v))
         except ValueError:
             raise ValueError(f"MEMSIFTER_EMBED_TOKENIZER_THREADS must be an integer, not {v!r}") from None
-    return max(1, min(8, os.cpu_count() or 1))
+    try:
+        cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (a pod's cpuset)
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 _POOL = None
@@ -262,6 +266,10 @@ class Embedder:
 
         if n <= 1:
             return tok(texts)
+        # transformers sets truncation/padding on the shared Rust tokenizer when they differ from the
+        # call's; done by threads at once that would race ("Already borrowed"). One call here first
+        # leaves the state as every thread wants it, so the threads only read it.
+        tok(texts[:1])
         parts = [texts[i::n] for i in range(n)]  # interleaved: batches are length-sorted
         out: list[list[int]] = [[] for _ in texts]
         for i, ids in enumerate(_tokenizer_pool().map(tok, parts)):
@@ -357,12 +365,29 @@ def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_b
     return batches
 
 
+def packed_expected(spec: ModelSpec) -> bool:
+    """Whether a GPU worker will run ``spec`` on the packed path (see :class:`Embedder`), read from the
+    model's ``config.json`` without loading it."""
+    if os.environ.get("MEMSIFTER_EMBED_PACKED", "1") == "0":
+        return False
+    try:
+        with open(os.path.join(spec.path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    from .packed import SUPPORTED
+
+    return (cfg.get("model_type") in SUPPORTED and cfg.get("position_embedding_type", "absolute") == "absolute"
+            and not cfg.get("is_decoder", False))
+
+
 def batch_defaults(gpu: bool) -> tuple[int, int]:
     """(tokens per batch, texts per batch) when the config leaves them unset. On a GPU the packed
     forward runs only real tokens, and larger batches keep it busy: on an H100 (bge-m3 shape, dev30
     sessions; benchmarks/gpu/README.md) 65,536 / 131,072-token plans ran 113 / 128 sessions/s in one
     call, at 4.9 GiB peak for the larger; short texts (questions, turns) need more than 64 per
-    batch to fill it. On CPU, 16,384 / 64."""
+    batch to fill it. On CPU, and on a GPU running the padded forward (where the plan counts padded
+    tokens), 16,384 / 64. ``gpu`` means: GPU workers on the packed path (:func:`packed_expected`)."""
     return (131072, 1024) if gpu else (16384, 64)
 
 
@@ -439,7 +464,7 @@ def embed_missing(store: EmbeddingStore, items: Iterable[tuple[str, str]], *, wo
     ensure_ray()
     if gpus_per_worker is None:
         gpus_per_worker = 1.0 if cluster_gpus() >= 1 else 0.0
-    auto_tokens, auto_batch = batch_defaults(bool(gpus_per_worker))
+    auto_tokens, auto_batch = batch_defaults(bool(gpus_per_worker) and packed_expected(store.spec))
     tokens_per_batch = tokens_per_batch or auto_tokens
     max_batch_size = max_batch_size or auto_batch
     todo = plan_batches(missing, store.spec.max_length, tokens_per_batch, max_batch_size)

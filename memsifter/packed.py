@@ -80,6 +80,7 @@ class PackedEncoder:
         self.varlen = _varlen_attn() if (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)) \
             else None
         self.compiled = False
+        self._compile_proven = False
         self._layer = self._layer_impl
         if compile and self.varlen is not None:
             # one graph for every layer (weights are arguments), dynamic in the token count
@@ -125,11 +126,12 @@ class PackedEncoder:
     def _run_layers(self, x: torch.Tensor, cu: torch.Tensor, max_len: int, cu_list: list[int]) -> torch.Tensor:
         try:
             for w in self.layers:
-                x_in = x
-                x = self._layer(x_in, w, cu, max_len, None if self.varlen is not None else cu_list)
+                x = self._layer(x, w, cu, max_len, None if self.varlen is not None else cu_list)
+            self._compile_proven = self.compiled
             return x
         except Exception as e:  # noqa: BLE001 - a compile failure (no C compiler, triton) is not the user's
-            if not self.compiled:
+            # only until a compiled batch has run: later errors (out of memory, a CUDA fault) are real
+            if not self.compiled or self._compile_proven or isinstance(e, torch.OutOfMemoryError):
                 raise
             # torch.compile builds on first use: where it cannot (no C compiler for triton's launcher,
             # an inductor bug), the same layers run eagerly; nothing was written, so redo the batch

@@ -99,6 +99,8 @@ def test_token_ids_parallel_equal_one_thread_in_order(monkeypatch):
     texts = [f"text {i} " + "word " * (i % 17) for i in range(43)] + TEXTS
     ref = emb.tokenizer(texts, truncation=True, max_length=spec.max_length)["input_ids"]
     for threads in ("1", "3", "8"):
+        # leave the shared Rust tokenizer with other truncation/padding settings than token_ids wants
+        emb.tokenizer(texts[:3], padding=True, truncation=True, max_length=8)
         monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", threads)
         assert embedding.tokenizer_threads() == int(threads)
         assert emb.token_ids(texts) == ref
@@ -114,16 +116,17 @@ def test_token_ids_run_concurrently(monkeypatch):
     import time
 
     class SlowTok:
-        live = peak = 0
-        lock = threading.Lock()
+        def __init__(self):
+            self.live = self.peak = 0
+            self.lock = threading.Lock()
 
         def __call__(self, part, truncation, max_length):
             with self.lock:
-                SlowTok.live += 1
-                SlowTok.peak = max(SlowTok.peak, SlowTok.live)
+                self.live += 1
+                self.peak = max(self.peak, self.live)
             time.sleep(0.05)
             with self.lock:
-                SlowTok.live -= 1
+                self.live -= 1
             return {"input_ids": [[len(t)] for t in part]}
 
     emb = embedding.Embedder.__new__(embedding.Embedder)
@@ -132,13 +135,58 @@ def test_token_ids_run_concurrently(monkeypatch):
     monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", "4")
     texts = ["a" * i for i in range(1, 41)]
     assert emb.token_ids(texts) == [[i] for i in range(1, 41)]
-    assert SlowTok.peak == 4
+    assert emb.tokenizer.peak == 4
 
 
-def test_batch_defaults_by_device():
+def test_tokenizer_settings_set_on_the_calling_thread_first(monkeypatch):
+    """transformers re-sets truncation/padding on the shared Rust tokenizer when they differ from the
+    call's; threads doing that while another encodes fail ("Already borrowed"; seen with MiniLM, whose
+    shipped settings differ from ours). token_ids therefore makes one call on the calling thread, and
+    only after it returns do the tokenizer threads start."""
+    import threading
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []  # (thread, phase)
+
+        def __call__(self, part, truncation, max_length):
+            self.calls.append((threading.get_ident(), "start"))
+            self.calls.append((threading.get_ident(), "end"))
+            return {"input_ids": [[len(t)] for t in part]}
+
+    emb = embedding.Embedder.__new__(embedding.Embedder)
+    emb.tokenizer = Recorder()
+    emb.spec = embedding.ModelSpec(name="x", path="x", pooling="cls", max_length=8)
+    monkeypatch.setenv("MEMSIFTER_EMBED_TOKENIZER_THREADS", "4")
+    assert emb.token_ids(["ab"] * 40) == [[2]] * 40
+    calls = emb.tokenizer.calls
+    main = threading.get_ident()
+    assert calls[:2] == [(main, "start"), (main, "end")]
+    assert {t for t, _ in calls[2:]} - {main} and len(calls) == 2 + 2 * 4
+
+
+def test_large_gpu_batches_only_for_the_packed_path(tmp_path, monkeypatch):
+    import json
+
     assert embedding.batch_defaults(False) == (16384, 64)
     tokens, texts = embedding.batch_defaults(True)
     assert tokens > 16384 and texts > 64
+
+    def spec_for(cfg: dict | None) -> embedding.ModelSpec:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        if cfg is not None:
+            (d / "config.json").write_text(json.dumps(cfg))
+        return embedding.ModelSpec(name=str(d), path=str(d), pooling="cls", max_length=512)
+
+    xlmr = spec_for({"model_type": "xlm-roberta"})
+    assert embedding.packed_expected(xlmr)
+    assert embedding.packed_expected(spec_for({"model_type": "bert", "position_embedding_type": "absolute"}))
+    assert not embedding.packed_expected(spec_for({"model_type": "qwen3"}))  # padded: small plan
+    assert not embedding.packed_expected(spec_for({"model_type": "bert", "position_embedding_type": "relative_key"}))
+    assert not embedding.packed_expected(spec_for(None))
+    monkeypatch.setenv("MEMSIFTER_EMBED_PACKED", "0")
+    assert not embedding.packed_expected(xlmr)
 
 
 def test_compile_failure_falls_back_to_eager(caplog):
@@ -167,3 +215,20 @@ def test_compile_failure_falls_back_to_eager(caplog):
     pe._layer = broken
     with pytest.raises(RuntimeError, match="C compiler"):
         pe.encode_ids(ids)
+    # nor is a failure after a compiled batch has run (out of memory, a CUDA fault), nor out of memory
+    ok = PackedEncoder(model)
+    ok.compiled = True  # the eager layer stands in for a compiled one that worked
+    assert np.allclose(ok.encode_ids(ids).numpy(), ref, atol=1e-6) and ok._compile_proven
+    ok._layer = broken
+    with pytest.raises(RuntimeError, match="C compiler"):
+        ok.encode_ids(ids)
+    assert ok.compiled
+    oom = PackedEncoder(model)
+    oom.compiled = True
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    oom._layer = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        oom.encode_ids(ids)

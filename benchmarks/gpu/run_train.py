@@ -159,10 +159,21 @@ def main() -> None:
         storage.ensure_bucket("s3://memsifter/")
         run = "s3://memsifter/gpu"
         model = os.path.join(a.work, "model")
-        # 1-2: data and model; a later phase (resume, collect) reuses the first phase's
-        have = (os.path.exists(os.path.join(model, "config.json")) and storage.exists(storage.join(f"{run}/rl", storage.MANIFEST)))
+        # 1-2: data and model; a later phase (resume, collect) reuses the first phase's when it was
+        # prepared to the end with the same arguments (the marker is written last)
+        marker = os.path.join(a.work, "prepared.json")
+        want = {"prompt": a.prompt, "model": SMALL}
+        have = (os.path.exists(marker) and json.load(open(marker)) == want
+                and storage.exists(storage.join(f"{run}/rl", storage.MANIFEST)))
         if a.phase in ("all", "first") or not have:
+            if os.path.exists(marker):
+                os.remove(marker)
+            # a fresh model: checkpoints of an earlier run in the kept SeaweedFS dir would be resumed
+            for stale in ("rl", "train", "collect", "merged"):
+                storage.delete(f"{run}/{stale}")
             prepare(a, run, model)
+            with open(marker, "w") as f:
+                json.dump(want, f)
 
         def train_cfg(total: int, local: str) -> str:
             return write_yaml(f"{a.work}/train_{total}.yaml", {
