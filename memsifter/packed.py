@@ -27,11 +27,17 @@ import torch.nn.functional as F
 SUPPORTED = ("bert", "roberta", "xlm-roberta")
 
 
+def supports_config(cfg: dict) -> bool:
+    """Whether an encoder of this ``config.json`` (as a dict) can run packed."""
+    return (cfg.get("model_type") in SUPPORTED
+            and (cfg.get("position_embedding_type") or "absolute") == "absolute"
+            and not cfg.get("is_decoder", False))
+
+
 def supports(model: Any) -> bool:
     cfg = getattr(model, "config", None)
-    return (getattr(cfg, "model_type", None) in SUPPORTED
-            and getattr(cfg, "position_embedding_type", "absolute") == "absolute"
-            and not getattr(cfg, "is_decoder", False)
+    return (cfg is not None and supports_config({k: getattr(cfg, k, None) for k in
+                                                 ("model_type", "position_embedding_type", "is_decoder")})
             and hasattr(model, "embeddings") and hasattr(model, "encoder"))
 
 

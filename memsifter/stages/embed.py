@@ -80,9 +80,10 @@ class EmbedConfig(StageConfig):
     cpus_per_worker: float = runtime_field(1, "CPUs Ray reserves per actor", gt=0)
     threads_per_worker: int | None = runtime_field(None, "torch threads per CPU actor (auto: cores/workers)")
     tokens_per_batch: int | None = runtime_field(None, "padded tokens per batch, length-bucketed (auto: "
-                                                 "131,072 on GPU actors, 16,384 on CPU)", gt=0)
-    max_batch_size: int | None = runtime_field(None, "texts per batch at most (auto: 1,024 on GPU actors, "
-                                               "64 on CPU)", gt=0)
+                                                 "131,072 on GPU actors running the packed path, else 16,384)",
+                                                 gt=0)
+    max_batch_size: int | None = runtime_field(None, "texts per batch at most (auto: 1,024 on GPU actors "
+                                               "running the packed path, else 64)", gt=0)
 
     @model_validator(mode="after")
     def _primary_enabled(self) -> "EmbedConfig":
