@@ -25,7 +25,8 @@ log = logging.getLogger("memsifter")
 # Command groups owned by other modules: name -> (module, help). Each module has main(argv) -> int.
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("memsifter.pipeline", "run several stages in order under one run prefix"),
-    "demo": ("memsifter.demo", "offline end-to-end demo on synthetic data"),
+    "demo": ("memsifter.demo", "offline end-to-end demo: real samples, real SmolLM2 ranker and working LLM"),
+    "models": ("memsifter.models", "real models that install offline from PyPI (list, path, verify)"),
     "k8s": ("memsifter.k8s.cli", "render RayJobs and drive a pipeline on Kubernetes"),
 }
 

