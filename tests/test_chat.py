@@ -187,3 +187,39 @@ def test_chat_refuses_to_publish_when_requests_fail(chat_data, tmp_path):
                                "endpoint": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "m",
                                             "max_retries": 1, "timeout_s": 5}})
     assert not storage.exists(os.path.join(out, "_SUCCESS"))
+
+
+def test_chat_answers_with_every_context_side_by_side(chat_data, vllm_endpoint, tiny_model_dir, tmp_path):
+    """One chat stage answers the same questions with the ranker's context, a compared rankings file
+    and both baselines (no memory: empty history; oracle: the gold sessions only); rows and stats per
+    method; the ranking status of each context is carried to evaluate."""
+    data, ranked, ds = chat_data
+    rev = str(tmp_path / "reverse.parquet")  # a second method: newest first, every row a fallback
+    storage.write_bytes(rev, storage.parquet_bytes(rankings.rankings_table([{
+        "question_id": q.question_id, "ranked_session_ids": list(reversed(q.haystack_session_ids)), "scores": None,
+        "method": "embed:reverse", "status": "fallback", "reason": "x", "raw_response": None} for q in ds.questions])))
+    out = str(tmp_path / "chat")
+    cfg = {"output": out, "input": data, "rankings": ranked, "compare": [rev], "baselines": ["none", "oracle"],
+           "tokenizer": tiny_model_dir, "limit": 3,
+           "endpoint": {"base_url": vllm_endpoint, "model": "tiny", "max_tokens": 8, "concurrency": 4},
+           "context_tokens": 1500}
+    m = get_stage("chat").run(cfg)
+    st = m["stats"]
+    assert list(st["methods"]) == ["rank:fake", "embed:reverse", "no memory", "oracle (gold sessions)"]
+    assert st["methods"]["embed:reverse"]["ranking_status"] == {"fallback": len(ds.questions)}
+    assert st["client"]["requests"] == 4 * 3 and st["questions"] == 3
+    rows = storage.read_parquet(os.path.join(out, "answers.parquet")).to_pylist()
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows)
+    by = {(r["method"], r["question_id"]): r for r in rows}
+    for q in ds.questions[:3]:
+        assert by[("no memory", q.question_id)]["context_session_ids"] == []
+        assert by[("oracle (gold sessions)", q.question_id)]["context_session_ids"] == \
+            [s for s in q.haystack_session_ids if s in q.gold_session_ids]
+        assert by[("rank:fake", q.question_id)]["ranking_status"] == "ok"
+        assert by[("embed:reverse", q.question_id)]["ranking_status"] == "fallback"
+    # evaluate reads the per-method answers and marks the all-fallback context
+    ev = get_stage("evaluate").run({"output": str(tmp_path / "eval"), "input": data, "rankings": [ranked],
+                                    "answers": [out]})
+    a = ev["stats"]["answers"]
+    assert a["embed:reverse"]["fallback"] == f"all fallback ({len(ds.questions)}/{len(ds.questions)})"
+    assert a["rank:fake"]["fallback"] is None and a["no memory"]["retrieval"] is None

@@ -94,3 +94,57 @@ def test_evaluate_original_ndcg_variant(tmp_path):
     dcg = 1 + 1 / 2  # hits at ranks 1 and 3
     assert abs(r1["ndcg@10"] - dcg / ideal) < 1e-4
     assert abs(r2["ndcg@10"] - dcg / 2) < 1e-4
+
+
+def test_answers_per_method_with_fallback_marking(tmp_path):
+    """One chat output answered with several contexts: evaluate reports F1 / EM per method with that
+    method's retrieval metrics beside it, marks a ranker whose rows are mostly fallbacks in the JSON,
+    the Markdown table and the plot, and leaves retrieval out for no memory (oracle: gold)."""
+    ds = _dataset()
+    root = str(tmp_path)
+    data = storage.join(root, "data")
+    _publish(data, "synth", ds.write)
+    gold_first = [{"question_id": q.question_id, "ranked_session_ids": q.gold_session_ids +
+                   [s for s in q.haystack_session_ids if s not in q.gold_session_ids], "scores": None,
+                   "method": "embed:fusion", "status": "ok", "reason": None, "raw_response": None}
+                  for q in ds.questions]
+    ranker = [{**r, "method": "rank:smol", "status": "fallback" if i < 3 else "ok", "reason": "parse: x",
+               "raw_response": "prose"} for i, r in enumerate(gold_first)]
+    emb, rk = storage.join(root, "embed"), storage.join(root, "rank")
+    _publish(emb, "embed", lambda p: rankings.write_rankings(p, gold_first))
+    _publish(rk, "rank", lambda p: rankings.write_rankings(p, ranker))
+    rows = []
+    for method, f1, status in (("rank:smol", 0.2, "fallback"), ("embed:fusion", 0.5, "ok"),
+                               ("no memory", 0.0, None), ("oracle (gold sessions)", 1.0, None)):
+        for q in ds.questions[:3]:
+            rows.append({"question_id": q.question_id, "method": method, "dataset": q.dataset,
+                         "question_type": q.question_type, "answer": "a", "status": "ok",
+                         "ranking_status": status, "exact_match": 0.0, "f1": f1, "judge": None})
+    chat = storage.join(root, "chat")
+
+    def write_chat(p):
+        p.write_table("answers.parquet", pa.Table.from_pylist(rows))
+    pub = storage.Publication(chat, "chat", {"endpoint": {"model": "smollm2"}}, "x", "test")
+    write_chat(pub)
+    pub.publish({"methods": {
+        "rank:smol": {"source": rk, "kind": "rankings", "ranking_status": {"fallback": 3, "ok": 1}},
+        "embed:fusion": {"source": emb, "kind": "rankings", "ranking_status": {"ok": 4}},
+        "no memory": {"source": "none", "kind": "none", "ranking_status": {}},
+        "oracle (gold sessions)": {"source": "oracle", "kind": "oracle", "ranking_status": {}}}})
+    out = storage.join(root, "eval")
+    m = get_stage("evaluate").run({"output": out, "input": data, "rankings": [emb, rk], "answers": [chat]})
+    assert "answer_f1_by_method.png" in m["files"]
+    assert storage.read_bytes(storage.join(out, "answer_f1_by_method.png"))[:4] == b"\x89PNG"
+    report = json.loads(storage.read_text(storage.join(out, "report.json")))
+    a = report["answers"]
+    assert set(a) == {"rank:smol", "embed:fusion", "no memory", "oracle (gold sessions)"}
+    assert a["rank:smol"]["fallback"] == "mostly fallback (3/4)" and a["embed:fusion"]["fallback"] is None
+    assert a["rank:smol"]["model"] == "smollm2" and a["embed:fusion"]["overall"]["f1"] == 0.5
+    assert a["embed:fusion"]["retrieval"] == {"recall_any@5": 1.0, "ndcg@10": 1.0}
+    assert a["no memory"]["retrieval"] is None and a["oracle (gold sessions)"]["retrieval"]["note"] == "gold sessions"
+    assert report["retrieval"]["rank:smol"]["fallback"] == "mostly fallback (3/4)"
+    md = storage.read_text(storage.join(out, "report.md"))
+    assert "## Answers by retrieval method" in md and "**mostly fallback (3/4)**" in md
+    assert "| no memory | 3 | 3 | 0.000 | 0.000 |" in md
+    st = m["stats"]["answers"]
+    assert st["rank:smol"]["fallback"] and st["oracle (gold sessions)"]["f1"] == 1.0

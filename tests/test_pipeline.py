@@ -124,17 +124,25 @@ def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_d
 
 
 def test_demo_config_is_valid(tmp_path):
-    """The demo's pipeline (configs/demo.yaml + the stand-in overrides) wires and validates."""
+    """The demo's pipelines (configs/demo.yaml, synthetic and real, with and without answers) wire and
+    validate; the chat stage answers with the ranker, dense, the default first stage and both baselines."""
     from memsifter import demo
     from memsifter.stage import load_config_file, validate_config
 
-    for spec in (load_config_file(demo.config_path()),
-                 demo.demo_spec(str(tmp_path / "run"), str(tmp_path / "model"), 5, "vllm"),
-                 demo.demo_spec("s3://bucket/demo", str(tmp_path / "model"), 5, "endpoint")):
+    specs = [load_config_file(demo.config_path()),
+             demo.demo_spec(str(tmp_path / "run"), 5, "vllm", 3),
+             demo.demo_spec("s3://bucket/demo", 5, "endpoint", 3)]
+    for spec in specs:
         plan = pipeline.wire(spec)
         assert [n for n, _ in plan] == ["synth", "embed", "rank", "chat", "evaluate"]
         for name, cfg in plan:
             validate_config(name, cfg)
+    chat = dict(pipeline.wire(specs[1]))["chat"]
+    assert chat["rankings"] == str(tmp_path / "run" / "rank") and chat["limit"] == 3
+    assert chat["compare"] == [str(tmp_path / "run" / "embed" / "rankings_dense.parquet"), str(tmp_path / "run" / "embed")]
+    assert chat["baselines"] == ["none", "oracle"] and chat["endpoint"]["model"] == demo.MODEL
+    real = demo.real_spec(str(tmp_path / "d"), *demo.REAL[1], 2, 0)
+    assert [n for n, _ in pipeline.wire(real)] == ["import", "embed", "evaluate"]  # first stage only
 
 
 def test_one_pipeline_per_run(tmp_path):

@@ -247,3 +247,116 @@ def test_engine_window_spans_earliest_start_to_last_arrival():
     w.add(2.0)           # arrived at 104, started at 102
     w.add(45.0)          # arrived at 110, started at 65: the earliest start
     assert w.seconds == 110.0 - 65.0
+
+
+# --------------------------------------------------------------------------- fitting the model (issue 16)
+def test_fit_lengths_from_the_models_context():
+    from memsifter.errors import ConfigError
+    from memsifter.stages.rank import fit_lengths
+
+    base = dict(output="x", input="d", embeddings="e", model="m")
+    # MemSifter's defaults on a 262k model: 16,384 new tokens, engine context = prompt + answer
+    assert fit_lengths(RankConfig(**base), 262144) == (16384, 131072 + 16384)
+    # an 8k model: thinking answers get what the context leaves; direct answers 8 per id + 16
+    assert fit_lengths(RankConfig(**base, context_limit=3000), 8192) == (5192, 8192)
+    assert fit_lengths(RankConfig(**base, context_limit=3000), 8192, "direct") == (96, 3096)
+    assert fit_lengths(RankConfig(**base, context_limit=3000, top_k=5), 8192, "direct") == (56, 3056)
+    # unknown model context (a hub id offline): the config's numbers, unchecked
+    assert fit_lengths(RankConfig(**base), None) == (16384, 147456)
+    with pytest.raises(ConfigError, match=r"context_limit = 131072 tokens does not fit the model's context of 8192"):
+        fit_lengths(RankConfig(**base), 8192)
+    with pytest.raises(ConfigError, match=r"3000 \+ 6000 = 9000 tokens exceeds the model's context of 8192"):
+        fit_lengths(RankConfig(**base, context_limit=3000, max_tokens=6000), 8192)
+    with pytest.raises(ConfigError, match="vllm.max_model_len = 9000 exceeds"):
+        fit_lengths(RankConfig(**base, context_limit=3000, max_tokens=100, vllm={"max_model_len": 9000}), 8192)
+
+
+def test_prompt_style_follows_the_tokenizer(tiny_model_dir):
+    from memsifter.stages.rank import PROMPTS, resolve_style
+
+    cfg = RankConfig(output="x", input="d", embeddings="e")
+    assert resolve_style(cfg, load_tokenizer(tiny_model_dir)) == "thinking"  # knows <think>
+
+    class Plain:
+        def get_vocab(self):
+            return {"a": 0, "<ranking>": 1}
+    assert resolve_style(cfg, Plain()) == "direct"
+    assert resolve_style(cfg.model_copy(update={"prompt_style": "thinking"}), Plain()) == "thinking"
+    for name in PROMPTS.values():
+        text = default_prompt(name)
+        assert "{history}" in text and "{current}" in text and "<ranking>" in text
+
+
+def test_condensed_sessions_keep_the_question_turns_in_order():
+    from memsifter.render import condense_session
+
+    turns = [{"role": "user", "content": f"filler sentence number {i} about nothing much"} for i in range(12)]
+    turns[7] = {"role": "user", "content": "my sister Anna adopted a beagle called Rufus"}
+    turns[3] = {"role": "assistant", "content": "a beagle is a friendly dog"}
+
+    def count(texts):
+        return [len(t.split()) for t in texts]
+    whole = render_session(turns)
+    assert condense_session(turns, "What dog did Anna adopt?", 10_000, count) == whole
+    short = condense_session(turns, "What dog did Anna adopt?", 20, count)
+    assert "<user6>my sister Anna adopted a beagle called Rufus</user>" in short  # original counter kept
+    assert short.index("beagle is a friendly") < short.index("Anna adopted")  # original order
+    assert sum(count(short.splitlines(keepends=True))) <= 20
+    lines = short.splitlines()
+    assert set(lines) <= set(whole.splitlines())
+
+
+def test_context_limit_beyond_the_model_is_one_line(synth_data, tmp_path):
+    """`memsifter run rank --model smollm2 --context-limit 9000`: exit 2, one line naming the field
+    and both numbers, nothing published (the SmolLM2 of memsifter.models, from PyPI)."""
+    import subprocess
+    import sys
+
+    from memsifter import models
+    from memsifter.errors import ConfigError
+
+    try:
+        models.resolve("smollm2")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    data, emb, ds = synth_data
+    out = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "rank", "--input", data, "--embeddings", emb,
+                           "--output", str(out), "--model", "smollm2", "--context-limit", "9000", "-q"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "context_limit = 9000" in err[0] and "8192" in err[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (out / "_SUCCESS").exists()
+
+
+@pytest.mark.slow
+def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
+    """The issue's command: `memsifter run rank --model smollm2-135m-instruct --context-limit 3000
+    --limit 2` through Ray Data LLM on the CPU, with no vllm.* setting: the engine context and the
+    answer length derive from the model (8,192 tokens) and the direct prompt; every row keeps the
+    model's own text, ok or fallback."""
+    import subprocess
+    import sys
+
+    from memsifter import models
+    from memsifter.errors import ConfigError
+
+    try:
+        models.resolve("smollm2")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    data, emb, ds = synth_data
+    out = str(tmp_path / "rank")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "rank", "--input", data, "--embeddings", emb,
+                           "--output", out, "--model", "smollm2-135m-instruct", "--context-limit", "3000",
+                           "--limit", "2", "-q"], capture_output=True, text=True, timeout=800, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    st = storage.read_manifest(out)["stats"]
+    assert st["prompt_style"] == "direct" and st["max_tokens"] == 96 and st["max_model_len"] == 3096
+    assert st["method"] == "rank:smollm2-135m-instruct"
+    rows = rankings.read_rankings(out)
+    assert len(rows) == 2 and all(r["raw_response"] for r in rows), rows
+    assert all(r["status"] in ("ok", "fallback") for r in rows)

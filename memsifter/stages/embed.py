@@ -47,7 +47,8 @@ from ..render import render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 
 log = logging.getLogger(__name__)
-METHODS = ("dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid", "fusion")
+METHODS = ("dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid", "fusion", "cascade")
+PRIMARY_ORDER = ("cascade", "fusion", "hybrid", "chunked", "dense", "bm25")
 
 
 class EmbedConfig(StageConfig):
@@ -61,18 +62,24 @@ class EmbedConfig(StageConfig):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float16 on GPU, float32 on CPU (CPU always float32)")
     query_instruction: str = Field("", description="prefix added to questions (none for bge-m3)")
+    dense: bool = Field(False, description="also rank by one vector per whole session (embeds every session; "
+                        "on anyway when no other method is enabled)")
     chunked: bool = Field(False, description="also score sessions by their best chunk of turns")
     chunk_turns: int = Field(4, ge=1, description="turns per chunk")
     chunk_stride: int = Field(2, ge=1, description="turns between chunk starts")
-    turns: bool = Field(True, description="also score sessions by their best turn (multi-vector max-sim "
-                        "over '<speaker>: <content>' units)")
+    turns: bool = Field(False, description="also score sessions by their best turn (multi-vector max-sim "
+                        "over '<speaker>: <content>' units of every turn: embeds every turn)")
     turn_words: int = Field(200, ge=8, description="turns longer than this many words are split into pieces")
     bm25: bool = Field(True, description="also rank with BM25 (session, dated, windowed) and fuse the "
-                       "rankings (hybrid; fusion with turns)")
+                       "rankings (cascade; hybrid with dense/chunked; fusion with turns)")
+    stem: bool = Field(True, description="BM25 words reduced by the S-stemmer (plural -s/-es/-ies)")
+    cascade: bool = Field(True, description="cascade (needs bm25): RRF of bm25_dated, bm25_window and the "
+                          "max-sim over the non-assistant turn units of the lexical top cascade_k sessions")
+    cascade_k: int = Field(10, ge=1, description="sessions per question whose units the cascade embeds")
     rrf_k: int = Field(60, ge=1, description="reciprocal-rank-fusion constant")
     primary: Literal["auto", "dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid",
-                     "fusion"] = Field("auto", description="method written to rankings.parquet "
-                                       "(auto: fusion > hybrid > chunked > dense)")
+                     "fusion", "cascade"] = Field("auto", description="method written to rankings.parquet "
+                                                  "(auto: cascade > fusion > hybrid > chunked > dense > bm25)")
     store: str | None = uri_field("embedding store shared across runs (default <output>/_work/embeddings)",
                                   None)
     workers: int = runtime_field(1, "model replicas (Ray actors)", ge=1)
@@ -88,21 +95,31 @@ class EmbedConfig(StageConfig):
     @model_validator(mode="after")
     def _primary_enabled(self) -> "EmbedConfig":
         if self.primary not in ("auto", *self.methods()):
-            need = {"chunked": "chunked: true", "turns": "turns: true", "fusion": "turns: true and bm25: true"}
+            need = {"chunked": "chunked: true", "turns": "turns: true", "fusion": "turns: true and bm25: true",
+                    "cascade": "cascade: true and bm25: true", "dense": "dense: true",
+                    "hybrid": "bm25: true and dense: true or chunked: true"}
             raise ValueError(f"primary '{self.primary}' needs {need.get(self.primary, 'bm25: true')}")
         return self
 
+    def dense_on(self) -> bool:
+        """Whole-session vectors: asked for, or the only method left."""
+        return self.dense or not (self.chunked or self.turns or self.bm25)
+
+    def cascade_on(self) -> bool:
+        return self.cascade and self.bm25
+
     def methods(self) -> list[str]:
-        return [m for m in METHODS if m == "dense" or (m == "chunked" and self.chunked)
-                or (m == "turns" and self.turns) or (m in ("bm25", "bm25_dated", "bm25_window", "hybrid")
-                                                     and self.bm25)
-                or (m == "fusion" and self.turns and self.bm25)]
+        on = {"dense": self.dense_on(), "chunked": self.chunked, "turns": self.turns, "bm25": self.bm25,
+              "bm25_dated": self.bm25, "bm25_window": self.bm25,
+              "hybrid": self.bm25 and (self.dense_on() or self.chunked), "fusion": self.turns and self.bm25,
+              "cascade": self.cascade_on()}
+        return [m for m in METHODS if on[m]]
 
     def primary_method(self) -> str:
         if self.primary != "auto":
             return self.primary
         ms = self.methods()
-        return next(m for m in ("fusion", "hybrid", "chunked", "dense") if m in ms)
+        return next(m for m in PRIMARY_ORDER if m in ms)
 
 
 def chunk_texts(turns: list[dict], size: int, stride: int) -> list[str]:
@@ -145,8 +162,28 @@ def turn_units(turns: list[dict], words: int) -> list[str]:
 _WORD = re.compile(r"[a-z0-9]+")
 
 
-def bm25_tokens(text: str, stop: frozenset[str]) -> list[str]:
-    return [w for w in _WORD.findall(text.lower()) if w not in stop]
+def s_stem(word: str) -> str:
+    """Harman's S-stemmer (1991): plural endings only (-ies -> -y, -es -> -e, -s -> ''), with its
+    exceptions; a fixed rule, nothing fitted."""
+    if len(word) > 3 and word.endswith("ies") and not word.endswith(("eies", "aies")):
+        return word[:-3] + "y"
+    if len(word) > 3 and word.endswith("es") and not word.endswith(("aes", "ees", "oes")):
+        return word[:-1]
+    if len(word) > 2 and word.endswith("s") and not word.endswith(("us", "ss")):
+        return word[:-1]
+    return word
+
+
+def bm25_tokens(text: str, stop: frozenset[str], stem: bool = False) -> list[str]:
+    words = [w for w in _WORD.findall(text.lower()) if w not in stop]
+    return [s_stem(w) for w in words] if stem else words
+
+
+def cascade_units(turns: list[dict], words: int) -> list[str]:
+    """What the cascade embeds of a session: the units (:func:`turn_units`) of every turn not spoken by
+    the assistant (role ``assistant``, any case); all units when the session has no such turn."""
+    own = [t for t in turns if str(t["role"]).strip().lower() != "assistant"]
+    return turn_units(own or turns, words)
 
 
 def rrf(rank_lists: list[list[int]], n: int, k: int) -> np.ndarray:
@@ -158,14 +195,14 @@ def rrf(rank_lists: list[list[int]], n: int, k: int) -> np.ndarray:
     return score
 
 
-def bm25_scores(docs: list[list[str]], question: str, stop: frozenset[str]) -> np.ndarray:
+def bm25_scores(docs: list[list[str]], question: str, stop: frozenset[str], stem: bool = False) -> np.ndarray:
     """BM25 (bm25s defaults) of each tokenised document for the question; zeros when no question
     word occurs in the documents."""
     import bm25s
 
     retriever = bm25s.BM25()
     retriever.index([d or ["<empty>"] for d in docs], show_progress=False)
-    qt = [w for w in bm25_tokens(question, stop) if w in retriever.vocab_dict]
+    qt = [w for w in bm25_tokens(question, stop, stem) if w in retriever.vocab_dict]
     return np.asarray(retriever.get_scores(qt), dtype=float) if qt else np.zeros(len(docs))
 
 
@@ -180,43 +217,105 @@ def order_by(scores: np.ndarray) -> list[int]:
     return sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
 
 
+class Lexical:
+    """The BM25 views of a dataset's haystacks, word lists cached per session (a session's tokens do not
+    depend on the question; its date does, and is added per question)."""
+
+    def __init__(self, ds: Dataset, words: int, stem: bool):
+        from bm25s.stopwords import STOPWORDS_EN
+
+        self.ds, self.words, self.stem = ds, words, stem
+        self.stop = frozenset(STOPWORDS_EN)
+        self._session: dict[str, list[str]] = {}
+        self._units: dict[str, list[list[str]]] = {}
+
+    def _tok(self, text: str) -> list[str]:
+        return bm25_tokens(text, self.stop, self.stem)
+
+    def _load(self, sid: str) -> None:
+        if sid not in self._session:
+            turns = self.ds.sessions[sid].turns
+            self._session[sid] = self._tok(render_session(turns))
+            self._units[sid] = [self._tok(u) for u in turn_units(turns, self.words)]
+
+    def scores(self, q) -> dict[str, np.ndarray]:
+        """``bm25`` (sessions rendered as in §2), ``bm25_dated`` (date + ``"<speaker>: <content>"``
+        lines) and ``bm25_window`` (best window of three consecutive units, with the date)."""
+        hay = q.haystack_session_ids
+        for s in hay:
+            self._load(s)
+        dates = [self._tok(q.date_of(s, self.ds.sessions) or "") for s in hay]
+        out = {"bm25": bm25_scores([self._session[s] for s in hay], q.question, self.stop, self.stem),
+               "bm25_dated": bm25_scores([d + [w for u in self._units[s] for w in u] for d, s in zip(dates, hay)],
+                                         q.question, self.stop, self.stem)}
+        windows, owner = [], []
+        for i, (d, s) in enumerate(zip(dates, hay)):
+            ut = self._units[s]
+            for j in range(len(ut)):
+                windows.append(d + [w for u in ut[max(0, j - 1):j + 2] for w in u])
+                owner.append(i)
+        out["bm25_window"] = max_per_owner(bm25_scores(windows, q.question, self.stop, self.stem), owner, len(hay))
+        return out
+
+
+LEXICAL_LEGS = ("bm25_dated", "bm25_window")
+
+
+def cascade_candidates(lexical: dict[str, np.ndarray], k: int, rrf_k: int) -> list[int]:
+    """The cascade's first step: the top ``k`` sessions of RRF(bm25_dated, bm25_window)."""
+    n = len(lexical["bm25_dated"])
+    return order_by(rrf([order_by(lexical[m]) for m in LEXICAL_LEGS], n, rrf_k))[:k]
+
+
+def cascade_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense: dict[int, float],
+                   rrf_k: int) -> np.ndarray:
+    """RRF of ``bm25_dated``, ``bm25_window`` and the dense order of the candidates (sessions outside
+    the candidates get nothing from that leg)."""
+    n = len(lexical["bm25_dated"])
+    dense_order = sorted(candidates, key=lambda i: (-dense[i], i))
+    return rrf([order_by(lexical[m]) for m in LEXICAL_LEGS] + [dense_order], n, rrf_k)
+
+
 @stage("embed", EmbedConfig, family="embed", gpus=1, needs=["import"],
-       help="Embed sessions and questions; rank each haystack by similarity (dense/chunked/BM25/hybrid)")
+       help="Rank each haystack: BM25 views, a dense cascade over the lexical top sessions, dense/chunked/turns")
 def run(config: EmbedConfig, out: storage.Publication) -> dict:
     ds: Dataset = read_dataset(config.input)
     spec = embedding.ModelSpec.resolve(config.model, config.pooling, config.max_length, config.dtype)
     store = embedding.EmbeddingStore(config.store or storage.join(out.work, "embeddings"), spec)
     held = store.load()
+    methods = config.methods()
+    used = sorted({s for q in ds.questions for s in q.haystack_session_ids})
 
-    # ---- texts, each once
-    session_text = {sid: render_session(s.turns) for sid, s in ds.sessions.items()}
+    # ---- lexical views first: the cascade embeds only what they put on top
+    lexical: dict[str, dict[str, np.ndarray]] = {}
+    if config.bm25:
+        lex = Lexical(ds, config.turn_words, config.stem)
+        lexical = {q.question_id: lex.scores(q) for q in ds.questions}
+
+    # ---- texts to embed, each once
     items: dict[str, str] = {}
-    s_hash = {}
-    for sid, t in session_text.items():
-        s_hash[sid] = embedding.text_hash(t)
-        items[s_hash[sid]] = t
-    q_hash = {}
-    for q in ds.questions:
-        t = config.query_instruction + q.question
-        q_hash[q.question_id] = embedding.text_hash(t)
-        items[q_hash[q.question_id]] = t
-    s_chunks: dict[str, list[str]] = {}
-    if config.chunked:
-        used = {s for q in ds.questions for s in q.haystack_session_ids}
-        for sid in sorted(used):
-            hs = []
-            for t in chunk_texts(ds.sessions[sid].turns, config.chunk_turns, config.chunk_stride):
-                h = embedding.text_hash(t)
-                items[h] = t
-                hs.append(h)
-            s_chunks[sid] = hs
-    s_units: dict[str, list[str]] = {}
-    if config.turns or config.bm25:
-        for sid in sorted({s for q in ds.questions for s in q.haystack_session_ids}):
-            s_units[sid] = turn_units(ds.sessions[sid].turns, config.turn_words)
-            if config.turns:
-                for t in s_units[sid]:
-                    items[embedding.text_hash(t)] = t
+
+    def add(text: str) -> str:
+        h = embedding.text_hash(text)
+        items[h] = text
+        return h
+
+    any_dense = config.dense_on() or config.chunked or config.turns or config.cascade_on()
+    q_hash = {q.question_id: add(config.query_instruction + q.question) for q in ds.questions} if any_dense else {}
+    s_hash = {sid: add(render_session(ds.sessions[sid].turns)) for sid in used} if config.dense_on() else {}
+    s_chunks = ({sid: [add(t) for t in chunk_texts(ds.sessions[sid].turns, config.chunk_turns, config.chunk_stride)]
+                 for sid in used} if config.chunked else {})
+    s_units = ({sid: [add(t) for t in turn_units(ds.sessions[sid].turns, config.turn_words)] for sid in used}
+               if config.turns else {})
+    cands: dict[str, list[int]] = {}
+    c_units: dict[str, list[str]] = {}
+    if config.cascade_on():
+        for q in ds.questions:
+            cands[q.question_id] = cascade_candidates(lexical[q.question_id], config.cascade_k, config.rrf_k)
+            for i in cands[q.question_id]:
+                sid = q.haystack_session_ids[i]
+                if sid not in c_units:
+                    c_units[sid] = [add(t) for t in cascade_units(ds.sessions[sid].turns, config.turn_words)]
 
     def crash(n: int) -> None:
         rankings.crash_point("embed", n)
@@ -227,51 +326,33 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
         tokens_per_batch=config.tokens_per_batch, max_batch_size=config.max_batch_size, on_shard=crash)
 
     # ---- scores per question
-    stop = frozenset()
-    session_tokens: dict[str, list[str]] = {}
-    unit_tokens: dict[str, list[list[str]]] = {}
-    if config.bm25:
-        from bm25s.stopwords import STOPWORDS_EN
+    def vecs(hashes: list[str]) -> np.ndarray:
+        return np.stack([store.get(h) for h in hashes])
 
-        stop = frozenset(STOPWORDS_EN)
-    unit_vecs: dict[str, np.ndarray] = {}
-    if config.turns:
-        unit_vecs = {sid: np.stack([store.get(embedding.text_hash(t)) for t in us]) for sid, us in s_units.items()}
-    methods = config.methods()
+    unit_vecs = {sid: vecs(hs) for sid, hs in s_units.items()}
     sim_rows = []
     rank_rows: dict[str, list[dict]] = {m: [] for m in methods}
     for q in ds.questions:
         hay = q.haystack_session_ids
         n = len(hay)
-        qv = store.get(q_hash[q.question_id])
-        scores: dict[str, np.ndarray] = {}
-        mat = np.stack([store.get(s_hash[s]) for s in hay])
-        scores["dense"] = mat @ qv
+        qv = store.get(q_hash[q.question_id]) if any_dense else None
+        scores: dict[str, np.ndarray] = dict(lexical.get(q.question_id, {}))
+        if config.dense_on():
+            scores["dense"] = vecs([s_hash[s] for s in hay]) @ qv
         if config.chunked:
-            scores["chunked"] = np.array([max(float(store.get(h) @ qv) for h in s_chunks[s]) for s in hay])
+            scores["chunked"] = np.array([float((vecs(s_chunks[s]) @ qv).max()) for s in hay])
         if config.turns:
             scores["turns"] = np.array([float((unit_vecs[s] @ qv).max()) for s in hay])
-        if config.bm25:
-            for s in hay:
-                if s not in session_tokens:
-                    session_tokens[s] = bm25_tokens(session_text[s], stop)
-                    unit_tokens[s] = [bm25_tokens(u, stop) for u in s_units[s]]
-            dates = [bm25_tokens(q.date_of(s, ds.sessions) or "", stop) for s in hay]
-            scores["bm25"] = bm25_scores([session_tokens[s] for s in hay], q.question, stop)
-            scores["bm25_dated"] = bm25_scores([d + [w for u in unit_tokens[s] for w in u]
-                                                for d, s in zip(dates, hay)], q.question, stop)
-            windows, owner = [], []
-            for i, (d, s) in enumerate(zip(dates, hay)):
-                ut = unit_tokens[s]
-                for j in range(len(ut)):
-                    windows.append(d + [w for u in ut[max(0, j - 1):j + 2] for w in u])
-                    owner.append(i)
-            scores["bm25_window"] = max_per_owner(bm25_scores(windows, q.question, stop), owner, n)
+        if "hybrid" in methods:
             dense_view = scores["chunked"] if config.chunked else scores["dense"]
             scores["hybrid"] = rrf([order_by(dense_view), order_by(scores["bm25"])], n, config.rrf_k)
-            if config.turns:
-                scores["fusion"] = rrf([order_by(scores[m]) for m in ("turns", "bm25_dated", "bm25_window")],
-                                       n, config.rrf_k)
+        if "fusion" in methods:
+            scores["fusion"] = rrf([order_by(scores[m]) for m in ("turns", "bm25_dated", "bm25_window")],
+                                   n, config.rrf_k)
+        if "cascade" in methods:
+            cand = cands[q.question_id]
+            dense = {i: float((vecs(c_units[hay[i]]) @ qv).max()) for i in cand}
+            scores["cascade"] = cascade_scores(scores, cand, dense, config.rrf_k)
         row = {"question_id": q.question_id, "haystack_session_ids": hay}
         for m in METHODS:
             row[m] = [float(x) for x in scores[m]] if m in scores else None
@@ -288,10 +369,11 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
     out.write_table("similarities.parquet", pa.Table.from_pylist(sim_rows, schema=sim_schema))
     stats: dict = {"model": config.model, "model_key": spec.key, "pooling": spec.pooling,
                    "max_length": spec.max_length, "store": store.uri, "store_vectors_before": held,
-                   "questions": len(ds.questions), "sessions": len(session_text),
-                   "chunks": sum(len(v) for v in s_chunks.values()),
-                   "turn_units": sum(len(v) for v in s_units.values()) if config.turns else 0, **emb_stats,
-                   "primary": config.primary_method(), "retrieval": {}}
+                   "questions": len(ds.questions), "sessions": len(ds.sessions),
+                   "sessions_embedded": len(s_hash), "chunks": sum(len(v) for v in s_chunks.values()),
+                   "turn_units": sum(len(v) for v in s_units.values()),
+                   "cascade_sessions": len(c_units), "cascade_units": sum(len(v) for v in c_units.values()),
+                   **emb_stats, "primary": config.primary_method(), "retrieval": {}}
     for m in methods:
         rankings.write_rankings(out, rank_rows[m], f"rankings_{m}.parquet")
         stats["retrieval"][m] = rankings.summarize(rank_rows[m], ds.questions)
