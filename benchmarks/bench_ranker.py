@@ -6,7 +6,8 @@ against one vLLM (CPU) OpenAI-compatible server of `smollm2-135m-instruct`, once
 variant ranks the same questions; per question the table compares, over the sessions the ranker was
 shown (`prompts.parquet`):
 
-- the model's free generation and its structured-outputs generation (`<ranking>` forced by regex):
+- the model's free generation (no prefill), free generation after a `<ranking>` prefill (the direct
+  prompt's default), and structured outputs (`<ranking>` forced by regex):
   valid-format rate, NDCG@10 of the model's own ranking (invalid = 0, as the reward counts it) and of
   the published ranking (invalid -> the first stage's order, the stage's fallback);
 - a random valid ranking of the shown sessions (mean of 20 seeds);
@@ -71,7 +72,7 @@ def main() -> int:
     t0 = time.time()
     for name, fmt, sample, _, n in sets:
         d = os.path.join(a.out, name)
-        sh(["run", "import", "--format", fmt, "--source", samples.path(sample), "--output", d], log)
+        sh(["run", "import", "--format", fmt, "--source", samples.path(sample), "--output", d, "--limit", str(n)], log)
         sh(["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2"], log)
     print(f"[bench] data + first stage in {time.time() - t0:.0f}s", flush=True)
     caps = [None if c == "none" else int(c) for c in a.caps.split(",")]
@@ -84,8 +85,9 @@ def main() -> int:
             qs = [q for q in ds.questions[:n] if rankings.eligible(q)]  # the first n (rank --limit n)
             emb = {r["question_id"]: r["ranked_session_ids"] for r in rankings.read_rankings(d + "-embed")}
             for cap in caps:
-                for structured in (False, True):
-                    tag = f"{name}-cap{cap or 'none'}-{'structured' if structured else 'free'}"
+                for output in ("free", "free+prefill", "structured"):
+                    structured = output == "structured"
+                    tag = f"{name}-cap{cap or 'none'}-{output}"
                     out = os.path.join(a.out, tag)
                     t1 = time.time()
                     args = ["run", "rank", "--input", d, "--limit", str(n), "--embeddings", d + "-embed", "--output", out,
@@ -96,6 +98,8 @@ def main() -> int:
                         args += ["--session-tokens", str(cap)]
                     if structured:
                         args += ["--constrained-output"]
+                    if output == "free":
+                        args += ["--answer-prefix", ""]  # no '<ranking>' prefill
                     sh(args, log)
                     secs = time.time() - t1
                     rows = {r["question_id"]: r for r in rankings.read_rankings(out)}
@@ -116,7 +120,7 @@ def main() -> int:
                         first_shown.append(ndcg10(first, q.gold_session_ids))
                         first_full.append(ndcg10(emb[q.question_id], q.gold_session_ids))
                     mean = lambda xs: round(sum(xs) / max(1, len(xs)), 3)  # noqa: E731
-                    results[tag] = {"dataset": name, "cap": cap, "structured": structured, "n": len(qs),
+                    results[tag] = {"dataset": name, "cap": cap, "output": output, "n": len(qs),
                                     "valid": round(valid / len(qs), 3), "ndcg_own": mean(own), "ndcg_published": mean(pub),
                                     "ndcg_random_shown": mean(rnd), "ndcg_first_stage_shown": mean(first_shown),
                                     "ndcg_first_stage_full": mean(first_full), "sessions_shown": mean(nshown),
@@ -130,7 +134,7 @@ def main() -> int:
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results.values():
         print(f"| {r['dataset']} (n={r['n']}) | {'whole' if not r['cap'] else '≤' + str(r['cap']) + ' tokens'} | "
-              f"{r['sessions_shown']} | {'structured' if r['structured'] else 'free'} | {r['valid']:.0%} | "
+              f"{r['sessions_shown']} | {r['output']} | {r['valid']:.0%} | "
               f"{r['ndcg_own']:.3f} | {r['ndcg_published']:.3f} | {r['ndcg_random_shown']:.3f} | "
               f"{r['ndcg_first_stage_shown']:.3f} | {r['ndcg_first_stage_full']:.3f} | {r['seconds']} |")
     return 0

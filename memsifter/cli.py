@@ -51,8 +51,11 @@ def setup_logging(verbose: int = 0) -> None:
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    for noisy in ("urllib3", "botocore", "filelock", "httpx", "openai"):
+    for noisy in ("urllib3", "botocore", "filelock", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if verbose < 0:  # -q: Ray Data's advice (e.g. "high memory" every 30 s) is not the user's business
+        for name in ("ray.data._internal.issue_detection", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # --------------------------------------------------------------------------- flags from a config

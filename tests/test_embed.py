@@ -76,20 +76,21 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     assert np.allclose(sims["dense"], vec[1:] @ vec[0], atol=1e-4)
     assert sims["chunked"] is None
 
-    # a second run with chunked + turns + BM25 (the defaults) reuses every stored vector and embeds
-    # only the new chunks and turn units
+    # a second run with every method on (dense, chunked, turns besides the default BM25 + cascade)
+    # reuses every stored vector and embeds only the new chunks and units
+    every = {"dense": True, "chunked": True, "chunk_turns": 2, "chunk_stride": 1, "turns": True}
     m2 = get_stage("embed").run({"output": str(tmp_path / "e2"), "input": data, "model": "all-MiniLM-L6-v2",
-                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1})
+                                 "store": store, **every})
     st2 = m2["stats"]
     assert st2["store_vectors_before"] == n_texts and st2["reused"] >= n_texts
     assert st2["embedded"] == st2["texts"] - st2["reused"] > 0
     assert set(st2["retrieval"]) == {"dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window",
-                                     "hybrid", "fusion"} and st2["primary"] == "fusion"
+                                     "hybrid", "fusion", "cascade"} and st2["primary"] == "cascade"
     assert {"rankings_dense.parquet", "rankings_chunked.parquet", "rankings_turns.parquet",
             "rankings_bm25.parquet", "rankings_bm25_dated.parquet", "rankings_bm25_window.parquet",
-            "rankings_hybrid.parquet", "rankings_fusion.parquet", "rankings.parquet",
+            "rankings_hybrid.parquet", "rankings_fusion.parquet", "rankings_cascade.parquet", "rankings.parquet",
             "similarities.parquet"} <= set(m2["files"])
-    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:fusion"
+    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:cascade"
     # dense results do not depend on the run that embedded them
     d1 = rankings.read_rankings(storage.join(str(tmp_path / "e1"), "rankings_dense.parquet"))
     d2 = rankings.read_rankings(storage.join(str(tmp_path / "e2"), "rankings_dense.parquet"))
@@ -97,7 +98,7 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
 
     # a third run that needs nothing new starts no model at all
     m3 = get_stage("embed").run({"output": str(tmp_path / "e3"), "input": data, "model": "all-MiniLM-L6-v2",
-                                 "store": store, "chunked": True, "chunk_turns": 2, "chunk_stride": 1})
+                                 "store": store, **every})
     assert m3["stats"]["embedded"] == 0 and m3["stats"]["batches_run"] == 0
 
 
@@ -158,7 +159,7 @@ def test_embed_lme_dev30_matches_plain_baseline(lme_dev30, tmp_path, ray_local):
     pub.publish({})
 
     m = get_stage("embed").run({"output": str(tmp_path / "emb"), "input": sub, "model": "all-MiniLM-L6-v2",
-                                "bm25": True, "turns": False})  # turns: tests/test_first_stage.py
+                                "bm25": True, "dense": True, "cascade": False})  # turns: tests/test_first_stage.py
     ours = m["stats"]["retrieval"]["dense"]
     hybrid = m["stats"]["retrieval"]["hybrid"]
     base = rankings.summarize(_baseline(ds, embedding.minilm_dir(), max_length=256), ds.questions)
@@ -183,3 +184,66 @@ def test_chunks_follow_turns_not_lines():
     assert chunks[0].startswith("<user0>line a0") and chunks[0].endswith("line c3</assistant>\n")
     assert chunks[-1].endswith(whole[-30:]) and chunks[-1].startswith("<assistant1>line a3")
     assert chunk_texts(turns[:3], 4, 2) == [render_session(turns[:3])]  # short session: one chunk = whole
+
+
+def test_default_is_the_cascade_and_embeds_only_its_units(tmp_path, ray_local):
+    """Defaults: rankings.parquet holds the cascade; embedded = the questions and the non-assistant units
+    of at most cascade_k sessions per question: no whole session, no assistant turn, not every turn."""
+    from memsifter.stages import embed as E
+
+    data = str(tmp_path / "data")
+    get_stage("synth").run({"output": data, "questions": 4, "sessions_per_question": 16, "seed": 11})
+    ds = read_dataset(data)
+    cfg = E.EmbedConfig(input=data, output="x")
+    assert cfg.primary_method() == "cascade" and not (cfg.dense or cfg.turns or cfg.chunked)
+    assert cfg.methods() == ["bm25", "bm25_dated", "bm25_window", "cascade"] and cfg.cascade_k == 10
+    out, store = str(tmp_path / "emb"), str(tmp_path / "store")
+    m = get_stage("embed").run({"output": out, "input": data, "model": "all-MiniLM-L6-v2", "store": store})
+    st = m["stats"]
+    assert st["primary"] == "cascade" and set(st["retrieval"]) == {"bm25", "bm25_dated", "bm25_window", "cascade"}
+    rows = rankings.read_rankings(out)
+    assert {r["method"] for r in rows} == {"embed:cascade"}
+    assert rows == rankings.read_rankings(storage.join(out, "rankings_cascade.parquet"))
+
+    every_unit = {u for q in ds.questions for s in q.haystack_session_ids
+                  for u in E.turn_units(ds.sessions[s].turns, 200)}
+    cand = {s for q in ds.questions for s in q.haystack_session_ids}
+    assert all(len(q.haystack_session_ids) > cfg.cascade_k for q in ds.questions)  # so the cap matters
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    held = embedding.EmbeddingStore(store, spec)
+    held.load()
+    assert not any(embedding.text_hash(render_session(ds.sessions[s].turns)) in held for s in cand)
+    assistant = {u for q in ds.questions for s in q.haystack_session_ids
+                 for u in E.turn_units([t for t in ds.sessions[s].turns if t["role"] == "assistant"], 200)}
+    assert assistant and not any(embedding.text_hash(u) in held for u in assistant)
+    assert st["cascade_sessions"] <= cfg.cascade_k * len(ds.questions)
+    assert st["embedded"] == st["texts"] == len({q.question for q in ds.questions}) + st["cascade_units_distinct"]
+    assert st["texts"] < len(every_unit)
+
+    # the cascade is RRF(bm25_dated, bm25_window, dense order of the lexical top cascade_k), recomputed
+    sims = storage.read_parquet(storage.join(out, "similarities.parquet")).to_pylist()
+    for q, r in zip(ds.questions, sims):
+        assert r["dense"] is None and r["turns"] is None
+        lex = {k: np.array(r[k]) for k in ("bm25", "bm25_dated", "bm25_window")}
+        cand_i = E.cascade_candidates(lex, cfg.cascade_k, cfg.rrf_k)
+        qv = held.get(embedding.text_hash(q.question))
+        dense = {i: max(float(held.get(embedding.text_hash(u)) @ qv)
+                        for u in E.cascade_units(ds.sessions[q.haystack_session_ids[i]].turns, 200)) for i in cand_i}
+        assert np.allclose(r["cascade"], E.cascade_scores(lex, cand_i, dense, cfg.rrf_k))
+
+
+def test_s_stem_cascade_units_and_scores():
+    from memsifter.stages import embed as E
+
+    assert [E.s_stem(w) for w in ("parties", "boxes", "cats", "glass", "bus", "is", "movies", "shoes")] == \
+        ["party", "boxe", "cat", "glass", "bus", "is", "movy", "shoe"]
+    assert E.bm25_tokens("The Parties and cats", frozenset({"the", "and"}), stem=True) == ["party", "cat"]
+    turns = [{"role": "user", "content": "I adopted a cat."}, {"role": "Assistant", "content": "Nice!"},
+             {"role": "Caroline", "content": "Me too."}]
+    assert E.cascade_units(turns, 200) == ["user: I adopted a cat.", "Caroline: Me too."]
+    assert E.cascade_units(turns[1:2], 200) == ["Assistant: Nice!"]  # no other role: all units
+    lex = {"bm25_dated": np.array([3.0, 2.0, 1.0, 0.0]), "bm25_window": np.array([2.0, 3.0, 0.0, 1.0])}
+    cand = E.cascade_candidates(lex, 2, 60)
+    assert cand == [0, 1]
+    s = E.cascade_scores(lex, cand, {0: 0.1, 1: 0.9}, 60)
+    assert E.order_by(s) == [1, 0, 2, 3] and s[2] == pytest.approx(1 / 63 + 1 / 64)  # no dense vote outside

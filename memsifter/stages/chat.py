@@ -46,8 +46,9 @@ class ChatConfig(StageConfig):
     rankings: str = uri_field("rankings to fill the context with (rank or embed output, or a rankings parquet)")
     embeddings: str | None = uri_field("embed output: similarity order for sessions the rankings leave out",
                                        None)
-    compare: list[str] = uri_field("more rankings to answer with, side by side (rank or embed outputs, or "
-                                   "rankings parquet files, e.g. <embed>/rankings_dense.parquet)",
+    compare: list[str] = uri_field("more rankings to answer with, side by side: each the URI of a rank or "
+                                   "embed stage's published directory or of a rankings parquet file (e.g. "
+                                   "<embed>/rankings_dense.parquet); not wired by pipelines",
                                    default_factory=list)
     baselines: list[Literal["none", "oracle"]] = Field(
         default_factory=list, description="reference contexts answered too: none = no memory, oracle = the "

@@ -1,34 +1,50 @@
-"""Stage ``embed``: dense similarity of every haystack session to its question (MEMSIFTER.md §3).
+"""Stage ``embed``: the first stage: rank every haystack session for its question (MEMSIFTER.md §3).
 
-Texts: one per distinct session (rendered as in §2, without header) and one per question; each
-distinct text is embedded once, keyed by its sha256, in a sharded store that later runs reuse
-(:mod:`memsifter.embedding`). Models run on a Ray Data actor pool (``RAY_ADDRESS`` or a local Ray).
+Texts are embedded once each, keyed by their sha256, in a sharded store that later runs reuse
+(:mod:`memsifter.embedding`); models run on a Ray Data actor pool (``RAY_ADDRESS`` or a local Ray).
+Only the texts the enabled methods need are embedded (the question always, when any dense view is on).
 
 Methods, each published as ``rankings_<method>.parquet`` (same schema as every rankings file):
 
-- ``dense``: cosine of the whole-session vector and the question vector (the original).
-- ``chunked`` (``chunked: true``): a session scores its best window of ``chunk_turns`` turns
-  (stride ``chunk_stride``), so long sessions are not cut at the model's max length.
-- ``turns`` (``turns: true``, default): multi-vector max-sim. Every turn is one unit
-  ``"<speaker>: <content>"`` (turns longer than ``turn_words`` words are split into pieces of at
-  most that many words, which all-MiniLM-L6-v2's 256 tokens hold); a session scores its best unit.
 - ``bm25`` (``bm25: true``, default): BM25 (bm25s) over the question's haystack, sessions rendered
   as in §2 (the anchor of issue 9).
 - ``bm25_dated``: BM25 over the same sessions indexed as their date and ``"<speaker>: <content>"``
   lines, so speaker names and session dates are words the question can match.
 - ``bm25_window``: BM25 over windows of three consecutive units (with the session date); a session
   scores its best window.
-- ``hybrid``: reciprocal-rank fusion (k = ``rrf_k``) of ``bm25`` with the best dense view (chunked
-  when enabled, else dense): the previous default, kept for comparison.
-- ``fusion`` (needs ``turns`` and ``bm25``): RRF (k = ``rrf_k``) of ``turns``, ``bm25_dated`` and
-  ``bm25_window``: one dense and two lexical views at session and passage grain. Chosen on a
-  development half of the shipped samples (LoCoMo conv-26, every other LongMemEval dev30 question)
-  and confirmed on the other half (benchmarks/README.md, "First-stage retrieval").
+  Every BM25 view reduces words with the S-stemmer (``stem: true``: plural endings only, a fixed rule).
+- ``cascade`` (``cascade: true``, default; needs ``bm25``): RRF (k = ``rrf_k``) of ``bm25_dated``,
+  ``bm25_window`` and a dense leg that only exists for the top ``cascade_k`` (10) sessions of
+  RRF(bm25_dated, bm25_window): the max-sim of the question vector over those sessions' units of
+  turns not spoken by the ``assistant`` (all turns when there is no such role, e.g. LoCoMo's named
+  speakers). It embeds about ``cascade_k`` sessions' user turns per question instead of every turn
+  of every session.
+- ``dense`` (``dense: true``; on anyway when nothing else is): cosine of the whole-session vector and
+  the question vector (the original). Embeds every session.
+- ``chunked`` (``chunked: true``): a session scores its best window of ``chunk_turns`` turns
+  (stride ``chunk_stride``), so long sessions are not cut at the model's max length.
+- ``turns`` (``turns: true``): multi-vector max-sim over the units ``"<speaker>: <content>"`` of every
+  turn (turns longer than ``turn_words`` words split into pieces). Embeds every turn.
+- ``hybrid`` (bm25 with dense or chunked): RRF of ``bm25`` with the best dense view (chunked when
+  enabled, else dense).
+- ``fusion`` (``turns: true`` and bm25): RRF of ``turns``, ``bm25_dated`` and ``bm25_window``: the
+  default of issue 9, kept for comparison.
 
-``rankings.parquet`` is the ``primary`` method (auto: fusion, else hybrid, else chunked, else dense):
-what ``rank`` pre-filters with and ``chat`` fills context with. ``similarities.parquet`` keeps each
-method's scores aligned with ``haystack_session_ids``. Retrieval metrics of every method are in the
-manifest's stats.
+``rankings.parquet`` is the ``primary`` method (auto: cascade > fusion > hybrid > chunked > dense >
+bm25): what ``rank`` pre-filters with and ``chat`` fills context with. ``similarities.parquet`` keeps
+each method's scores aligned with ``haystack_session_ids`` (null for methods not run; ``cascade``'s
+scores are RRF scores). Retrieval metrics of every method are in the manifest's stats.
+
+Why ``cascade`` is the default (issue 16): ``fusion`` (issue 9) was chosen on halves of the same two
+LoCoMo conversations and fell short on the 8 others (recall_any@5 0.897, NDCG@10 0.761), and embedding
+every turn turns LongMemEval_S test (6,692 sessions) into ~105k texts: hours on 2 CPU cores. The
+candidates (BM25 views and their RRF, stemming, whole-session dense, every-turn max-sim, the cascade
+with k = 5 / 10) were compared on a DEV split (LoCoMo conv-26 + LongMemEval_S train348 questions at
+even positions in id order), the best on dev within the cost bound (LongMemEval_S test in <= 10 min on
+2 cores) chosen, and read on HELD-OUT (conv-30 + odd positions); the cross-over (choose on conv-30,
+read conv-26) is in benchmarks/README.md, "First-stage retrieval", with ``bench_first_stage.py``'s table.
+No constant was fitted: RRF's k = 60 (the usual value), cascade_k = 10 (the ranker's output size and
+the NDCG cutoff), the S-stemmer's fixed rules, all-MiniLM-L6-v2's 256 tokens (~200 words per unit).
 """
 
 from __future__ import annotations
@@ -373,6 +389,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                    "sessions_embedded": len(s_hash), "chunks": sum(len(v) for v in s_chunks.values()),
                    "turn_units": sum(len(v) for v in s_units.values()),
                    "cascade_sessions": len(c_units), "cascade_units": sum(len(v) for v in c_units.values()),
+                   "cascade_units_distinct": len({h for v in c_units.values() for h in v}),
                    **emb_stats, "primary": config.primary_method(), "retrieval": {}}
     for m in methods:
         rankings.write_rankings(out, rank_rows[m], f"rankings_{m}.parquet")

@@ -117,6 +117,9 @@ class RankConfig(StageConfig):
         "auto", description="shipped prompt when 'prompt' is not set: thinking = MemSifter's (reason in "
         "<think>, then <ranking>; prompts/ranker.txt), direct = ids only, for non-thinking models "
         "(prompts/ranker_direct.txt); auto: thinking when the ranker's tokenizer knows <think>")
+    answer_prefix: str = Field("auto", description="text the answer starts with, written by us (an assistant "
+                               "prefill the model continues): auto = '<ranking>' for the direct prompt, none "
+                               "for thinking; '' = none. Parsing sees prefix + generated text")
     context_limit: int = Field(131072, gt=0, description="prompt tokens at most (ranker tokenizer); with "
                                "max_tokens it must fit the model's context")
     session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
@@ -207,6 +210,24 @@ def fit_lengths(config: RankConfig, model_context: int | None, style: str = "thi
 PROMPTS = {"thinking": "ranker.txt", "direct": "ranker_direct.txt"}
 
 
+def prefix_of(config: RankConfig) -> str:
+    return "" if config.answer_prefix == "auto" else config.answer_prefix
+
+
+def resolve_prefix(config: RankConfig, style: str) -> str:
+    """The answer prefill in effect: ``auto`` is ``<ranking>`` for the direct prompt (a small model then
+    only has to write ids), none for the thinking prompt (the model reasons first)."""
+    if config.answer_prefix != "auto":
+        return config.answer_prefix
+    return "<ranking>" if style == "direct" else ""
+
+
+def constrained_regex(config: RankConfig, n: int) -> str:
+    """The structured-outputs regex of an answer, without the part the prefill already wrote."""
+    rx, pre = ranking_regex(n, config.top_k), prefix_of(config)
+    return rx[len(pre):] if pre and rx.startswith(pre) else rx
+
+
 def method_label(config: RankConfig) -> str:
     """``rank:<model>`` (``+structured`` with structured outputs): the label evaluate reports."""
     return f"rank:{os.path.basename(config.model.rstrip('/'))}" + ("+structured" if config.constrained_output else "")
@@ -258,7 +279,10 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
     def messages(chosen: list[int]) -> list[dict]:
         idx = sorted(chosen)  # chronological
         hist = render_history_texts([texts[i] for i in idx], [dates[i] for i in idx])
-        return [{"role": "user", "content": fill(template, history=hist, current=q.question)}]
+        msgs = [{"role": "user", "content": fill(template, history=hist, current=q.question)}]
+        if config.answer_prefix not in ("", "auto"):
+            msgs.append({"role": "assistant", "content": config.answer_prefix})
+        return msgs
 
     empty = counter.chat_prompt_tokens(messages([]))
     budget = config.context_limit - empty
@@ -362,7 +386,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     for p in todo:
         sp = dict(base)
         if config.constrained_output:
-            sp["structured_outputs"] = {"regex": ranking_regex(len(p.id_map), config.top_k)}
+            sp["structured_outputs"] = {"regex": constrained_regex(config, len(p.id_map))}
         items.append({"question_id": p.question_id, "messages": p.messages, "sp": sp})
     # One block per engine batch, so that results stream back (and are saved) batch by batch.
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // v.batch_size)))
@@ -388,8 +412,10 @@ def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) 
             groups.setdefault(len(p.id_map) if config.constrained_output else 0, []).append(p)
         for n, group in groups.items():
             body: dict[str, Any] = {"skip_special_tokens": False}  # vLLM / SGLang servers
+            if prefix_of(config):  # continue the prefilled assistant message (vLLM's chat API)
+                body.update({"continue_final_message": True, "add_generation_prompt": False})
             if config.constrained_output:
-                body["structured_outputs"] = {"regex": ranking_regex(n, config.top_k)}
+                body["structured_outputs"] = {"regex": constrained_regex(config, n)}
             for p, c in zip(group, client.complete_many([p.messages for p in group], extra_body=body)):
                 yield {"question_id": p.question_id, "text": c.text, "error": c.error}
 
@@ -433,7 +459,7 @@ def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -
         reason = (gen or {}).get("error") or "no response"
         return {**row, "ranked_session_ids": p.fallback, "status": "error", "reason": f"generation: {reason}",
                 "raw_response": (gen or {}).get("text")}
-    text = gen["text"]
+    text = prefix_of(config) + gen["text"]
     parsed = rankings.parse_ranking(text, len(p.id_map), config.top_k if config.require_k else None)
     row["raw_response"] = text
     if not parsed.ok:
@@ -455,9 +481,12 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     style = resolve_style(config, counter.tokenizer)
     template = load_prompt(config.prompt, PROMPTS[style], ("history", "current"))
     max_tokens, max_model_len = fit_lengths(config, models.model_context(model_dir), style)
-    # What the engines run with (derived lengths); `config` itself, as hashed, keeps what was asked.
+    # What the prompts and engines use (derived lengths and prefill); `config` itself, as hashed, keeps
+    # what was asked.
     engine_config = config.model_copy(update={
-        "max_tokens": max_tokens, "vllm": config.vllm.model_copy(update={"max_model_len": max_model_len})})
+        "max_tokens": max_tokens, "answer_prefix": resolve_prefix(config, style),
+        "vllm": config.vllm.model_copy(update={"max_model_len": max_model_len})})
+    config = engine_config
     t0 = time.time()
     prompts = build_prompts(config, ds, emb, counter, template)
     t_prompts = time.time() - t0
