@@ -326,3 +326,18 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
                                             in_process=True))
     assert composed["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] in (
         "sdpa", "flash_attention_2")
+
+
+def test_base_model_by_name_resolves_to_the_materialized_directory():
+    """`model: smollm2-135m-instruct` (memsifter models) is what verl loads, as a local HF directory."""
+    from memsifter import models
+    from memsifter.errors import ConfigError
+    from memsifter.stages.train import TrainConfig, model_path
+
+    try:
+        want = models.resolve("smollm2-135m-instruct")
+    except ConfigError as e:
+        pytest.skip(str(e))
+    cfg = TrainConfig(output="o", data="d", model="smollm2-135m-instruct", reward={"mode": "dcg"})
+    assert model_path(cfg) == want and os.path.isfile(os.path.join(want, "config.json"))
+    assert model_path(cfg.model_copy(update={"model": "Qwen/Qwen3-4B"})) == "Qwen/Qwen3-4B"

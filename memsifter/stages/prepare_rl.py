@@ -179,7 +179,9 @@ class Builder:
     def __init__(self, config: PrepareRLConfig, ds: Dataset, sims: dict[str, list[str]],
                  prev: dict[str, list[str]]):
         self.config, self.ds, self.sims, self.prev = config, ds, sims, prev
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        from .. import models
+
+        self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)
         self.template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
         self._texts: dict[str, str] = {}

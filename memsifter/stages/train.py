@@ -137,7 +137,7 @@ class RewardSettingsConfig(BaseModel):
 
 
 class TrainConfig(StageConfig):
-    model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir or s3:// URI")
+    model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir, s3:// URI or a name of `memsifter models list`")
     data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)")
     nnodes: int = Field(1, ge=1, description="GPU nodes (trainer.nnodes)")
     n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node (trainer.n_gpus_per_node)")
@@ -193,7 +193,13 @@ def checkpoint_uri(config: TrainConfig) -> str:
 
 
 def model_path(config: TrainConfig) -> str:
-    return local_paths(config)["model"] if storage.is_s3(config.model) else config.model
+    """Where verl loads the base model: the staged copy of an ``s3://`` model, the local directory of a
+    ``memsifter models`` name (e.g. smollm2-135m-instruct, materialized on first use), else as given."""
+    if storage.is_s3(config.model):
+        return local_paths(config)["model"]
+    from .. import models
+
+    return models.resolve(config.model) if models.lookup(config.model) else config.model
 
 
 def reward_kwargs(config: TrainConfig) -> dict:
