@@ -142,6 +142,29 @@ def _retryable(exc: BaseException) -> bool:
     return False
 
 
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds a 429/503 answer asks the client to wait (``Retry-After``: seconds or an HTTP date;
+    ``retry-after-ms``), else None."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    if not headers:
+        return None
+    try:
+        ms = headers.get("retry-after-ms")
+        if ms is not None:
+            return max(0.0, float(ms) / 1000)
+        v = headers.get("retry-after")
+        if v is None:
+            return None
+        try:
+            return max(0.0, float(v))
+        except ValueError:
+            from email.utils import parsedate_to_datetime
+
+            return max(0.0, parsedate_to_datetime(v).timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 class ChatClient:
     """Concurrent, retrying, caching chat completions against one endpoint."""
 
@@ -178,11 +201,16 @@ class ChatClient:
                 self.cache.put(key, text)
                 return Completion(text, attempts=attempts)
             except Exception as e:  # noqa: BLE001 - classified below
-                last = f"{type(e).__name__}: {str(e)[:200]}"
+                last = (f"{type(e).__name__}: {str(e)[:200]} (model {self.endpoint.model} at "
+                        f"{self.endpoint.resolved_base_url() or 'the default OpenAI URL'})")
                 if not _retryable(e) or attempt == self.endpoint.max_retries:
                     break
                 self.stats["retries"] += 1
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2)
+                wait = retry_after(e)
+                if wait is not None:  # the server said when: honour it (bounded by the request timeout)
+                    self.stats["retry_after"] = self.stats.get("retry_after", 0) + 1
+                    delay = min(max(delay, wait), self.endpoint.timeout_s)
                 await asyncio.sleep(delay)
         self.stats["failed"] += 1
         return Completion(None, error=last, attempts=attempts)

@@ -223,3 +223,55 @@ def test_chat_answers_with_every_context_side_by_side(chat_data, vllm_endpoint, 
     a = ev["stats"]["answers"]
     assert a["embed:reverse"]["fallback"] == f"all fallback ({len(ds.questions)}/{len(ds.questions)})"
     assert a["rank:fake"]["fallback"] is None and a["no memory"]["retrieval"] is None
+
+
+def test_retry_after_is_honoured_and_failures_name_the_endpoint(vllm_endpoint):
+    """A 429 with `Retry-After: 2` in front of the real server: the client waits 2 s (its own backoff
+    is 10 ms), then gets the answer; a dead endpoint's error names the URL and the model."""
+    import time as _time
+
+    from memsifter.llm import ChatClient, LLMEndpoint
+
+    upstream = vllm_endpoint.rstrip("/")
+    calls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls.append(_time.time())
+            if len(calls) == 1:
+                data = json.dumps({"error": {"message": "slow down"}}).encode()
+                self.send_response(429)
+                self.send_header("Retry-After", "2")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            req = urllib.request.Request(upstream + self.path.replace("/v1", "", 1), data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=120) as r:
+                data = r.read()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = ChatClient(LLMEndpoint(base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", model="tiny",
+                                        max_tokens=4), backoff_s=0.01)
+        [c] = client.complete_many([[{"role": "user", "content": "hi"}]])
+        assert c.ok and len(calls) == 2 and calls[1] - calls[0] >= 1.9
+        assert client.stats["retry_after"] == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    dead = ChatClient(LLMEndpoint(base_url="http://127.0.0.1:9/v1", model="some-model", max_retries=0))
+    [c] = dead.complete_many([[{"role": "user", "content": "hi"}]])
+    assert not c.ok and "http://127.0.0.1:9/v1" in c.error and "some-model" in c.error

@@ -213,8 +213,12 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     failed: dict[str, str] = {}
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), desc=f"chat {config.endpoint.model}", unit="req", disable=not todo,
+               mininterval=1.0)
     for chunk in storage.iter_chunks(todo, config.shard_size):
-        comps = client.complete_many([prepared[(label, q.question_id)][0] for label, q in chunk])
+        comps = client.complete_many([prepared[(label, q.question_id)][0] for label, q in chunk], progress=bar)
         rows = []
         for (label, q), c in zip(chunk, comps):
             if not c.ok:
@@ -239,6 +243,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
             done.update({(r["method"], r["question_id"]): r for r in rows})
             shards += 1
             rankings.crash_point("chat", shards)
+    bar.close()
     seconds = time.time() - t0
     total = len(ds.questions) * len(methods)
     if len(failed) > config.max_failed_fraction * total:
