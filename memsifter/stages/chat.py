@@ -34,7 +34,7 @@ from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..metrics import exact_match, token_f1
-from ..render import render_history_texts, render_session
+from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from .rank import fill, load_prompt
 
@@ -61,6 +61,9 @@ class ChatConfig(StageConfig):
     prompt: str | None = uri_field("prompt template with {history}, {current} and {date} "
                                    "(default: memsifter/prompts/chat.txt)", None)
     context_tokens: int = Field(8192, gt=0, description="memory budget, minus the question's tokens")
+    session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
+                                       "a longer one keeps the turns sharing the most words with the question, "
+                                       "in order (more sessions fit a small working LLM); default: whole")
     stop_at_first_overflow: bool = Field(False, description="stop filling at the first session that does "
                                          "not fit (default: skip it and keep trying)")
     judge: LLMEndpoint | None = Field(None, description="optional LLM judge (yes/no correctness)")
@@ -143,7 +146,11 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
                    ) -> tuple[list[dict], list[str], int]:
     hay = q.haystack_session_ids
     pos = {s: i for i, s in enumerate(hay)}
-    texts = [render_session(ds.sessions[s].turns) for s in hay]
+    if config.session_tokens:
+        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, counter.count_many)
+                 for s in hay]
+    else:
+        texts = [render_session(ds.sessions[s].turns) for s in hay]
     dates = [q.date_of(s, ds.sessions) for s in hay]
     costs = [c + 8 for c in counter.count_many(texts)]  # + header/footer
     budget = config.context_tokens - counter.count(q.question)
