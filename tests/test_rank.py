@@ -354,6 +354,8 @@ def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
                            "--output", out, "--model", "smollm2-135m-instruct", "--context-limit", "3000",
                            "--limit", "2", "-q"], capture_output=True, text=True, timeout=800, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # -q: no Ray Data advice on the terminal ("Operator ... uses 454.0MiB of memory per task", every 30 s)
+    assert "of memory per" not in proc.stderr and "high_memory_detector" not in proc.stderr
     st = storage.read_manifest(out)["stats"]
     assert st["prompt_style"] == "direct" and st["max_tokens"] == 96 and st["max_model_len"] == 3096
     assert st["method"] == "rank:smollm2-135m-instruct"
