@@ -122,10 +122,10 @@ def main() -> None:
         return qs[::2][:a.lme_per_half], qs[1::2][:a.lme_per_half]
 
     CHEAP = ["bm25_window (no stem)", "bm25_dated (no stem)", "bm25", "bm25_dated", "bm25_window",
-             "lexical = RRF(bm25_dated, bm25_window)", "cascade k=5", "cascade k=10 (no stem)",
-             "cascade k=10 (default)"]
+             "lexical = RRF(bm25_dated, bm25_window)", "cascade k=5 (no stem)", "cascade k=5 (default)",
+             "cascade k=10"]
     COSTLY = ["fusion (old default: every turn)", "dense (whole session)", "lex+dense = RRF(dense, bm25_dated, "
-              "bm25_window)", "cascade k=10 (default)"]
+              "bm25_window)", "cascade k=5 (default)", "cascade k=10"]
 
     def candidates(ds: Dataset, q, lex: dict, lex_ns: dict, costly: bool) -> tuple[dict, dict]:
         """Session scores per candidate, and the texts each one embeds for this question."""
@@ -138,8 +138,8 @@ def main() -> None:
         S["lexical = RRF(bm25_dated, bm25_window)"] = E.rrf([E.order_by(L[m]) for m in E.LEXICAL_LEGS], n, 60)
         ensure([q.question])
         qv = vec(q.question)
-        for key, lx, k in (("cascade k=5", L, 5), ("cascade k=10 (no stem)", Lns, 10),
-                           ("cascade k=10 (default)", L, 10)):
+        for key, lx, k in (("cascade k=5 (no stem)", Lns, 5), ("cascade k=5 (default)", L, 5),
+                           ("cascade k=10", L, 10)):
             cand = E.cascade_candidates(lx, k, 60)
             units = {i: E.cascade_units(ds.sessions[hay[i]].turns, 200) for i in cand}
             texts = [u for us in units.values() for u in us]

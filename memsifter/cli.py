@@ -4,6 +4,11 @@
 flag (``--model``, ``--batch-size``), any field can be set with ``--set key=value`` (dotted keys for
 nested ones), and ``--config FILE`` loads YAML/JSON (local or s3://). Errors a user can cause print one
 line and exit 2; nothing is published on error.
+
+Published outputs are not replaced by mistake: ``--force`` re-runs a stage over its own output made
+with the same config (and replaces a broken ``_SUCCESS``); ``--replace`` is needed to replace an output
+this stage published with a different config; another stage's output is never replaced, and an output
+that is, contains or lies inside an input is refused (:meth:`memsifter.stage.Stage.run`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,15 @@ def setup_logging(verbose: int = 0) -> None:
     if verbose < 0:  # -q: Ray Data's advice (e.g. "high memory" every 30 s) is not the user's business
         for name in ("ray.data._internal.issue_detection", "ray.data"):
             logging.getLogger(name).setLevel(logging.ERROR)
+
+
+FORCE_HELP = ("re-run even if the output is already published with this config (also when a published "
+              "file was damaged or its _SUCCESS is broken: that is replaced). It never replaces an output of "
+              "another config (see --replace) or of another stage, and does not take an output a live run "
+              "holds (see --steal-lease)")
+REPLACE_HELP = ("replace an output this stage published with a DIFFERENT config (without it that is refused, "
+                "so a changed flag cannot silently overwrite published work); another stage's output is "
+                "never replaced")
 
 
 # --------------------------------------------------------------------------- flags from a config
@@ -124,8 +138,8 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
         p.add_argument(f"_pos_{field}", metavar=meta, help=f"the {field!r} field")
     p.add_argument("--config", help="YAML/JSON config file (local path or s3:// URI)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
-    p.add_argument("--force", action="store_true", help="run even if the output is already published "
-                   "(does not take an output a live run holds: see --steal-lease)")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     p.add_argument("--steal-lease", action="store_true", help="take over the output's lease from another "
                    "run (use only when that run is dead; it stops before publishing if it is not)")
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
@@ -145,7 +159,7 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
     if args.print_config:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
-    manifest = st.run(cfg, force=args.force, steal_lease=args.steal_lease)
+    manifest = st.run(cfg, force=args.force, steal_lease=args.steal_lease, replace=args.replace)
     if not manifest.get("dry_run"):
         report_manifest(cfg.output, manifest)
     return 0
@@ -174,13 +188,14 @@ def _data_main(argv: Sequence[str]) -> int:
     exp = sub.add_parser("export", help="export a dataset to MemSifter-style parquet (one row per question)")
     exp.add_argument("--format", default="memsifter", choices=["memsifter"])
     exp.add_argument("src")
-    exp.add_argument("dest", help="output parquet file URI")
+    exp.add_argument("dest", help="output parquet file URI (not inside a published output: refused)")
     syn = sub.add_parser("synth", help="deterministic synthetic dataset with planted gold sessions")
     syn.add_argument("dest")
     syn.add_argument("--questions", type=int, default=12)
     syn.add_argument("--sessions", type=int, default=16, help="haystack sessions per question")
     syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--force", action="store_true")
+    syn.add_argument("--force", action="store_true", help=FORCE_HELP)
+    syn.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     info = sub.add_parser("info", help="summary of a published dataset or stage output")
     info.add_argument("uri")
     args = p.parse_args(argv)
@@ -188,7 +203,7 @@ def _data_main(argv: Sequence[str]) -> int:
     if args.cmd == "synth":
         cfg = {"output": args.dest, "questions": args.questions, "sessions_per_question": args.sessions,
                "seed": args.seed}
-        m = stg.get_stage("synth").run(cfg, force=args.force)
+        m = stg.get_stage("synth").run(cfg, force=args.force, replace=args.replace)
         report_manifest(args.dest, m)
     elif args.cmd == "export":
         from .data.importers import export_memsifter
@@ -238,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemsifterError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except RecursionError:   # input nested deeper than a parser copes with, where no file could be named
+        print("error: input nested too deeply to process (RecursionError)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -103,6 +103,7 @@ def demo_spec(out: str, questions: int, rank_engine: str = "endpoint", answers: 
 
 def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str) -> None:
     st = spec["stages"]
+    st["embed"]["dense"] = True  # plain whole-session dense retrieval: the baseline of both tables
     if answers == 0:
         for name in ("rank", "chat"):
             st.pop(name, None)
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default="endpoint",
                    help="endpoint: the demo's vLLM server (default); vllm: a Ray Data LLM engine in the rank stage")
     p.add_argument("--force", action="store_true", help="re-run every stage")
+    p.add_argument("--replace", action="store_true",
+                   help="replace outputs an earlier demo under --out published with other settings")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
     for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -269,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                     echo(f"[demo] waiting for the vLLM server of {MODEL} ({name})…")
                 cfg["endpoint"]["base_url"] = server.wait()
 
-        force = ["import", "synth", "embed", "rank", "chat", "evaluate"] if args.force else ()
+        every = ["import", "synth", "embed", "rank", "chat", "evaluate"]
+        force = every if args.force else ()
+        replace = every if args.replace else ()
         results: dict[str, dict] = {}
         try:
             if args.data == "synth":
                 spec = demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers)
-                results["synthetic"] = run_pipeline(spec, force=force, before=before, echo=echo)
+                results["synthetic"] = run_pipeline(spec, force=force, replace=replace, before=before, echo=echo)
             else:
                 import ray
 
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
                     spec = real_spec(args.out, name, imp, limits[name], answers, args.rank_engine)
-                    results[name] = run_pipeline(spec, force=force, before=before, echo=echo)
+                    results[name] = run_pipeline(spec, force=force, replace=replace, before=before, echo=echo)
         finally:
             if server:
                 with contextlib.suppress(Exception):

@@ -19,6 +19,11 @@ How the lease is taken:
   the same few milliseconds can both pass the read-back; the later rename wins and the earlier one
   finds out at its next heartbeat or before publishing.
 
+A ``_LEASE`` that is not a lease (a JSON value other than an object, a directory, an unreadable
+file) and an output that cannot be written (a regular file on the way, a read-only filesystem) are
+one :class:`~memsifter.errors.StorageError` line naming the path (exit 2). ``MEMSIFTER_LEASE_TTL``
+must be > 0 and ``MEMSIFTER_LEASE_WAIT`` >= 0 (:func:`memsifter.storage.setting`).
+
 Limits: expiry uses the writers' wall clocks (keep them within a few seconds of each other, i.e.
 NTP); release deletes only a lease whose token is still ours, but between that check and the delete
 a steal could slip in (the thief then simply re-creates its lease at its next heartbeat).
@@ -127,7 +132,11 @@ class _S3Store:
         r = self._call("read lease", lambda: self.client.get_object(Bucket=self.bucket, Key=self.key))
         if r in (None, "missing"):
             return None
-        return json.loads(r["Body"].read()), r["ETag"]
+        try:
+            data = json.loads(r["Body"].read())
+        except ValueError:   # a PUT is atomic, so this is not ours: expired, replaceable by its etag
+            return {"token": "", "expires_at": 0}, r["ETag"]
+        return _lease_object(data, self.uri), r["ETag"]
 
     def create(self, body: bytes) -> str | None:
         r = self._call("create lease", lambda: self.client.put_object(
@@ -143,10 +152,22 @@ class _S3Store:
         self._call("release lease", lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key))
 
 
+def _lease_object(data: Any, uri: str) -> dict:
+    """A lease must be a JSON object; anything else is one StorageError naming it."""
+    if not isinstance(data, dict):
+        raise StorageError(f"{uri}: not a lease (a JSON {type(data).__name__}, expected an object); if no "
+                           f"run is writing this output, delete it")
+    return data
+
+
 class _LocalStore:
     def __init__(self, uri: str):
         _, self.path = storage.resolve(uri)
         self.uri = uri
+
+    def _oserror(self, what: str, e: OSError) -> StorageError:
+        return StorageError(f"{self.uri}: cannot {what} the lease: {e.strerror or type(e).__name__}"
+                            f"{f' ({e.filename})' if e.filename and e.filename != self.path else ''}")
 
     def read(self) -> tuple[dict, str] | None:
         try:
@@ -154,21 +175,33 @@ class _LocalStore:
                 data = json.loads(f.read())
         except FileNotFoundError:
             return None
+        except IsADirectoryError:
+            raise StorageError(f"{self.uri}: is a directory, not a lease; if no run is writing this output, "
+                               f"remove it") from None
         except json.JSONDecodeError:   # a half-written lease cannot exist (rename), but be safe
             return {"token": "", "expires_at": 0}, ""
-        return data, data.get("token", "")
+        except OSError as e:
+            raise self._oserror("read", e) from e
+        data = _lease_object(data, self.uri)
+        return data, str(data.get("token", ""))
 
     def create(self, body: bytes) -> str | None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.new"
-        with open(tmp, "wb") as f:
-            f.write(body)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(body)
+        except OSError as e:   # a regular file on the way, a read-only filesystem, no permission
+            raise self._oserror("create", e) from e
         try:
             os.link(tmp, self.path)   # atomic; fails when the lease exists
         except FileExistsError:
             return None
+        except OSError as e:
+            raise self._oserror("create", e) from e
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         return json.loads(body)["token"]
 
     def replace(self, body: bytes, etag: str) -> str | None:
@@ -176,9 +209,14 @@ class _LocalStore:
         if cur is None or cur[1] != etag:
             return None
         tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise self._oserror("write", e) from e
         token = json.loads(body)["token"]
         back = self.read()
         return token if back is not None and back[1] == token else None
@@ -196,7 +234,9 @@ class Lease:
         self.prefix = prefix.rstrip("/")
         self.uri = storage.join(self.prefix, LEASE)
         self.purpose = purpose
-        self.ttl = ttl or float(os.environ.get("MEMSIFTER_LEASE_TTL") or 60)
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"lease ttl must be > 0, got {ttl!r}")
+        self.ttl = float(ttl or storage.setting("MEMSIFTER_LEASE_TTL"))   # > 0: checked there
         self.token = uuid.uuid4().hex
         self.store = _S3Store(self.uri) if storage.is_s3(self.uri) else _LocalStore(self.uri)
         self.etag: str | None = None
@@ -219,7 +259,7 @@ class Lease:
         ``MEMSIFTER_LEASE_WAIT``, 0: refuse at once), then refused with LeaseHeldError."""
         if storage.is_s3(self.uri):
             storage.ensure_bucket(self.uri)
-        wait = float(os.environ.get("MEMSIFTER_LEASE_WAIT") or 0) if wait is None else wait
+        wait = float(storage.setting("MEMSIFTER_LEASE_WAIT")) if wait is None else wait
         deadline = time.time() + wait
         races = 0
         while races < 5:   # a lease that changes under us (released, renewed) is read again

@@ -90,6 +90,7 @@ def wire(spec: dict, run: str | None = None) -> list[tuple[str, dict]]:
 
 
 def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple = (),
+                 replace: list[str] | tuple = (),
                  until: str | None = None, before: Callable[[str, dict], None] | None = None,
                  echo: Callable[[str], None] = print, steal_lease: bool = False) -> dict:
     """Run the stages in order; returns {stage: manifest}. ``before(name, cfg)`` may edit a config
@@ -105,11 +106,11 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
     root = (run or spec.get("run")).rstrip("/")
     storage.ensure_bucket(root)
     with lease.hold(storage.join(root, "_run"), purpose="pipeline", steal=steal_lease):
-        return _run_plan(spec, plan, run=run, force=force, until=until, before=before, echo=echo,
-                         steal_lease=steal_lease)
+        return _run_plan(spec, plan, run=run, force=force, replace=replace, until=until, before=before,
+                         echo=echo, steal_lease=steal_lease)
 
 
-def _run_plan(spec: dict, plan: list, *, run, force, until, before, echo, steal_lease) -> dict:  # noqa: ANN001
+def _run_plan(spec: dict, plan: list, *, run, force, replace, until, before, echo, steal_lease) -> dict:  # noqa: ANN001
     ray_cfg = spec.get("ray") or {}
     needs_ray = any(n in ("embed", "rank") for n, _ in plan)
     started_ray = False
@@ -133,7 +134,8 @@ def _run_plan(spec: dict, plan: list, *, run, force, until, before, echo, steal_
                 before(name, cfg)
             config = validate_config(name, cfg, source=f"pipeline stage '{name}'")
             t0 = time.time()
-            manifest = get_stage(name).run(config, force=name in force, steal_lease=steal_lease)
+            manifest = get_stage(name).run(config, force=name in force, replace=name in replace,
+                                           steal_lease=steal_lease)
             secs = time.time() - t0
             state = "skipped (already published)" if manifest.get("skipped") else f"done in {secs:.1f}s"
             echo(f"[pipeline] {name:<8} {state}: {config.output}")
@@ -174,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any field, e.g. stages.rank.model=... or run=s3://b/p")
         if cmd == "run":
-            sp.add_argument("--force", nargs="+", default=[], metavar="STAGE", help="re-run these stages")
+            sp.add_argument("--force", nargs="+", default=[], metavar="STAGE",
+                            help="re-run these stages with the same config")
+            sp.add_argument("--replace", nargs="+", default=[], metavar="STAGE",
+                            help="let these stages replace an output published with a different config")
             sp.add_argument("--until", choices=ORDER, help="stop after this stage")
             sp.add_argument("--steal-lease", action="store_true",
                             help="take over the run's and the stages' leases from a dead run")
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}\n{json.dumps(validate_config(name, cfg).model_dump(mode='json'), indent=2)}")
         return 0
     setup_logging(-1 if args.quiet else args.verbose)
-    results = run_pipeline(spec, run=args.run, force=args.force, until=args.until,
+    results = run_pipeline(spec, run=args.run, force=args.force, replace=args.replace, until=args.until,
                            steal_lease=args.steal_lease)
     if "evaluate" in results:
         out = results["evaluate"].get("config", {}).get("output") or ""

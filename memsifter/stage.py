@@ -11,9 +11,12 @@ A stage module looks like::
         ...  # read inputs by URI, write files with out.write_table(...)
         return {"questions": 30}                 # stats recorded in the manifest
 
-``@stage`` turns the body into ``run(config, force=False) -> manifest``: it hashes the config, skips
-the work when ``<output>/_SUCCESS`` already holds the same stage and config hash, otherwise stages
-the outputs and publishes them atomically. The CLI (``memsifter run NAME``), the RayJob entrypoints,
+``@stage`` turns the body into ``run(config, force=False, replace=False) -> manifest``: it hashes the
+config, skips the work when ``<output>/_SUCCESS`` already holds the same stage, config hash and inputs
+and its files still match it, otherwise stages the outputs and publishes them atomically. What is
+published is not lost by mistake (:meth:`Stage.run`): another stage's output is never replaced, an
+output of another config only with ``replace``, and an output that is or contains an input (or lies
+inside one) is refused. The CLI (``memsifter run NAME``), the RayJob entrypoints,
 ``jobs/`` and the Helm chart are all generated from this registry (:data:`STAGES`).
 """
 
@@ -91,16 +94,28 @@ def config_hash(config: StageConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _uri_fields(config: StageConfig) -> dict[str, list[str]]:
+def _uri_fields(config: StageConfig, all_fields: bool = False) -> dict[str, list[str]]:
+    """Input URIs of a config by field (``uri_field``s); ``all_fields`` includes those marked
+    ``fingerprint=False``."""
     out: dict[str, list[str]] = {}
     for name, f in type(config).model_fields.items():
         extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
-        if not extra.get("uri") or extra.get("fingerprint") is False:
+        if not extra.get("uri") or (extra.get("fingerprint") is False and not all_fields):
             continue
         v = getattr(config, name)
         vals = v if isinstance(v, list) else [v]
         out[name] = [x for x in vals if isinstance(x, str) and x]
     return out
+
+
+def _location(uri: str) -> tuple[str, str]:
+    """(store, normalised path) of a URI, for comparing prefixes: ``("s3", "bucket/key")`` or
+    ``("local", "/abs/path")``; no filesystem access."""
+    if storage.is_s3(uri):
+        return "s3", "/".join(p for p in storage.s3_path(uri).split("/") if p)
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    return "local", os.path.normpath(os.path.abspath(os.path.expanduser(uri)))
 
 
 def input_fingerprint(uri: str) -> str:
@@ -141,50 +156,122 @@ class Stage:
     # (no manifest read, no staging, nothing published), so an unreachable store cannot stop it.
     preview: Callable | None = None
 
-    def published(self, config: StageConfig) -> dict | None:
+    def published(self, config: StageConfig, damage: list[str] | None = None) -> dict | None:
         """The manifest at ``config.output`` if it holds this stage's output for this exact config
-        and the current content of its inputs; else None (the stage would run)."""
-        existing = storage.try_manifest(config.output)
+        and the current content of its inputs, and its files still match it
+        (:func:`memsifter.storage.damaged_file`); else None (the stage would run). A damaged file is
+        appended to ``damage`` when given; a broken ``_SUCCESS`` counts as not published."""
+        try:
+            existing = storage.try_manifest(config.output)
+        except storage.BadManifestError:
+            return None
         if (existing and existing.get("stage") == self.name
                 and existing.get("config_hash") == config_hash(config)
                 and existing.get("inputs", {}) == inputs_fingerprint(config)):
-            return existing
+            bad = storage.damaged_file(config.output, existing)
+            if bad is None:
+                return existing
+            if damage is not None:
+                damage.append(bad)
         return None
 
-    def run(self, config: StageConfig | dict, force: bool = False, steal_lease: bool = False) -> dict:
+    def _check_paths(self, config: StageConfig) -> None:
+        """Refuse an output that is an input, lies inside one, or contains one (publishing would
+        replace or shadow that input's files). Inputs under ``<output>/_work/`` (the stage's own
+        scratch, e.g. an embedding store) are allowed."""
+        out = _location(config.output)
+        for fname, uris in _uri_fields(config, all_fields=True).items():
+            for uri in uris:
+                inp = _location(uri)
+                if inp[0] != out[0]:
+                    continue
+                if inp[1] == out[1]:
+                    why = f"is also the input '{fname}'"
+                elif out[1].startswith(inp[1] + "/"):
+                    why = f"lies inside the input '{fname}' ({uri})"
+                elif inp[1].startswith(out[1] + "/") and not inp[1].startswith(f"{out[1]}/{storage.WORK}/"):
+                    why = f"contains the input '{fname}' ({uri})"
+                else:
+                    continue
+                raise ConfigError(f"{config.output}: the output {why}: publishing there would replace "
+                                  f"an input; choose another output URI")
+
+    def _check_output(self, config: StageConfig) -> None:
+        """The output must be a directory/prefix (not a regular file)."""
+        if not storage.is_s3(config.output) and storage.is_file(config.output):
+            raise ConfigError(f"{config.output}: is a regular file; the output must be a directory "
+                              f"(or s3://bucket/prefix)")
+
+    def run(self, config: StageConfig | dict, force: bool = False, steal_lease: bool = False,
+            replace: bool = False) -> dict:
         """Run the stage unless its output is published for this config and inputs.
 
-        ``force`` re-runs it even when published; it does not take an output that a live run holds
-        (``<output>/_LEASE``, :mod:`memsifter.lease`): that is refused with the holder's name.
-        ``steal_lease`` takes that lease over (the other run then stops before publishing). A publish
-        that a crash interrupted is completed from its journal instead of re-running the body.
+        * Same config and inputs, files intact: skipped. A published file that no longer matches the
+          manifest (size, or sha256 up to ``MEMSIFTER_VERIFY_BYTES``) makes it re-run, with a warning
+          naming the file. Inputs re-published since: re-run.
+        * ``force`` re-runs it even when published, and replaces a broken ``_SUCCESS`` (without it a
+          broken one is a one-line error naming the file). It re-runs this stage's output for *this*
+          config only: an output of another config is replaced only with ``replace`` (``--replace``),
+          and another stage's output never (choose another URI).
+        * An output that is, contains or lies inside one of the config's inputs is refused, as are an
+          output that is a regular file and bad numeric environment settings
+          (:func:`memsifter.storage.check_env`).
+        * Neither flag takes an output that a live run holds (``<output>/_LEASE``,
+          :mod:`memsifter.lease`): that is refused with the holder's name. ``steal_lease`` takes that
+          lease over (the other run then stops before publishing). A publish that a crash interrupted
+          is completed from its journal instead of re-running the body.
         """
         if isinstance(config, dict):
             config = validate_config(self.name, config)
+        storage.check_env()
+        if storage.is_s3(config.output):
+            storage.s3_path(config.output)   # refuses s3:// without a bucket
+        self._check_paths(config)
         if self.preview is not None and getattr(config, "dry_run", False):
             return {"stage": self.name, "dry_run": True, **(self.preview(config) or {})}
         h = config_hash(config)
-        existing = storage.try_manifest(config.output)
-        if existing and not force and self.published(config):
-            log.info("%s: %s already published with this config (hash %s): skipping", self.name,
-                     config.output, h)
-            return {**existing, "skipped": True}
-        if existing and not force and existing.get("stage") != self.name:
-            raise ConfigError(f"{config.output}: holds output of stage '{existing.get('stage')}', "
-                              f"not '{self.name}'; choose another output URI")
+        self._check_output(config)
+        try:
+            existing = storage.try_manifest(config.output)
+        except storage.BadManifestError as e:
+            if not force:
+                raise
+            log.warning("%s: %s; replacing it (--force)", self.name, str(e).split("; re-run")[0])
+            existing = None
+        if existing and existing.get("stage") != self.name:
+            raise ConfigError(f"{config.output}: holds the output of stage '{existing.get('stage')}', "
+                              f"not '{self.name}' (neither --force nor --replace replaces another stage's "
+                              f"output); choose another output URI")
+        if existing and existing.get("config_hash") != h and not replace:
+            raise ConfigError(f"{config.output}: holds this stage's output for another config (hash "
+                              f"{existing.get('config_hash')}, published {existing.get('published_at')} by "
+                              f"run {existing.get('run_id')}; this config: {h}); pass --replace to replace "
+                              f"it, or choose another output URI")
+        if existing and not force:
+            damage: list[str] = []
+            if self.published(config, damage):
+                log.info("%s: %s already published with this config (hash %s): skipping", self.name,
+                         config.output, h)
+                return {**existing, "skipped": True}
+            if damage:
+                log.warning("%s: %s was modified after publishing: re-running the stage", self.name, damage[0])
+            elif existing.get("config_hash") == h:
+                log.info("%s: %s: inputs changed since it was published: re-running", self.name, config.output)
+            else:
+                log.warning("%s: replacing %s (config %s, published %s by run %s) with config %s (--replace)",
+                            self.name, config.output, existing.get("config_hash"), existing.get("published_at"),
+                            existing.get("run_id"), h)
         from . import lease
 
-        if existing and existing.get("stage") == self.name and not force:
-            log.warning("%s: %s holds this stage's output for another config or other inputs (hash %s, "
-                        "published %s by run %s): it will be replaced", self.name, config.output,
-                        existing.get("config_hash"), existing.get("published_at"), existing.get("run_id"))
         storage.ensure_bucket(config.output)
         prev_stage = storage.CURRENT_STAGE["name"]
         storage.CURRENT_STAGE["name"] = self.name
         try:
             with lease.hold(config.output, purpose=f"stage {self.name}", steal=steal_lease) as held:
-                if not force and self.published(config):  # another writer finished while we waited
-                    return {**storage.read_manifest(config.output), "skipped": True}
+                now = storage.try_manifest(config.output) if not force else None
+                if (now is not None and (existing is None or now.get("attempt") != existing.get("attempt"))
+                        and self.published(config)):   # another writer finished while we waited
+                    return {**now, "skipped": True}
                 fingerprints = inputs_fingerprint(config)
                 if not force:
                     done = storage.roll_forward(config.output, self.name, h, fingerprints)
@@ -211,14 +298,16 @@ STAGES: dict[str, Stage] = {}
 
 def stage(name: str, config: type[StageConfig], *, family: str, help: str, gpus: int = 0,
           needs: list[str] | None = None, preview: Callable | None = None) -> Callable:
-    """Register a stage body; returns the module-level ``run(config, force=False)``."""
+    """Register a stage body; returns the module-level ``run(config, force=False, steal_lease=False,
+    replace=False)`` (see :meth:`Stage.run`)."""
 
     def deco(body: Callable) -> Callable[..., dict]:
         st = Stage(name, config, body, family, help, gpus, needs or [], preview)
         STAGES[name] = st
 
-        def run(cfg: StageConfig | dict, force: bool = False, steal_lease: bool = False) -> dict:
-            return st.run(cfg, force=force, steal_lease=steal_lease)
+        def run(cfg: StageConfig | dict, force: bool = False, steal_lease: bool = False,
+                replace: bool = False) -> dict:
+            return st.run(cfg, force=force, steal_lease=steal_lease, replace=replace)
         run.__doc__ = body.__doc__
         run.stage = st  # type: ignore[attr-defined]
         return run
@@ -250,6 +339,12 @@ def parse_value(raw: str) -> Any:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+    except RecursionError:
+        raise ConfigError(f"--set value nested too deeply ({len(raw)} characters)") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
 def set_path(data: dict, dotted: str, value: Any) -> None:
@@ -263,14 +358,23 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
 
 
 def load_config_file(path: str) -> dict:
+    """A YAML/JSON config file as a mapping. Every way it can be wrong is one ConfigError line naming
+    the file: unreadable, not UTF-8 text (a binary file), not YAML/JSON, nested too deeply for the
+    parser, or not a mapping."""
     try:
-        text = storage.read_text(path)
+        raw = storage.read_bytes(path)
     except storage.StorageError as e:
         raise ConfigError(f"config {e}") from e
     try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text config file (byte {e.start} is not UTF-8: {e.reason})") from None
+    try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML/JSON: {_one_line(e)}") from e
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to parse (a config is a shallow mapping)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must hold a mapping, got {type(data).__name__}")
     return data

@@ -23,8 +23,17 @@ Guarantees (tests/test_faults.py, tests/test_kill.py):
 * Readers are checked: every file a reader opens under a manifest it read (``read_manifest`` then
   ``published_file``/``join`` and ``read_bytes``/``read_parquet``/``copy_file``) is verified against
   that manifest's sha256; a file replaced by a concurrent publish raises :class:`ConcurrentPublishError`
-  instead of mixing generations.
-* Keys built with :func:`join` cannot leave their prefix (``..``, ``.``, ``%2F``, ``\\``, NUL).
+  instead of mixing generations, and a file changed in place after publishing (the manifest is still
+  the one read) raises :class:`ModifiedAfterPublishError` naming the file and the stage to re-run.
+* Manifests are validated (:func:`read_manifest`): a ``_SUCCESS`` that is not JSON, not an object, lacks
+  ``stage``/``files`` or lists a key that leaves its prefix raises :class:`BadManifestError` (one line,
+  naming the file); ``--force`` replaces it (memsifter.stage).
+* Keys built with :func:`join` cannot leave their prefix (``..``, ``.``, ``%2F``, ``\\``, NUL); every path
+  built from a journal or a manifest goes through the same check (:func:`roll_forward` drops a journal
+  whose keys do not pass it).
+* Numeric settings from the environment are parsed in one place (:func:`setting`, table
+  :data:`SETTINGS`) with ranges; a bad value is one :class:`~memsifter.errors.ConfigError` naming the
+  variable. ``s3://`` URIs without a bucket are refused (:func:`resolve`).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .errors import NotPublishedError, StorageError
+from .errors import ConfigError, NotPublishedError, StorageError
 
 log = logging.getLogger(__name__)
 MANIFEST = "_SUCCESS"
@@ -64,12 +73,64 @@ class ConcurrentPublishError(NotPublishedError):
     """A file changed under a reader: the output was re-published after the reader read its manifest."""
 
 
-def _env_num(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
+class ModifiedAfterPublishError(ConcurrentPublishError):
+    """A published file whose content no longer matches the manifest that is still in place: it was
+    changed after publishing (by hand, by a tool writing into the prefix); re-run the producing stage
+    with ``--force``."""
+
+
+class BadManifestError(StorageError):
+    """A ``_SUCCESS`` that is not a valid manifest (not JSON, not an object, keys missing or unsafe)."""
+
+
+class TooLargeError(StorageError):
+    """A read that went past its size limit (:func:`read_bytes` ``limit``)."""
+
+
+# Numeric settings read from the environment: name -> (default, integer?, minimum, minimum allowed?,
+# what it is). Parsed by :func:`setting` only, so every reader gets the same checks and messages.
+SETTINGS: dict[str, tuple[float, bool, float, bool, str]] = {
+    "MEMSIFTER_STORE_ATTEMPTS": (8, True, 1, True, "tries per storage operation"),
+    "MEMSIFTER_STORE_RETRY_SECONDS": (120, False, 0, False, "seconds of retrying per storage operation"),
+    "MEMSIFTER_S3_ATTEMPTS": (4, True, 1, True, "tries per S3 request"),
+    "MEMSIFTER_S3_CONNECT_TIMEOUT": (10, False, 0, False, "S3 connect timeout in seconds"),
+    "MEMSIFTER_S3_REQUEST_TIMEOUT": (120, False, 0, False, "S3 request timeout in seconds"),
+    "MEMSIFTER_LEASE_TTL": (60, False, 0, False, "lease expiry in seconds"),
+    "MEMSIFTER_LEASE_WAIT": (0, False, 0, True, "seconds to wait for a live lease"),
+    "MEMSIFTER_MAX_INPUT_BYTES": (4 << 30, True, 1, True, "largest input file an import reads, in bytes "
+                                  "after decompression"),
+    "MEMSIFTER_VERIFY_BYTES": (1 << 30, True, 0, True, "largest published output whose files are checked "
+                               "by sha256 (not only by size) before a re-run is skipped"),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_setting(name: str, raw: str) -> float:
+    default, integer, low, inclusive, what = SETTINGS[name]
+    if not raw.strip():
+        return default
+    bound = f"{'>=' if inclusive else '>'} {low:g}"
     try:
-        return float(raw) if raw else default
+        value: float = int(raw) if integer else float(raw)
     except ValueError:
-        raise StorageError(f"{name}={raw!r}: expected a number") from None
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")) or not (value >= low if inclusive else value > low):
+        raise ConfigError(f"environment {name}={raw!r}: expected {'an integer' if integer else 'a number'} "
+                          f"{bound} ({what}; default {default:g})")
+    return value
+
+
+def setting(name: str) -> Any:
+    """The value of a numeric setting of :data:`SETTINGS` (environment, else its default), checked
+    against its range: a bad value is one ConfigError naming the variable, its range and default."""
+    return _parse_setting(name, os.environ.get(name, ""))
+
+
+def check_env() -> None:
+    """Parse every numeric setting now (a stage calls this before it touches anything), so a bad value
+    stops the run with one line instead of failing part-way (a lease heartbeat, a retry loop)."""
+    for name in SETTINGS:
+        setting(name)
 
 
 # Counters of what the retry layer did in this process (the fault tests print them).
@@ -136,9 +197,9 @@ class S3Settings:
                    access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
                    secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
                    session_token=os.environ.get("AWS_SESSION_TOKEN"),
-                   attempts=int(_env_num("MEMSIFTER_S3_ATTEMPTS", 4)),
-                   connect_timeout=_env_num("MEMSIFTER_S3_CONNECT_TIMEOUT", 10),
-                   request_timeout=_env_num("MEMSIFTER_S3_REQUEST_TIMEOUT", 120))
+                   attempts=int(setting("MEMSIFTER_S3_ATTEMPTS")),
+                   connect_timeout=float(setting("MEMSIFTER_S3_CONNECT_TIMEOUT")),
+                   request_timeout=float(setting("MEMSIFTER_S3_REQUEST_TIMEOUT")))
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,12 +224,22 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
+def s3_path(uri: str) -> str:
+    """``bucket/key`` of an ``s3://`` URI; a URI without a bucket (``s3://``, ``s3:///x``) is refused."""
+    path = uri[len("s3://"):].rstrip("/")
+    if not path or path.startswith("/") or not path.split("/", 1)[0].strip():
+        raise StorageError(f"{uri}: no bucket name (expected s3://bucket/prefix)")
+    return path
+
+
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """Filesystem and path for a URI (``s3://b/k``, ``file:///p`` or a plain path)."""
+    """Filesystem and path for a URI (``s3://b/k``, ``file:///p`` or a plain path); an ``s3://`` URI
+    without a bucket is a StorageError."""
     if not uri:
         raise StorageError("empty URI")
     if is_s3(uri):
-        return _s3(S3Settings.from_env()), uri[len("s3://"):].rstrip("/")
+        path = s3_path(uri)
+        return _s3(S3Settings.from_env()), path
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if "://" in uri:
@@ -220,10 +291,11 @@ def _transient(exc: BaseException) -> bool:
 
 def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
     """Run ``fn``, retrying transient store errors with capped exponential backoff, for at most
-    ``attempts`` tries (default ``MEMSIFTER_STORE_ATTEMPTS``, 8) and ``MEMSIFTER_STORE_RETRY_SECONDS``
-    (default 120 s); then one StorageError naming the URI/operation, the attempts and the last error."""
-    attempts = attempts or int(_env_num("MEMSIFTER_STORE_ATTEMPTS", 8))
-    budget = _env_num("MEMSIFTER_STORE_RETRY_SECONDS", 120)
+    ``attempts`` tries (default ``MEMSIFTER_STORE_ATTEMPTS``, 8, at least 1) and
+    ``MEMSIFTER_STORE_RETRY_SECONDS`` (default 120 s, > 0); then one StorageError naming the
+    URI/operation, the attempts and the last error."""
+    attempts = max(1, attempts or int(setting("MEMSIFTER_STORE_ATTEMPTS")))
+    budget = float(setting("MEMSIFTER_STORE_RETRY_SECONDS"))
     t0 = time.monotonic()
     for i in range(attempts):
         try:
@@ -232,6 +304,8 @@ def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
             raise StorageError(f"{what}: not found") from e
         except PermissionError as e:
             raise StorageError(f"{what}: permission denied") from e
+        except (NotADirectoryError, IsADirectoryError, FileExistsError) as e:
+            raise StorageError(f"{what}: {e.strerror or type(e).__name__} ({e.filename or what})") from e
         except OSError as e:
             msg = str(e)
             if _transient(e):
@@ -269,35 +343,55 @@ def is_file(uri: str) -> bool:
     return retrying(lambda: fs.get_file_info(path), uri).type == pafs.FileType.File
 
 
-# URI -> (bytes, sha256, manifest attempt) of files listed in manifests this process read: reads of
-# those URIs are checked against the manifest, so a reader never mixes two publications.
-_expected: dict[str, tuple[int, str, str]] = {}
+# URI -> (bytes, sha256, manifest attempt, prefix, stage) of files listed in manifests this process
+# read: reads of those URIs are checked against the manifest, so a reader never mixes two publications.
+_expected: dict[str, tuple[int, str, str, str, str]] = {}
 _expected_lock = threading.Lock()
 
 
 def _expect(root: str, manifest: dict) -> None:
+    root = root.rstrip("/")
     with _expected_lock:
         if len(_expected) > 50000:
             _expected.clear()
         for name, meta in (manifest.get("files") or {}).items():
             if isinstance(meta, dict) and "sha256" in meta:
-                _expected[f"{root.rstrip('/')}/{name}"] = (meta.get("bytes", -1), meta["sha256"],
-                                                           str(manifest.get("attempt", "")))
+                _expected[join(root, name)] = (meta.get("bytes", -1), meta["sha256"],
+                                               str(manifest.get("attempt", "")), root,
+                                               str(manifest.get("stage", "")))
 
 
 def _check_expected(uri: str, nbytes: int, sha: str) -> None:
+    """A read of a file listed in a manifest this process read must match it. On a mismatch, the
+    manifest now in place tells which case it is: the same publication still there (and no publish in
+    progress) means the file was changed after publishing (:class:`ModifiedAfterPublishError`: re-run
+    the producing stage with --force); else it was re-published while being read."""
     exp = _expected.get(uri.rstrip("/"))
     if exp is None:
         return
     _count("verified_reads")
-    if sha != exp[1]:
-        raise ConcurrentPublishError(
-            f"{uri}: content ({nbytes} bytes, sha256 {sha[:12]}) is not what the manifest read before "
-            f"lists ({exp[0]} bytes, sha256 {exp[1][:12]}, attempt {exp[2]}): the output was re-published "
-            f"while it was being read; read it again")
+    if sha == exp[1]:
+        return
+    root, stage = exp[3], exp[4]
+    current: Any = None
+    with contextlib.suppress(Exception):
+        if not exists(join(root, JOURNAL)):
+            current = json.loads(read_bytes(join(root, MANIFEST)))
+    if isinstance(current, dict) and str(current.get("attempt", "")) == exp[2] and exp[2]:
+        raise ModifiedAfterPublishError(
+            f"{uri}: modified after publishing: its content ({nbytes} bytes, sha256 {sha[:12]}) is not what "
+            f"{join(root, MANIFEST)} lists ({exp[0]} bytes, sha256 {exp[1][:12]}); re-run the stage that "
+            f"produced it (stage '{stage}', output {root}) with --force to publish it again")
+    raise ConcurrentPublishError(
+        f"{uri}: content ({nbytes} bytes, sha256 {sha[:12]}) is not what the manifest read before "
+        f"lists ({exp[0]} bytes, sha256 {exp[1][:12]}, attempt {exp[2]}): the output was re-published "
+        f"while it was being read; read it again")
 
 
-def read_bytes(uri: str) -> bytes:
+def read_bytes(uri: str, limit: int | None = None) -> bytes:
+    """The whole file (pyarrow decompresses ``*.gz``/``*.bz2``/``*.zst`` by extension). ``limit``: raise
+    :class:`TooLargeError` once more than that many bytes were read (checked while streaming, so a
+    small compressed file that inflates without bound cannot exhaust memory)."""
     fs, path = resolve(uri)
 
     def _read() -> bytes:
@@ -307,7 +401,15 @@ def read_bytes(uri: str) -> bytes:
         if info.type == pafs.FileType.Directory:
             raise StorageError(f"{uri}: is a directory, expected a file")
         with fs.open_input_stream(path) as f:
-            return f.read()
+            if limit is None:
+                return f.read()
+            parts, n = [], 0
+            while chunk := f.read(8 << 20):
+                n += len(chunk)
+                if n > limit:
+                    raise TooLargeError(f"{uri}: larger than {limit} bytes")
+                parts.append(chunk)
+            return b"".join(parts)
     data = retrying(_read, uri)
     if uri.rstrip("/") in _expected:
         _check_expected(uri, len(data), sha256_bytes(data))
@@ -500,8 +602,42 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def check_manifest(manifest: Any, m_uri: str) -> dict:
+    """``manifest`` if it is a valid manifest (an object with ``stage`` and ``files``, every file a
+    key that stays under its prefix with integer ``bytes`` and a ``sha256``), else
+    :class:`BadManifestError` naming ``m_uri`` and what is wrong."""
+    def bad(why: str) -> BadManifestError:
+        return BadManifestError(f"{m_uri}: not a valid manifest ({why}); re-run the stage that writes "
+                                f"this output with --force to replace it")
+    if not isinstance(manifest, dict):
+        raise bad(f"a JSON {type(manifest).__name__}, expected an object")
+    missing = [k for k in ("stage", "files") if k not in manifest]
+    if missing:
+        raise bad(f"missing key(s): {', '.join(missing)}")
+    if not isinstance(manifest["stage"], str) or not isinstance(manifest["files"], dict):
+        raise bad("'stage' must be a string and 'files' an object")
+    for k in ("config_hash", "attempt"):
+        if k in manifest and not isinstance(manifest[k], str):
+            raise bad(f"'{k}' must be a string")
+    if "attempt" in manifest:
+        try:
+            check_key(manifest["attempt"])
+        except StorageError:
+            raise bad(f"attempt {manifest['attempt']!r} is not a safe key") from None
+    for name, meta in manifest["files"].items():
+        try:
+            check_key(name)
+        except StorageError:
+            raise bad(f"file key {name!r} leaves the prefix") from None
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int)
+                and isinstance(meta.get("sha256"), str)):
+            raise bad(f"file {name!r} lacks an integer 'bytes' or a 'sha256'")
+    return manifest
+
+
 def read_manifest(uri: str) -> dict:
-    """The ``_SUCCESS`` manifest of a published prefix; raises NotPublishedError without one."""
+    """The ``_SUCCESS`` manifest of a published prefix; raises NotPublishedError without one and
+    :class:`BadManifestError` for one that is not valid (:func:`check_manifest`)."""
     m_uri = join(uri, MANIFEST)
     if not exists(m_uri):
         if not exists(uri):
@@ -509,13 +645,70 @@ def read_manifest(uri: str) -> dict:
         raise NotPublishedError(f"{uri}: no {MANIFEST} manifest: the data was never published or a "
                                 f"stage crashed while writing it; re-run the stage that writes it")
     try:
-        manifest = read_json(m_uri)
+        raw = read_bytes(m_uri)
     except StorageError as e:
         if "not found" in str(e):  # removed by a publish that started after the check
             raise NotPublishedError(f"{uri}: being re-published (no {MANIFEST} right now); retry later") from e
+        if "is a directory" in str(e):
+            raise BadManifestError(f"{m_uri}: a directory, not a manifest; re-run the stage that writes "
+                                   f"this output with --force to replace it") from e
         raise
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise BadManifestError(f"{m_uri}: not a valid manifest (invalid JSON{where}); re-run the stage that "
+                               f"writes this output with --force to replace it") from e
+    check_manifest(manifest, m_uri)
     _expect(uri, manifest)
     return manifest
+
+
+def damaged_file(uri: str, manifest: dict) -> str | None:
+    """The first file of a published prefix that does not match its manifest, as ``"<uri>: why"``,
+    or None when all match. Sizes are always compared; contents (sha256) when the output's total size
+    is at most ``MEMSIFTER_VERIFY_BYTES`` (default 1 GiB). Used before skipping a re-run."""
+    fs, _ = resolve(uri)
+    files = manifest.get("files") or {}
+    deep = sum(int(m.get("bytes", 0)) for m in files.values()) <= int(setting("MEMSIFTER_VERIFY_BYTES"))
+    for name, meta in sorted(files.items()):
+        f_uri = join(uri, name)
+        _, path = resolve(f_uri)
+        info = retrying(lambda p=path: fs.get_file_info(p), f_uri)
+        if info.type != pafs.FileType.File:
+            return f"{f_uri}: missing"
+        if info.size != meta["bytes"]:
+            return f"{f_uri}: {info.size} bytes, the manifest lists {meta['bytes']}"
+        if deep and not _file_matches(fs, path, f_uri, meta):
+            return f"{f_uri}: content differs from the manifest (sha256)"
+    return None
+
+
+def published_ancestor(uri: str) -> str | None:
+    """The published (or being published) prefix that ``uri`` lies in or is, if any: the nearest of
+    ``uri`` and its parents holding ``_SUCCESS`` or ``_PUBLISHING``. Writers of loose files (``data
+    export``) refuse such destinations: they would change a publication behind its manifest."""
+    if is_s3(uri):
+        segs = s3_path(uri).split("/")
+        cands = ["s3://" + "/".join(segs[:i]) for i in range(len(segs), 0, -1)]
+    else:
+        _, path = resolve(uri)
+        cands, cur = [], path
+        while True:
+            cands.append(cur)
+            parent = os.path.dirname(cur)
+            if parent == cur:
+                break
+            cur = parent
+    for cand in cands:
+        for marker in (MANIFEST, JOURNAL):
+            m = f"{cand.rstrip('/')}/{marker}"
+            if not is_s3(m) and not os.path.lexists(m):
+                continue
+            if is_s3(m) and not exists(m):
+                continue
+            return cand
+    return None
 
 
 def try_manifest(uri: str) -> dict | None:
@@ -636,12 +829,15 @@ def _file_matches(fs: pafs.FileSystem, path: str, uri: str, meta: dict) -> bool:
 
 
 def _complete(uri: str, manifest: dict) -> dict:
-    """Carry out a journalled publish (idempotent: safe to repeat after a crash at any point)."""
+    """Carry out a journalled publish (idempotent: safe to repeat after a crash at any point). Every
+    path is built with :func:`join` (attempt and file names pass :func:`check_key` first: a journal
+    cannot move a file outside its prefix)."""
     fs, root = resolve(uri)
     local = isinstance(fs, pafs.LocalFileSystem)
+    moves = [(resolve(join(uri, STAGING, manifest["attempt"], name))[1], resolve(join(uri, name))[1], meta)
+             for name, meta in manifest["files"].items()]    # all keys checked before anything moves
     delete(join(uri, MANIFEST))
-    for name, meta in manifest["files"].items():
-        src, dst = f"{root}/{STAGING}/{manifest['attempt']}/{name}", f"{root}/{name}"
+    for src, dst, meta in moves:
         shown = dst if local else f"s3://{dst}"
 
         def _move(s: str = src, d: str = dst) -> None:
@@ -668,23 +864,30 @@ def _complete(uri: str, manifest: dict) -> dict:
 
 
 def roll_forward(uri: str, stage: str, config_hash: str, inputs: dict) -> dict | None:
-    """Finish a publish that a crash interrupted, when its journal is for this stage, config and
-    inputs and every file is staged or already in place (checked by sha256); else drop the journal
-    (the stage runs again) and return None."""
+    """Finish a publish that a crash interrupted, when its journal is a valid manifest
+    (:func:`check_manifest`: every key stays under the prefix) for this stage, config and inputs and
+    every file is staged or already in place (checked by sha256); else drop the journal (the stage
+    runs again; a journal with an unsafe key is named in a warning) and return None."""
     j_uri = join(uri, JOURNAL)
     if not exists(j_uri):
         return None
     try:
-        manifest = read_json(j_uri)
+        manifest = check_manifest(read_json(j_uri), j_uri)
+    except BadManifestError as e:
+        log.warning("%s", str(e).split("; re-run")[0] + "; dropping it")
+        manifest = {}
     except StorageError:
         manifest = {}
     fs, root = resolve(uri)
     ok = (manifest.get("stage") == stage and manifest.get("config_hash") == config_hash
-          and manifest.get("inputs", {}) == inputs and isinstance(manifest.get("files"), dict))
+          and manifest.get("inputs", {}) == inputs and isinstance(manifest.get("files"), dict)
+          and "attempt" in manifest)
     if ok:
         for name, meta in manifest["files"].items():
-            staged = f"{root}/{STAGING}/{manifest['attempt']}/{name}"
-            if not (_file_matches(fs, staged, staged, meta) or _file_matches(fs, f"{root}/{name}", name, meta)):
+            staged = join(uri, STAGING, manifest["attempt"], name)
+            placed = join(uri, name)
+            if not (_file_matches(fs, resolve(staged)[1], staged, meta)
+                    or _file_matches(fs, resolve(placed)[1], placed, meta)):
                 ok = False
                 break
     if not ok:
@@ -700,7 +903,7 @@ def verify(uri: str) -> dict:
     manifest = read_manifest(uri)
     fs, root = resolve(uri)
     for name, meta in manifest.get("files", {}).items():
-        info = retrying(lambda n=name: fs.get_file_info(f"{root}/{n}"), join(uri, name))
+        info = retrying(lambda n=name: fs.get_file_info(resolve(join(uri, n))[1]), join(uri, name))
         if info.type != pafs.FileType.File or info.size != meta["bytes"]:
             raise NotPublishedError(f"{join(uri, name)}: missing or size differs from the manifest")
     return manifest

@@ -196,7 +196,7 @@ def test_default_is_the_cascade_and_embeds_only_its_units(tmp_path, ray_local):
     ds = read_dataset(data)
     cfg = E.EmbedConfig(input=data, output="x")
     assert cfg.primary_method() == "cascade" and not (cfg.dense or cfg.turns or cfg.chunked)
-    assert cfg.methods() == ["bm25", "bm25_dated", "bm25_window", "cascade"] and cfg.cascade_k == 10
+    assert cfg.methods() == ["bm25", "bm25_dated", "bm25_window", "cascade"] and cfg.cascade_k == 5
     out, store = str(tmp_path / "emb"), str(tmp_path / "store")
     m = get_stage("embed").run({"output": out, "input": data, "model": "all-MiniLM-L6-v2", "store": store})
     st = m["stats"]

@@ -29,7 +29,7 @@ from memsifter.stage import get_stage
 from memsifter.testing import env_vars
 
 CHILD = ("import json, sys; from memsifter.stage import get_stage; "
-         "get_stage(sys.argv[1]).run(json.loads(sys.argv[2]))")
+         "get_stage(sys.argv[1]).run(json.loads(sys.argv[2]), replace=True)")
 KILLS = ("write:1", "publish-move:1", "publish-commit:1")
 # CI: every point on the cheap stages; the full matrix (prepare-rl too: its tokenizer load makes each
 # process slow) runs with `python -m pytest -q --heavy tests/test_kill.py tests/test_faults.py`.

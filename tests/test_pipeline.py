@@ -31,7 +31,7 @@ def _spec(run: str, endpoint: str, model_dir: str) -> dict:
         "run": run,
         "stages": {
             "synth": {"questions": 4, "sessions_per_question": 6, "seed": 5},
-            "embed": {"model": "all-MiniLM-L6-v2", "bm25": True, "max_batch_size": 4},
+            "embed": {"model": "all-MiniLM-L6-v2", "bm25": True, "dense": True, "max_batch_size": 4},
             "rank": {"model": model_dir, "engine": "endpoint", "endpoint": {"base_url": endpoint, "model": "tiny"},
                      "context_limit": 2000, "max_tokens": 24, "temperature": 0, "shard_size": 1},
             "chat": {"endpoint": {"base_url": endpoint, "model": "tiny", "max_tokens": 12, "temperature": 0},

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from memsifter import cli, stage as stg, storage
-from memsifter.errors import InputError, NotPublishedError
+from memsifter.errors import ConfigError, InputError, NotPublishedError
 
 
 class EchoConfig(stg.StageConfig):
@@ -50,8 +50,14 @@ def test_run_publishes_then_skips_same_config(store_root):
     # Same config (runtime fields differ): skipped.
     m2 = run({"output": out, "text": "Hey", "workers": 4})
     assert m2.get("skipped") and CALLS["n"] == 1
-    # Different config: runs again.
-    run({"output": out, "text": "Hey", "repeat": 3})
+    # Different config: refused without replace (a changed flag does not overwrite published work) ...
+    with pytest.raises(ConfigError, match="another config.*--replace"):
+        run({"output": out, "text": "Hey", "repeat": 3})
+    with pytest.raises(ConfigError, match="--replace"):
+        run({"output": out, "text": "Hey", "repeat": 3}, force=True)
+    assert CALLS["n"] == 1
+    # ... and runs again with it.
+    run({"output": out, "text": "Hey", "repeat": 3}, replace=True)
     assert CALLS["n"] == 2
     assert storage.read_manifest(out)["stats"] == {"rows": 3}
     # force re-runs.
@@ -158,12 +164,12 @@ def test_changed_input_is_not_skipped(store_root, monkeypatch):
     # A re-published upstream stage output also invalidates the downstream one.
     up = storage.join(store_root, "up")
     run({"output": up})
-    run_chain({"input": up, "output": out})
+    run_chain({"input": up, "output": out}, replace=True)   # another input URI: another config
     n = CALLS["n"]
     run_chain({"input": up, "output": out})
     assert CALLS["n"] == n
-    run({"output": up, "repeat": 7})
-    run_chain({"input": up, "output": out})
+    run({"output": up, "repeat": 7}, replace=True)
+    run_chain({"input": up, "output": out})   # same config, new input content: re-runs, no replace needed
     assert CALLS["n"] == n + 2  # one for the upstream re-run, one for the downstream
 
 

@@ -228,7 +228,10 @@ def test_reader_of_an_old_manifest_never_gets_new_files(store_root):
     p2 = _publication(out, {"a": 2})
     p2.write_table("t.parquet", pa.table({"x": [1, 2]}))
     fs, root = storage.resolve(out)
-    # ... while generation 2's file replaces the old one (publish in progress, seen from outside)
+    # ... while generation 2's file replaces the old one (publish in progress, seen from outside: the
+    # journal is written and the old _SUCCESS removed before the first file moves)
+    storage.write_bytes(storage.join(out, storage.JOURNAL), b"{}")
+    storage.delete(storage.join(out, storage.MANIFEST))
     storage.write_bytes(storage.join(out, "t.parquet"), storage.parquet_bytes(pa.table({"x": [1, 2]})))
     with pytest.raises(storage.ConcurrentPublishError, match="re-published while it was being read"):
         storage.read_parquet(storage.join(out, "t.parquet"))

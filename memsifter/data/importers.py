@@ -52,6 +52,11 @@ Formats (``format`` field; ``source`` and ``questions_file`` are URIs, local or 
 
 Every converter goes through :class:`~memsifter.data.model.DatasetBuilder` (shared validation);
 bad input raises :class:`~memsifter.errors.InputError` naming file, item and field.
+
+Bounds: a source file is read up to ``MEMSIFTER_MAX_INPUT_BYTES`` (default 4 GiB) *after
+decompression* (``.gz`` by extension or by magic bytes; counted while inflating, so a small file that
+inflates without bound stops early with one line naming the file); JSON nested deeper than the parser
+allows (orjson: 1024 levels) is one line naming the file, never a RecursionError.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ from pydantic import Field
 from tqdm import tqdm
 
 from .. import storage
-from ..errors import InputError
+from ..errors import InputError, StorageError
 from ..stage import StageConfig, stage, uri_field
 from .model import (Dataset, DatasetBuilder, Question, answer_text, check_role, check_text, read_dataset,
                     require)
@@ -112,14 +117,36 @@ def _progress(it=None, **kw):
     return tqdm(it, disable=None, mininterval=1.0, **kw)
 
 
+def _too_large(uri: str, cap: int) -> InputError:
+    return InputError(f"more than {cap} bytes after decompression: over the input size cap "
+                      f"(MEMSIFTER_MAX_INPUT_BYTES={cap}); raise it if this file is meant to be that large",
+                      file=uri)
+
+
 def _read_raw(uri: str) -> bytes:
-    data = storage.read_bytes(uri)
-    if data[:2] == b"\x1f\x8b":  # pyarrow already decompresses *.gz by extension
+    """A source file's bytes, gunzipped, at most ``MEMSIFTER_MAX_INPUT_BYTES`` of them."""
+    cap = int(storage.setting("MEMSIFTER_MAX_INPUT_BYTES"))
+    try:
+        data = storage.read_bytes(uri, limit=cap)  # pyarrow already decompresses *.gz by extension
+    except storage.TooLargeError:
+        raise _too_large(uri, cap) from None
+    if data[:2] == b"\x1f\x8b":
+        parts, n = [], 0
         try:
-            data = gzip.decompress(data)
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+                while chunk := f.read(8 << 20):
+                    n += len(chunk)
+                    if n > cap:
+                        raise _too_large(uri, cap)
+                    parts.append(chunk)
         except (OSError, EOFError, zlib.error) as e:
             raise InputError(f"not a valid gzip file ({e})", file=uri) from e
+        data = b"".join(parts)
     return data
+
+
+def _too_deep(uri: str, item: str | None = None) -> InputError:
+    return InputError("JSON nested too deeply to parse (more than 1024 levels)", file=uri, item=item)
 
 
 def _text(data: bytes, uri: str, *, what: str | None = None, id_key: str = "") -> str:
@@ -187,12 +214,21 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
     """Parse a JSON list; on failure, name the list item (number and id) and line/column."""
     try:
         obj = _fastjson.loads(data) if _fastjson is not None else json.loads(data)
-    except ValueError:
+    except RecursionError:
+        raise _too_deep(uri) from None
+    except ValueError as e:
+        if "recursion" in str(e).lower():   # orjson's depth limit
+            raise _too_deep(uri) from None
         text = _text(data, uri, what=what, id_key=id_key)
         try:  # what orjson refuses (a BOM, huge integers) the stdlib may still read
             obj = json.loads(text)
+        except RecursionError:
+            raise _too_deep(uri) from None
         except ValueError:
-            _locate_json_error(text, uri, what=what, id_key=id_key)
+            try:
+                _locate_json_error(text, uri, what=what, id_key=id_key)
+            except RecursionError:
+                raise _too_deep(uri) from None
             raise AssertionError("unreachable")  # _locate_json_error always raises here
     if not isinstance(obj, list):
         raise InputError(f"expected a JSON list of {what}s, got {type(obj).__name__}", file=uri)
@@ -574,9 +610,15 @@ def _load_personamem_contexts(uri: str) -> dict[str, list[dict]]:
         item = f"line {ln}"
         try:
             obj = _fastjson.loads(line) if _fastjson is not None else json.loads(line)
-        except ValueError:
+        except RecursionError:
+            raise _too_deep(uri, item) from None
+        except ValueError as e:
+            if "recursion" in str(e).lower():
+                raise _too_deep(uri, item) from None
             try:
                 json.loads(line)
+            except RecursionError:
+                raise _too_deep(uri, item) from None
             except json.JSONDecodeError as e:
                 kind = _json_error_kind(e, len(line))
                 raise InputError(f"{kind} at line {ln} column {e.colno}: {e.msg}", file=uri, item=item) from e
@@ -746,7 +788,11 @@ def convert_personamem(uri: str, questions_uri: str | None, dataset: str | None 
 
 # --------------------------------------------------------------------------- MemSifter parquet
 def _read_parquet_bytes(uri: str) -> pa.Table:
-    data = storage.read_bytes(uri)
+    cap = int(storage.setting("MEMSIFTER_MAX_INPUT_BYTES"))
+    try:
+        data = storage.read_bytes(uri, limit=cap)
+    except storage.TooLargeError:
+        raise _too_large(uri, cap) from None
     try:
         return pq.read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as e:
@@ -881,7 +927,14 @@ def export_memsifter(src_uri: str, dest_uri: str) -> int:
     Columns: the question table's, plus ``answer_session_ids`` (= ``gold_session_ids``, the original
     code's name) and ``haystack_sessions``: a JSON string, a list of sessions aligned with
     ``haystack_session_ids``, each a list of ``{role, content}`` turns.
+
+    A destination inside a published prefix (one holding ``_SUCCESS`` or ``_PUBLISHING``, the source's
+    included) is refused: the file would change a publication behind its manifest.
     """
+    inside = storage.published_ancestor(dest_uri)
+    if inside is not None:
+        raise StorageError(f"{dest_uri}: inside the published output {inside}: writing there would "
+                           f"change published files behind its manifest; export to another location")
     ds = read_dataset(src_uri)
     qt = ds.questions_table()
     hs, dates = [], []

@@ -356,8 +356,8 @@ class Driver:
         storage.ensure_bucket(self.plan.manifest_uri)
         wait = self.lease_wait
         if wait is None:
-            wait = float(os.environ.get("MEMSIFTER_LEASE_WAIT")
-                         or float(os.environ.get("MEMSIFTER_LEASE_TTL") or 60) + 15)
+            wait = (storage.setting("MEMSIFTER_LEASE_WAIT") if os.environ.get("MEMSIFTER_LEASE_WAIT")
+                    else storage.setting("MEMSIFTER_LEASE_TTL") + 15)
         with lease.hold(storage.join(self.plan.run["root"], "_run"), steal=self.steal_lease, wait=wait,
                         purpose=f"driver of run {self.plan.run.get('id', '?')}") as held:
             self._lease = held
