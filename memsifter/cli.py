@@ -31,6 +31,7 @@ log = logging.getLogger("memsifter")
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("memsifter.pipeline", "run several stages in order under one run prefix"),
     "demo": ("memsifter.demo", "offline end-to-end demo: real samples, real SmolLM2 ranker and working LLM"),
+    "status": ("memsifter.status", "what each stage of a run is doing: published / running / failed / not started"),
     "models": ("memsifter.models", "real models that install offline from PyPI (list, path, verify)"),
     "k8s": ("memsifter.k8s.cli", "render RayJobs and drive a pipeline on Kubernetes"),
 }

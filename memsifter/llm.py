@@ -40,8 +40,9 @@ class LLMEndpoint(BaseModel):
                                  "(default: env MEMSIFTER_LLM_BASE_URL or OPENAI_BASE_URL)",
                                  json_schema_extra={"runtime": True})
     model: str = Field("gpt-4o-mini", description="model name served by the endpoint")
-    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var holding the API key",
-                             json_schema_extra={"runtime": True})
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env var holding the API key "
+                                    "(null: the server needs none; unset on a non-local URL is an error)",
+                                    json_schema_extra={"runtime": True})
     temperature: float = Field(0.6, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int = Field(4096, gt=0, description="max new tokens per answer")
@@ -54,8 +55,22 @@ class LLMEndpoint(BaseModel):
         return self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
 
     def api_key(self) -> str:
-        # Local servers (vLLM) accept any key; hosted ones need the secret.
-        return os.environ.get(self.api_key_env) or "EMPTY"
+        """The key from the environment variable ``api_key_env`` names. Local servers (vLLM on
+        loopback) accept any key, and ``api_key_env: null`` says the server needs none; otherwise a
+        missing variable is an error naming it, never a silent placeholder sent to a hosted API."""
+        if not self.api_key_env:
+            return "EMPTY"
+        key = os.environ.get(self.api_key_env)
+        if key:
+            return key
+        url = self.resolved_base_url()
+        if url and _loopback(url):
+            return "EMPTY"
+        from .errors import ConfigError
+
+        raise ConfigError(f"LLM endpoint {url or 'api.openai.com (no base_url)'} (model {self.model}): the API key "
+                          f"variable {self.api_key_env} is not set; set it (in Kubernetes: from a Secret) or set "
+                          "api_key_env: null for a server that needs no key")
 
     def params(self, **override: Any) -> dict:
         p: dict[str, Any] = {"temperature": self.temperature, "max_tokens": self.max_tokens}
@@ -65,6 +80,13 @@ class LLMEndpoint(BaseModel):
             p["seed"] = self.seed
         p.update({k: v for k, v in override.items() if v is not None})
         return p
+
+
+def _loopback(url: str) -> bool:
+    from urllib.parse import urlparse
+
+    host = (urlparse(url).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 @dataclass

@@ -106,6 +106,10 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
     root = (run or spec.get("run")).rstrip("/")
     storage.ensure_bucket(root)
     with lease.hold(storage.join(root, "_run"), purpose="pipeline", steal=steal_lease):
+        # what `memsifter status` lists as "not started" until each stage shows up in the store
+        storage.write_bytes(storage.join(root, "_run", "plan.json"), json.dumps(
+            {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
+             "stages": [{"stage": n, "output": c["output"]} for n, c in plan]}, indent=2).encode())
         return _run_plan(spec, plan, run=run, force=force, replace=replace, until=until, before=before,
                          echo=echo, steal_lease=steal_lease)
 

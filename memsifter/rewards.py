@@ -140,7 +140,7 @@ class RewardSettings:
     mode: str = "dcg"
     base_url: str | None = None
     model: str = "gpt-4o-mini"
-    api_key_env: str = "OPENAI_API_KEY"
+    api_key_env: str | None = "OPENAI_API_KEY"
     temperature: float = 0.3
     max_tokens: int = 512
     concurrency: int = 64
@@ -170,7 +170,7 @@ class RewardSettings:
                 vals[f] = v
         s = cls(**vals)
         typed = cls(mode=str(s.mode).lower(), base_url=s.base_url, model=str(s.model),
-                    api_key_env=str(s.api_key_env), temperature=float(s.temperature),
+                    api_key_env=str(s.api_key_env) if s.api_key_env else None, temperature=float(s.temperature),
                     max_tokens=int(s.max_tokens), concurrency=int(s.concurrency),
                     max_retries=int(s.max_retries), timeout_s=float(s.timeout_s), top_k=int(s.top_k),
                     cache_uri=s.cache_uri or None, answer_prompt=s.answer_prompt or None)

@@ -280,17 +280,73 @@ class Stage:
                         return {**done, "resumed_publish": True}
                 pub = storage.Publication(config.output, self.name, config.model_dump(mode="json"), h,
                                           code_version())
+                tail = _LogTail()
+                logging.getLogger().addHandler(tail)
                 try:
                     pub.inputs = fingerprints
                     stats = self.body(config, pub) or {}
                     manifest = pub.publish(stats, check=held.check)
-                except BaseException:
+                except BaseException as e:
                     pub.abort()
+                    record_failure(config.output, self.name, h, e, tail.lines())
                     raise
+                finally:
+                    logging.getLogger().removeHandler(tail)
+                clear_failure(config.output)
         finally:
             storage.CURRENT_STAGE["name"] = prev_stage
         log.info("%s: published %s (%d files)", self.name, config.output, len(manifest["files"]))
         return manifest
+
+
+FAILURE = "failure.json"   # under <output>/_work/: the last failed attempt, for `memsifter status`
+
+
+class _LogTail(logging.Handler):
+    """The last log lines of a stage's run (all loggers, INFO and up), kept for its failure record."""
+
+    def __init__(self, keep: int = 40):
+        super().__init__(logging.INFO)
+        from collections import deque
+
+        self._lines: Any = deque(maxlen=keep)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record)[:2000])
+        except Exception:  # noqa: BLE001 - a log line must never fail the stage
+            pass
+
+    def lines(self) -> list[str]:
+        return list(self._lines)
+
+
+def record_failure(output: str, stage_name: str, config_hash_: str, exc: BaseException, tail: list[str]) -> None:
+    """Archive why an attempt failed under ``<output>/_work/failure.json`` (best effort): the pods
+    and their logs may be gone when someone asks ``memsifter status``."""
+    import socket
+    import traceback
+
+    from .lease import run_id
+
+    rec = {"stage": stage_name, "config_hash": config_hash_, "failed_at": storage.utcnow(), "run_id": run_id(),
+           "host": socket.gethostname(), "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"[:4000],
+           "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:],
+           "log_tail": tail}
+    try:
+        storage.write_bytes(storage.join(output, storage.WORK, FAILURE), json.dumps(rec, indent=2).encode())
+    except Exception as e:  # noqa: BLE001 - the original error is what the user must see
+        log.debug("could not archive the failure of %s: %s", output, e)
+
+
+def clear_failure(output: str) -> None:
+    try:
+        uri = storage.join(output, storage.WORK, FAILURE)
+        if storage.exists(uri):
+            storage.delete(uri)
+    except Exception as e:  # noqa: BLE001
+        log.debug("could not clear the failure record of %s: %s", output, e)
 
 
 STAGES: dict[str, Stage] = {}

@@ -40,7 +40,7 @@ def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
         for method in ("embed:dense", "embed:bm25"):
             assert any(ln.split()[:2] == [ds, method] for ln in proc.stdout.splitlines()), (ds, method)
     lines = proc.stdout.splitlines()
-    assert any(ln.split()[:2] == ["locomo", "rank:smollm2-135m-instruct"] for ln in lines)
+    assert any(ln.split()[:2] == ["locomo", "rank:smollm2-135m-instruct+structured"] for ln in lines)
     # the answers table: every context, the real working LLM's F1 beside its retrieval metrics
     answers = [ln for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("Answers of the working"))):]
                if ln.strip().startswith("locomo")]

@@ -34,7 +34,8 @@ def test_overrides_carry_every_dapo_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     monkeypatch.setenv("MEMSIFTER_S3_ENDPOINT", "http://s3.local:8333")
-    cfg = TrainConfig(output="s3://b/run/train", data=fake_prepare_rl(str(tmp_path / "rl")), nnodes=3)
+    cfg = TrainConfig(output="s3://b/run/train", data=fake_prepare_rl(str(tmp_path / "rl")), nnodes=3,
+                      reward={"mode": "task", "base_url": "http://working-llm:8000/v1"})
     ov = dict(o.split("=", 1) for o in verl_overrides(cfg))
     expect = {
         "algorithm.adv_estimator": "'grpo'", "algorithm.use_kl_in_reward": "false",
@@ -341,3 +342,32 @@ def test_base_model_by_name_resolves_to_the_materialized_directory():
     cfg = TrainConfig(output="o", data="d", model="smollm2-135m-instruct", reward={"mode": "dcg"})
     assert model_path(cfg) == want and os.path.isfile(os.path.join(want, "config.json"))
     assert model_path(cfg.model_copy(update={"model": "Qwen/Qwen3-4B"})) == "Qwen/Qwen3-4B"
+
+
+def test_safe_training_defaults(tmp_path, monkeypatch):
+    """Issue 19: the default reward makes no LLM calls; a task reward without an endpoint, a logger
+    whose package is missing, and a missing API key for a hosted endpoint are one-line errors (exit 2
+    in the dry run), never calls to api.openai.com with a placeholder key."""
+    import importlib.util
+
+    from memsifter.llm import LLMEndpoint
+
+    assert TrainConfig(output="o", data="d").reward.mode == "dcg"
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+    base = [sys.executable, "-m", "memsifter.cli", "run", "train", "--dry-run", "--data", data,
+            "--output", str(tmp_path / "train")]
+    p = subprocess.run([*base, "--set", "reward.mode=task"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "reward.mode 'task' needs reward.base_url" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    missing = next(n for n in ("mlflow", "wandb", "swanlab") if importlib.util.find_spec(n) is None)
+    p = subprocess.run([*base, "--set", f"logger=[console,{missing}]"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and f"logger '{missing}' needs the Python package" in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "train")  # the dry run touched nothing
+    monkeypatch.delenv("WORKING_KEY", raising=False)
+    hosted = LLMEndpoint(base_url="https://llm.example.com/v1", model="m", api_key_env="WORKING_KEY")
+    with pytest.raises(ConfigError, match="WORKING_KEY is not set"):
+        hosted.api_key()
+    monkeypatch.setenv("WORKING_KEY", "k")
+    assert hosted.api_key() == "k"
+    assert LLMEndpoint(base_url="http://127.0.0.1:8000/v1", api_key_env="WORKING_KEY2").api_key() == "EMPTY"
+    assert LLMEndpoint(base_url="https://llm.example.com/v1", api_key_env=None).api_key() == "EMPTY"

@@ -117,7 +117,9 @@ def stage_values(info: StageInfo) -> dict:
                  "rayStartParams": {}, "nodeSelector": None, "tolerations": None, "affinity": None},
         "workers": workers,
         "activeDeadlineSeconds": 7 * 86400 if info.capacity else 86400,
-        "backoffLimit": 0,
+        # Training resumes from its newest checkpoint in S3: a preempted run is restarted (Kubernetes
+        # retries the RayJob's submitter), other stages fail once and say why.
+        "backoffLimit": 3 if info.capacity else 0,
         "ttlSecondsAfterFinished": 600,
         "shutdownAfterJobFinishes": True,
     })

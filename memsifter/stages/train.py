@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import storage
 from ..errors import ConfigError, InputError
@@ -123,10 +123,13 @@ class RewardSettingsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["dcg", "task"] = "task"
+    mode: Literal["dcg", "task"] = Field("dcg", description="dcg: DCG of the ranking against the gold sessions, no "
+                                         "LLM calls (MemSifter's first stage); task: the working LLM's answer "
+                                         "gains (needs base_url)")
     base_url: str | None = Field(None, description="working LLM (OpenAI-compatible) base URL; task mode")
     model: str = "gpt-4o-mini"
-    api_key_env: str = Field("OPENAI_API_KEY", description="name of the env var (in the pods) holding the key")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env var (in the pods) holding the "
+                                    "key (null: the working LLM's server needs none)")
     temperature: float = 0.3
     max_tokens: int = 512
     concurrency: int = Field(64, description="working-LLM requests in flight per reward worker")
@@ -153,6 +156,31 @@ class TrainConfig(StageConfig):
     local_dir: str = runtime_field("/tmp/memsifter-train", "local scratch on every node (data, model, checkpoints)")
     dry_run: bool = runtime_field(False, "print the composed verl config and exit; start and publish nothing")
     node_wait_s: float = runtime_field(600.0, "how long to wait for nnodes GPU nodes to join the Ray cluster")
+
+    @model_validator(mode="after")
+    def _safe_reward(self) -> "TrainConfig":
+        # A task reward calls the working LLM for every rollout: without an explicit endpoint the calls
+        # would go to $OPENAI_BASE_URL or api.openai.com. Say so before anything starts.
+        if self.reward.mode == "task" and not self.reward.base_url:
+            raise ValueError("reward.mode 'task' needs reward.base_url (the working LLM's OpenAI-compatible "
+                             "URL) and reward.model; or use reward.mode 'dcg' (no LLM calls)")
+        return self
+
+
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab",
+                   "vemlp_wandb": "wandb", "clearml": "clearml", "trackio": "trackio"}
+
+
+def check_loggers(config: "TrainConfig") -> None:
+    """verl's tracking backends import their package at start: one that is not installed here (the
+    image the stage runs in) is refused now, naming the logger and the package."""
+    import importlib.util
+
+    for name in config.logger:
+        pkg = LOGGER_PACKAGES.get(name)
+        if pkg and importlib.util.find_spec(pkg) is None:
+            raise ConfigError(f"train: logger '{name}' needs the Python package {pkg}, which is not installed "
+                              "in this environment (the stage's image); install it or drop the logger")
 
 
 # --------------------------------------------------------------------------- overrides
@@ -401,6 +429,7 @@ def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False
 
     The output store is not touched; the prepare-rl manifest is read for the file names when it can
     be, else the usual names stand in and the reason is appended to ``unchecked``."""
+    check_loggers(config)
     try:
         train, test = data_files(config)
     except Exception as e:  # noqa: BLE001 - unreachable store, missing/unpublished input: still compose
@@ -633,6 +662,7 @@ def preview(config: TrainConfig) -> dict:
 @stage("train", TrainConfig, family="train", gpus=8, needs=["prepare-rl"], preview=preview,
        help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
 def run(config: TrainConfig, out: storage.Publication) -> dict:
+    check_loggers(config)
     train, test = data_files(config)
     p = local_paths(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])

@@ -1,0 +1,80 @@
+"""`memsifter status RUN`: finished, running and failed pipelines, local and on S3, read from the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memsifter import lease, storage
+from memsifter.pipeline import run_pipeline
+
+
+def status(run: str, env: dict | None = None) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "memsifter.cli", "status", run]
+    j = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    txt = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert j.returncode == txt.returncode, (j.stderr, txt.stderr)
+    return j.returncode, (json.loads(j.stdout) if j.stdout.strip() else {}), txt.stdout + txt.stderr
+
+
+def spec(run: str, **evaluate) -> dict:
+    return {"run": run, "stages": {"synth": {"questions": 3, "sessions_per_question": 4},
+                                   "evaluate": {"rankings": [], "answers": [], **evaluate}}}
+
+
+def test_finished_running_and_failed_local_runs(tmp_path):
+    done = str(tmp_path / "done")
+    run_pipeline(spec(done), echo=lambda s: None)
+    rc, rep, text = status(done)
+    assert rc == 0 and rep["planned"]
+    assert [(s["stage"], s["state"]) for s in rep["stages"]] == [("synth", "published"), ("evaluate", "published")]
+    assert rep["stages"][0]["headline"]["questions"] == 3 and "synth       published" in text
+
+    failed = str(tmp_path / "failed")
+    with pytest.raises(Exception, match="not-there"):
+        run_pipeline(spec(failed, rankings=[str(tmp_path / "not-there")]), echo=lambda s: None)
+    rc, rep, text = status(failed)
+    states = {s["stage"]: s for s in rep["stages"]}
+    assert rc == 1 and states["synth"]["state"] == "published" and states["evaluate"]["state"] == "failed"
+    assert "not-there" in states["evaluate"]["error"] and states["evaluate"]["run_id"]
+    assert "evaluate    failed" in text and "not-there" in text
+    # the record lives under the output, so it outlives the process (and a pod)
+    assert os.path.exists(os.path.join(failed, "evaluate", "_work", "failure.json"))
+    # a later successful attempt clears it
+    run_pipeline(spec(failed), echo=lambda s: None)
+    assert not os.path.exists(os.path.join(failed, "evaluate", "_work", "failure.json"))
+    assert status(failed)[0] == 0
+
+    running = str(tmp_path / "running")
+    run_pipeline({**spec(running), "stages": {"synth": spec(running)["stages"]["synth"]}}, echo=lambda s: None)
+    storage.write_bytes(storage.join(running, "_run", "plan.json"), json.dumps({"stages": [
+        {"stage": "synth", "output": storage.join(running, "synth")},
+        {"stage": "embed", "output": storage.join(running, "embed")},
+        {"stage": "evaluate", "output": storage.join(running, "evaluate")}]}).encode())
+    held = lease.Lease(storage.join(running, "embed"), purpose="stage embed", ttl=60).acquire()
+    try:
+        storage.write_bytes(storage.join(running, "embed", "_work", "embeddings", "shard-00000.npy"), b"x")
+        rc, rep, text = status(running)
+    finally:
+        held.release()
+    states = {s["stage"]: s for s in rep["stages"]}
+    assert states["embed"]["state"] == "running" and f"pid {os.getpid()}" in states["embed"]["holder"]
+    assert states["embed"]["partial_files"] == 1
+    assert states["evaluate"]["state"] == "not started" and "embed       running" in text
+
+
+def test_s3_run(s3_root):
+    run = storage.join(s3_root, "run")
+    run_pipeline(spec(run), echo=lambda s: None)
+    rc, rep, _ = status(run, env=dict(os.environ))
+    assert rc == 0 and [s["state"] for s in rep["stages"]] == ["published", "published"]
+
+
+def test_nothing_there_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "status", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "nothing there" in p.stderr and "Traceback" not in p.stderr
