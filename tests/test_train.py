@@ -371,3 +371,37 @@ def test_safe_training_defaults(tmp_path, monkeypatch):
     assert hosted.api_key() == "k"
     assert LLMEndpoint(base_url="http://127.0.0.1:8000/v1", api_key_env="WORKING_KEY2").api_key() == "EMPTY"
     assert LLMEndpoint(base_url="https://llm.example.com/v1", api_key_env=None).api_key() == "EMPTY"
+
+
+def test_training_metrics_replayed_from_a_recorded_verl_log(tmp_path):
+    """Issue 19: verl's metric lines (here replayed from the real H100 runs of 2026-11-23: a fresh run
+    of 2 steps, then a resumed run's step 3) become metrics.jsonl under the output's _work/ while the run
+    goes on, a resumed attempt continues the curves, and the stage publishes metrics.jsonl, a PNG and
+    a summary."""
+    from memsifter import trainmetrics
+    from memsifter.stages.train import publish_metrics
+
+    root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "results", "2026-11-23-h100-c")
+    first = open(os.path.join(root, "call7-train1.log"), errors="replace").read().splitlines()
+    second = open(os.path.join(root, "call8-train2.log"), errors="replace").read().splitlines()
+    work = str(tmp_path / "train" / "_work" / "metrics.jsonl")
+    sink = trainmetrics.MetricsSink(work, flush_every_s=0)
+    got = [r for r in (sink.feed(ln) for ln in first) if r]
+    assert [r["step"] for r in got] == [1, 2]
+    assert got[0]["critic/score/mean"] == pytest.approx(-0.978515625) and got[1]["timing_s/step"] > 0
+    assert [r["step"] for r in trainmetrics.read_jsonl(open(work).read())] == [1, 2]  # saved as it went
+    resumed = trainmetrics.MetricsSink(work, flush_every_s=0)  # a restarted pod: the curves continue
+    for ln in second:
+        resumed.feed(ln)
+    resumed.flush()
+    assert [r["step"] for r in resumed.sorted()] == [1, 2, 3]
+    assert trainmetrics.parse_line("INFO step:7 - no metrics here") is None
+    assert trainmetrics.parse_line("\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:4 - a/b:1.5 - c:nan - d:x") == \
+        {"step": 4, "a/b": 1.5}
+    pub = storage.Publication(str(tmp_path / "train"), "train", {}, "h", "test")
+    summ = publish_metrics(pub, resumed, "replay")
+    pub.publish({"metrics": summ})
+    assert summ["steps"] == 3 and summ["critic/score/mean"]["first"] == pytest.approx(-0.9785, abs=1e-4)
+    assert "timing_s/step" in summ and "response_length/mean" in summ
+    assert storage.read_bytes(str(tmp_path / "train" / "training_curves.png"))[:4] == b"\x89PNG"
+    assert len(trainmetrics.read_jsonl(storage.read_text(str(tmp_path / "train" / "metrics.jsonl")))) == 3

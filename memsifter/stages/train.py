@@ -636,13 +636,37 @@ def sync_checkpoint(local_step_dir: str, ckpt_uri: str, step: int) -> dict:
 
 
 # --------------------------------------------------------------------------- the stage
-def _run_verl(overrides: list[str]) -> None:
+def _run_verl(overrides: list[str], sink: Any = None) -> None:
+    """verl ``main_ppo`` in a child process; its output is echoed line by line and every per-step
+    metric line goes to ``sink`` (:class:`memsifter.trainmetrics.MetricsSink`)."""
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log.info("starting verl: %s", " ".join(shlex.quote(c) for c in cmd))
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    rc = subprocess.call(cmd, env=env)
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            sys.stdout.write(line)
+            if sink is not None:
+                sink.feed(line)
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if sink is not None:
+            sink.flush()
     if rc != 0:
         raise RuntimeError(f"verl main_ppo exited with status {rc}")
+
+
+def publish_metrics(out: storage.Publication, sink: Any, title: str) -> dict:
+    """``metrics.jsonl`` and ``training_curves.png`` of the run (every attempt's steps), and a summary."""
+    from .. import trainmetrics
+
+    records = sink.sorted()
+    out.write_text("metrics.jsonl", sink.jsonl())
+    out.write_bytes("training_curves.png", trainmetrics.plot(records, title))
+    return trainmetrics.summary(records)
 
 
 def preview(config: TrainConfig) -> dict:
@@ -684,10 +708,16 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
 
             ray.shutdown()
     log.info("staged on %d node(s); resuming from step %s", len(staged), resume)
-    _run_verl(overrides)
+    from ..trainmetrics import MetricsSink
+
+    # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
+    # run continues the curves)
+    sink = MetricsSink(storage.join(out.work, "metrics.jsonl"))
+    _run_verl(overrides, sink)
     steps = complete_steps(ckpt_uri)
     out.write_text("verl_config.yaml", composed)
     out.write_text("overrides.txt", "\n".join(overrides) + "\n")
     out.write_json("checkpoints.json", {"uri": ckpt_uri, "steps": steps})
+    metrics = publish_metrics(out, sink, f"{config.experiment_name}: {config.model}, reward {config.reward.mode}")
     return {"checkpoint_uri": ckpt_uri, "complete_steps": steps, "resumed_from": resume, "nodes": len(staged),
-            "placement": placement_request(config)}
+            "placement": placement_request(config), "metrics": metrics}
