@@ -37,6 +37,16 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def plain(doc: str | None) -> str:
+    """A module docstring's first paragraph for ``--help``: reST literals (````x````) and roles
+    (``:func:`x```) shown as plain text."""
+    import re
+
+    first = (doc or "").strip().split("\n\n")[0]
+    first = re.sub(r":\w+:`~?([^`]+)`", r"\1", first)
+    return re.sub(r"``([^`]+)``", r"\1", first)
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at emit time (so redirected stderr is honoured)."""
 

@@ -229,10 +229,10 @@ def answers_table(results: dict[str, dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from . import models
-    from .cli import setup_logging
+    from .cli import plain, setup_logging
     from .pipeline import run_pipeline
 
-    p = argparse.ArgumentParser(prog="memsifter demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="memsifter demo", description=plain(__doc__))
     p.add_argument("--out", default="./memsifter-demo", help="run prefix (local dir or s3://…)")
     p.add_argument("--data", choices=["real", "synth"], default="real",
                    help="real: the LoCoMo and LongMemEval samples shipped with memsifter (default); synth: synthetic")

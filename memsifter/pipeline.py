@@ -169,9 +169,9 @@ def apply_sets(spec: dict, sets: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import setup_logging
+    from .cli import plain, setup_logging
 
-    p = argparse.ArgumentParser(prog="memsifter pipeline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="memsifter pipeline", description=plain(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
     for cmd, help_ in (("run", "run the stages in order"), ("show", "print the wired stage configs")):
         sp = sub.add_parser(cmd, help=help_)

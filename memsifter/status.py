@@ -129,7 +129,9 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memsifter status", description=__doc__.split("\n\n")[0])
+    from .cli import plain
+
+    p = argparse.ArgumentParser(prog="memsifter status", description=plain(__doc__))
     p.add_argument("run", help="run prefix (local path or s3://bucket/prefix)")
     p.add_argument("--watch", nargs="?", const=5.0, type=float, metavar="SECONDS",
                    help="redraw every SECONDS (default 5) until every stage is published or failed")

@@ -78,3 +78,11 @@ def test_nothing_there_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "memsifter.cli", "status", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "nothing there" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["pipeline", "demo", "status", "models"])
+def test_help_is_plain_text(cmd):
+    """`memsifter <cmd> --help` shows no reST markup (``literal``, :func:`role`)."""
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", cmd, "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "``" not in p.stdout and ":func:" not in p.stdout, p.stdout[:500]
