@@ -192,14 +192,24 @@ class S3Settings:
         if raw:
             p = urlparse(raw if "://" in raw else f"https://{raw}")
             endpoint, scheme = p.netloc, p.scheme or "https"
+        attempts = int(setting("MEMSIFTER_S3_ATTEMPTS"))
+        connect = float(setting("MEMSIFTER_S3_CONNECT_TIMEOUT"))
+        request = float(setting("MEMSIFTER_S3_REQUEST_TIMEOUT"))
+        # One store operation is up to `attempts` SDK tries of (connect + request) seconds each: unless
+        # the user set the timeouts, fit them into the retry budget, so that a server that accepts and
+        # never answers fails the operation within MEMSIFTER_STORE_RETRY_SECONDS, as documented. (The
+        # request timeout is the SDK's read timeout: silence, not the length of a transfer.)
+        budget = float(setting("MEMSIFTER_STORE_RETRY_SECONDS"))
+        if "MEMSIFTER_S3_CONNECT_TIMEOUT" not in os.environ:
+            connect = min(connect, max(0.5, budget / attempts / 4))
+        if "MEMSIFTER_S3_REQUEST_TIMEOUT" not in os.environ:
+            request = min(request, max(1.0, budget / attempts - connect))
         return cls(endpoint=endpoint, scheme=scheme,
                    region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
                    access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
                    secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
                    session_token=os.environ.get("AWS_SESSION_TOKEN"),
-                   attempts=int(setting("MEMSIFTER_S3_ATTEMPTS")),
-                   connect_timeout=float(setting("MEMSIFTER_S3_CONNECT_TIMEOUT")),
-                   request_timeout=float(setting("MEMSIFTER_S3_REQUEST_TIMEOUT")))
+                   attempts=attempts, connect_timeout=connect, request_timeout=request)
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,6 +9,7 @@ nothing. The table of faults per stage is printed at the end (visible without -s
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -144,3 +145,42 @@ def test_range_reader_survives_answers_cut_off_mid_body(proxied):
         assert r.read_into(off, buf) == n and buf.tobytes() == payload[off:off + n]
     r.close()
     assert proxied.counts["faults"] > 0
+
+
+def test_a_server_that_accepts_and_never_answers_fails_within_the_budget(tmp_path):
+    """Issue 19: an S3 endpoint that accepts connections and never answers used to hang 485 s inside one
+    retry attempt (SDK attempts x 120 s request timeout). The timeouts now fit the retry budget: with
+    MEMSIFTER_STORE_RETRY_SECONDS=8 the command fails in one line well before a minute."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            held.append(c)  # never read, never answer
+    threading.Thread(target=accept, daemon=True).start()
+    env = {**os.environ, "MEMSIFTER_S3_ENDPOINT": f"http://127.0.0.1:{srv.getsockname()[1]}",
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "MEMSIFTER_STORE_RETRY_SECONDS": "8"}
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, "-m", "memsifter.cli", "data", "info", "s3://stalled/data"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+    took = time.time() - t0
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert took < 45, (took, p.stderr[-1000:])
+    assert "s3://stalled/data" in p.stderr
