@@ -222,7 +222,15 @@ def _data_main(argv: Sequence[str]) -> int:
         print(f"exported {n} questions to {args.dest}")
     elif args.cmd == "info":
         from . import storage
-        m = storage.read_manifest(args.uri)
+        from .errors import NotPublishedError
+        try:
+            m = storage.read_manifest(args.uri)
+        except NotPublishedError:
+            if storage.exists(storage.join(args.uri, "_run")) or any(
+                    storage.exists(storage.join(args.uri, d, storage.MANIFEST)) for d in storage.list_dirs(args.uri)):
+                raise NotPublishedError(f"{args.uri}: a run prefix, not one stage's output: `memsifter status "
+                                        f"{args.uri}` shows each stage") from None
+            raise
         print(f"{args.uri}: stage {m['stage']}, published {m['published_at']}, code {m['code_version']}")
         for fname, meta in sorted(m["files"].items()):
             rows = f", {meta['rows']} rows" if "rows" in meta else ""

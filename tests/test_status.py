@@ -86,3 +86,11 @@ def test_help_is_plain_text(cmd):
     p = subprocess.run([sys.executable, "-m", "memsifter.cli", cmd, "--help"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and "``" not in p.stdout and ":func:" not in p.stdout, p.stdout[:500]
+
+
+def test_data_info_on_a_run_prefix_points_to_status(tmp_path):
+    run = str(tmp_path / "run")
+    run_pipeline(spec(run), echo=lambda s: None)
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "data", "info", run], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and f"memsifter status {run}" in p.stderr and "Traceback" not in p.stderr
