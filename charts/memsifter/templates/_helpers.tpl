@@ -276,8 +276,13 @@ spec:
         medium: Memory
         sizeLimit: {{ $g.shmSize }}
     - name: cache
+      {{- if $v.cacheVolume.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ $v.cacheVolume.existingClaim }}
+      {{- else }}
       emptyDir:
         sizeLimit: {{ $v.cacheVolume.sizeLimit }}
+      {{- end }}
     - name: scratch
       emptyDir:
         sizeLimit: {{ $v.scratchVolume.sizeLimit }}
