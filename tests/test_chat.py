@@ -275,3 +275,18 @@ def test_retry_after_is_honoured_and_failures_name_the_endpoint(vllm_endpoint):
     dead = ChatClient(LLMEndpoint(base_url="http://127.0.0.1:9/v1", model="some-model", max_retries=0))
     [c] = dead.complete_many([[{"role": "user", "content": "hi"}]])
     assert not c.ok and "http://127.0.0.1:9/v1" in c.error and "some-model" in c.error
+
+
+def test_chat_cli_shows_progress_not_one_line_per_request(chat_data, vllm_endpoint, tmp_path):
+    """`memsifter run chat` at the default verbosity: a progress bar (requests/s), no `HTTP Request`
+    line per request (openai >= 3 logs them under `httpx2`)."""
+    import subprocess
+    import sys
+
+    data, ranked, ds = chat_data
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "chat", "--input", data, "--rankings", ranked,
+                        "--output", str(tmp_path / "chat"), "--set", f"endpoint.base_url={vllm_endpoint}",
+                        "--set", "endpoint.model=tiny", "--set", "endpoint.max_tokens=4"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "HTTP Request" not in p.stderr and "chat tiny" in p.stderr and "req/s" in p.stderr, p.stderr[-2000:]
