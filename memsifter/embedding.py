@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,10 +54,15 @@ def minilm_dir() -> str | None:
 
 
 def resolve_model(name: str) -> str:
-    """A local directory, a hub id, or an alias of all-MiniLM-L6-v2 (served from the PyPI package
-    when it is installed, so that it works offline)."""
+    """A local directory, a hub id, an ``s3://`` prefix (fetched into the model cache of the node that
+    resolves it: :func:`memsifter.models.fetch_s3`), or an alias of all-MiniLM-L6-v2 (served from the
+    PyPI package when it is installed, so that it works offline)."""
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.abspath(os.path.expanduser(name))
+    if name.startswith("s3://"):
+        from .models import fetch_s3
+
+        return fetch_s3(name)
     if name.lower() in MINILM_ALIASES:
         d = minilm_dir()
         if d:
@@ -210,6 +216,8 @@ class Embedder:
     """One dense encoder loaded with FlagEmbedding (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, device: str | None = None):
+        if spec.name.startswith("s3://") and not os.path.isdir(spec.path):  # another node: fetch it here
+            spec = dataclasses.replace(spec, path=resolve_model(spec.name))
         import torch
         from FlagEmbedding import FlagModel
 

@@ -215,16 +215,60 @@ def _convert_gguf(src_dir: str, file: str, out: str) -> None:
     tok.save_pretrained(out)
 
 
-def resolve(name: str | None) -> str | None:
+def resolve(name: str | None, s3: bool = False) -> str | None:
     """What a stage hands to transformers / vLLM for a model field: a registry name becomes its local
-    directory (materialized on first use); local paths, ``s3://`` URIs and hub ids pass unchanged."""
+    directory (materialized on first use); with ``s3=True`` an ``s3://`` URI becomes a local copy
+    (:func:`fetch_s3`); local paths, hub ids (and ``s3://`` URIs otherwise) pass unchanged."""
     if not name:
         return name
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.abspath(os.path.expanduser(name))
     if lookup(name) is not None:
         return materialize(name)
+    if s3 and name.startswith("s3://"):
+        return fetch_s3(name)
     return name
+
+
+SMALL_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+
+
+def fetch_s3(uri: str, weights: bool = True, cache: str | None = None) -> str:
+    """A local copy of a model directory stored under an ``s3://`` prefix (the object store the stages
+    already use, with its credentials and endpoint), cached by URI in ``<cache>/s3/``; ``weights=False``
+    fetches only the small files (config, tokenizer, chat template): what a driver needs to count
+    tokens while the engines load the weights themselves. Files are fetched into a temporary
+    directory that is renamed into place, so a crash leaves no half-copied model."""
+    from . import storage
+
+    root = os.path.join(cache or cache_root(), "s3")
+    key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    dest = os.path.join(root, f"{os.path.basename(uri.rstrip('/'))[:60]}-{key}" + ("" if weights else "-small"))
+    if os.path.isfile(os.path.join(dest, PROVENANCE)):
+        return dest
+    files = [f for f in storage.list_files(uri) if weights or f.endswith(SMALL_FILES)]
+    if not files:
+        raise ConfigError(f"model {uri}: no files under that prefix")
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".s3-", dir=root)
+    try:
+        got = {}
+        for rel in files:
+            path = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            got[rel] = storage.copy_file(storage.join(uri, rel), path)[1]
+        with open(os.path.join(tmp, PROVENANCE), "w") as f:
+            json.dump({"source": uri, "weights": weights, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                      time.gmtime()),
+                       "files": got}, f, indent=2)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process fetched it first
+            pass
+        return dest
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def model_context(path_or_name: str) -> int | None:

@@ -362,3 +362,28 @@ def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
     rows = rankings.read_rankings(out)
     assert len(rows) == 2 and all(r["raw_response"] for r in rows), rows
     assert all(r["status"] in ("ok", "fallback") for r in rows)
+
+
+def test_s3_models_for_rank_and_embed(synth_data, tiny_model_dir, vllm_endpoint, s3_root, tmp_path, monkeypatch):
+    """Issue 19: `s3://` model URIs work for rank (the driver fetches only tokenizer and config; the
+    served or Ray Data LLM engine loads the weights) and for embed (fetched into the model cache of the
+    node that loads it), from the real SeaweedFS, like train's."""
+    from memsifter import embedding, models
+
+    monkeypatch.setenv("MEMSIFTER_MODEL_CACHE", str(tmp_path / "cache"))
+    uri = storage.join(s3_root, "models", "tiny")
+    for root, _, names in os.walk(tiny_model_dir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), tiny_model_dir)
+            storage.copy_file(os.path.join(root, n), storage.join(uri, rel))
+    small = models.fetch_s3(uri, weights=False)
+    assert os.path.isfile(os.path.join(small, "tokenizer.json")) and not os.path.exists(
+        os.path.join(small, "model.safetensors"))
+    full = embedding.resolve_model(uri)
+    assert os.path.isfile(os.path.join(full, "model.safetensors")) and models.fetch_s3(uri) == full
+    data, emb, ds = synth_data
+    out = str(tmp_path / "rank")
+    m = get_stage("rank").run({"output": out, "input": data, "embeddings": emb, "model": uri, "engine": "endpoint",
+                               "endpoint": {"base_url": vllm_endpoint, "model": "tiny"}, "constrained_output": True,
+                               "context_limit": 1500, "max_tokens": 24, "top_k": 3, "limit": 2})
+    assert m["stats"]["status"]["ok"] == 2 and m["stats"]["model"] == uri

@@ -196,7 +196,10 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     template = load_prompt(config.prompt, "chat.txt", ("history", "current"))
     judge_tpl = load_prompt(config.judge_prompt, "judge.txt", ("question", "answer", "response")) \
         if config.judge else None
-    counter = TokenCounter(load_tokenizer(models.resolve(config.tokenizer))) if config.tokenizer else ApproxCounter()
+    tok = config.tokenizer
+    if tok and tok.startswith("s3://"):
+        tok = models.fetch_s3(tok, weights=False)
+    counter = TokenCounter(load_tokenizer(models.resolve(tok))) if tok else ApproxCounter()
 
     prepared = {}  # (method, question id) -> (messages, shown ids, context tokens)
     for m in methods:

@@ -477,10 +477,15 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
         ds.questions = ds.questions[:config.limit]
     emb = {r["question_id"]: r for r in rankings.read_rankings(config.embeddings)}
     model_dir = models.resolve(config.model)
-    counter = TokenCounter(load_tokenizer(models.resolve(config.tokenizer) or model_dir))
+    # an s3:// ranker: the driver needs only its tokenizer and config (Ray Data LLM's engines fetch the
+    # weights on their own nodes; an endpoint serves them elsewhere)
+    meta_dir = models.fetch_s3(model_dir, weights=False) if model_dir.startswith("s3://") else model_dir
+    tok_src = config.tokenizer or meta_dir
+    counter = TokenCounter(load_tokenizer(models.fetch_s3(tok_src, weights=False) if tok_src.startswith("s3://")
+                                          else models.resolve(tok_src)))
     style = resolve_style(config, counter.tokenizer)
     template = load_prompt(config.prompt, PROMPTS[style], ("history", "current"))
-    max_tokens, max_model_len = fit_lengths(config, models.model_context(model_dir), style)
+    max_tokens, max_model_len = fit_lengths(config, models.model_context(meta_dir), style)
     # What the prompts and engines use (derived lengths and prefill); `config` itself, as hashed, keeps
     # what was asked.
     engine_config = config.model_copy(update={
