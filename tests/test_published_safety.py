@@ -55,12 +55,17 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+FAILURE_RECORD = "_work/failure.json"  # a failed attempt's record for `memsifter status` (scratch, not data)
+
+
 def snapshot_local(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): sha(p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): sha(p.read_bytes()) for p in sorted(root.rglob("*"))
+            if p.is_file() and not str(p).endswith(FAILURE_RECORD)}
 
 
 def snapshot_s3(uri: str) -> dict[str, str]:
-    return {rel: sha(storage.read_bytes(storage.join(uri, rel))) for rel in storage.list_files(uri)}
+    return {rel: sha(storage.read_bytes(storage.join(uri, rel))) for rel in storage.list_files(uri)
+            if not rel.endswith(FAILURE_RECORD)}
 
 
 def manifest_matches(uri: str) -> bool:

@@ -71,7 +71,9 @@ def test_error_publishes_nothing(store_root):
         run({"output": out, "fail": True})
     with pytest.raises(NotPublishedError):
         storage.read_manifest(out)
-    assert storage.list_files(out) == []
+    # nothing published: only the failed attempt's record, which `memsifter status` shows
+    assert storage.list_files(out) == ["_work/failure.json"]
+    assert "boom" in storage.read_text(storage.join(out, "_work", "failure.json"))
 
 
 def test_config_hash_ignores_output_and_runtime():

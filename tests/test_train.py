@@ -190,7 +190,7 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     out = storage.join(s3_root, "train")
     seen = []
 
-    def fake_verl(overrides):
+    def fake_verl(overrides, sink=None):
         ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
         local = ov["trainer.default_local_dir"].strip("'")
         files = [f.strip("'") for f in ov["data.train_files"].strip("[]").split(",")]
@@ -212,7 +212,7 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     assert m1["stats"]["complete_steps"] == [5, 10] and m1["stats"]["resumed_from"] is None
     # a second run on a fresh pod (empty local disk) resumes from step 10 in S3
     m2 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod2"), "experiment_name": "again"},
-                   force=True)
+                   force=True, replace=True)  # another experiment name: another config, so --replace
     assert seen == [0, 10] and m2["stats"]["resumed_from"] == 10
     assert m2["stats"]["complete_steps"] == [5, 10, 15, 20]
     assert json.loads(storage.read_text(storage.join(out, "checkpoints.json")))["steps"] == [5, 10, 15, 20]
