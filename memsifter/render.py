@@ -29,14 +29,7 @@ def defuse_chat_markers(text: str) -> str:
 
 
 def render_session(turns: Sequence[dict]) -> str:
-    counts: dict[str, int] = {}
-    lines = []
-    for t in turns:
-        role = str(t["role"])
-        k = counts.get(role, 0)
-        counts[role] = k + 1
-        lines.append(f"<{role}{k}>{t['content']}</{role}>\n")
-    return "".join(lines)
+    return "".join(turn_texts(turns))
 
 
 def render_history(sessions: Sequence[Sequence[dict]], dates: Sequence[str | None] | None = None) -> str:
@@ -91,8 +84,9 @@ def condense_session(turns: Sequence[dict], question: str, max_tokens: int, coun
     return "".join(lines[i] for i in sorted(keep))
 
 
-def turn_texts(turns: list[dict]) -> list[str]:
-    """Each turn's part of :func:`render_session`, with its original counter."""
+def turn_texts(turns: Sequence[dict]) -> list[str]:
+    """Each turn's line of :func:`render_session`: ``<R{k}>content</R>`` and a newline, where k counts
+    role R's turns within the session from 0."""
     counts: dict[str, int] = {}
     out = []
     for t in turns:

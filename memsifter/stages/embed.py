@@ -61,7 +61,7 @@ from pydantic import Field, model_validator
 
 from .. import embedding, rankings, storage
 from ..data.model import Dataset, read_dataset
-from ..render import render_session
+from ..render import render_session, turn_texts
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -153,14 +153,6 @@ def chunk_texts(turns: list[dict], size: int, stride: int) -> list[str]:
     return ["".join(lines[s:s + size]) for s in starts]
 
 
-def turn_texts(turns: list[dict]) -> list[str]:
-    """Each turn's part of :func:`render_session` (contents may span several lines)."""
-    out, prev = [], ""
-    for i in range(len(turns)):
-        cur = render_session(turns[:i + 1])
-        out.append(cur[len(prev):])
-        prev = cur
-    return out
 
 
 MAX_PIECES = 32   # pieces of one turn that are embedded (32 x 200 words); the rest of a huge turn is not
