@@ -9,6 +9,12 @@
   similarity (``embeddings``) or chronologically; added while they fit ``context_tokens`` minus the
   question's tokens; shown in chronological order (§2) in the prompt template (``{history}``,
   ``{current}``, ``{date}``; ``prompts/chat.txt`` by default).
+* Several contexts side by side: the questions are answered with ``rankings`` (the stage's main
+  answers), each of ``compare`` (more rankings files, e.g. dense and the default first stage) and the
+  ``baselines`` (``none``: no memory; ``oracle``: the gold sessions only). ``answers.parquet`` has a
+  ``method`` column and the status of the ranking each context came from, so ``evaluate`` reports F1
+  by method and marks a method whose rankings were fallbacks. ``session_tokens`` shows each session
+  by its turns closest to the question (:func:`memsifter.render.condense_session`).
 * Answer = the text inside the last ``<answer>…</answer>`` after any ``</think>``, else the whole
   reply. Per question: exact match and token F1 against the gold answer; optionally an LLM judge
   (yes/no, ``prompts/judge.txt``).

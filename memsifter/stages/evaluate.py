@@ -5,10 +5,13 @@ gold sessions (binary relevance; questions without gold and abstention questions
 recall_any@k, recall_all@k, NDCG@k, precision@k, MRR, overall, per question type and per dataset,
 plus the row status counts (ok / fallback / error). An ``embed`` output contributes one entry per
 method it computed (``rankings_<method>.parquet``). Answer files (``chat`` outputs) give exact match,
-token F1 and the judge score, overall / per type / per dataset.
+token F1 and the judge score per context the chat stage answered with (its ``method``: a ranker, a
+first-stage method, no memory, the gold-session oracle), overall / per type / per dataset, with that
+method's recall_any@5 / NDCG@10 beside it. A method whose rankings are all or mostly fallbacks is
+marked as such in the JSON, the Markdown table and ``answer_f1_by_method.png``.
 
 Outputs: ``report.json``, ``report.md``, ``recall_curve.png`` (recall@k, k = 1..``curve_max_k``, of
-every method) and ``answer_f1_by_type.png``.
+every method), ``answer_f1_by_method.png`` and ``answer_f1_by_type.png``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ Per question:
    of a session depend only on its text and are cached (:class:`memsifter.context.TokenCounter`).
    The final prompt is counted exactly and trimmed if the per-session estimate was short.
 2. The chosen sessions go back into chronological order and are rendered (§2) into the prompt
-   template (a file with ``{history}`` and ``{current}`` slots; ``prompts/ranker.txt`` by default).
+   template (a file with ``{history}`` and ``{current}`` slots). ``prompt_style: auto``: MemSifter's
+   thinking prompt (``prompts/ranker.txt``) when the ranker's tokenizer knows ``<think>``, else the
+   direct ids-only prompt (``prompts/ranker_direct.txt``) with a ``<ranking>`` answer prefill.
+   ``session_tokens`` shows each session by its turns closest to the question, so a small-context
+   ranker sees more sessions. ``max_tokens`` and ``vllm.max_model_len`` derive from the model's own
+   context (:func:`fit_lengths`); a context limit it cannot hold is one clear error. ``model`` may be
+   a hub id, a directory, an ``s3://`` prefix or a name of ``memsifter models list``.
 3. **Generation** with vLLM, one of two engines:
 
    - ``engine: vllm`` (default): Ray Data LLM (``ray.data.llm`` vLLM engine processor), ``replicas``
