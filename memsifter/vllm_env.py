@@ -11,7 +11,7 @@ is never overridden.
 On a small CPU-only machine vLLM (CPU backend, x86) reserves one core for its scheduler process and
 binds its compute threads to the rest: on 2 cores that halves the compute. With
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` the same SmolLM2-135M server answered 16 distinct ~900-token
-requests in 34.0 s instead of 65.4 s (1.92x, ``benchmarks/bench_vllm_cpu.py``, 2 cores); the
+requests in 30.6 s instead of 55.0 s (medians of 3, 1.80x, ``benchmarks/bench_vllm_cpu.py``, 2 cores); the
 scheduler is idle most of the time. :func:`cpu_engine_env` sets it on machines of at most 4 cores,
 unless the user set it.
 """

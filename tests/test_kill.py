@@ -164,7 +164,7 @@ def _kill_chain(stages, s3_root, tiny_model_dir, tmp_path, capsys, monkeypatch) 
         print(f"{'stage':<12} {'kills':>5} {'secs':>6}  outcome")
         for name, k, secs, same in rows:
             print(f"{name:<12} {k:>5} {secs:>6.1f}  {'completed, byte-identical, no republish' if same else 'DIFFERENT'}")
-        print(f"republish of synth killed mid-publish: 1 kill, completed")
+        print("republish of synth killed mid-publish: 1 kill, completed")
         print(f"kills survived: {kills}; outputs lost: 0; polling reader: {reader.complete} complete reads, "
               f"{reader.refused} refused while unpublished/replaced, {reader.half_seen} half-published seen; "
               f"an unchecked reader got {reader.raw_mixed} file(s) of another publication than its manifest\n")
