@@ -222,7 +222,10 @@ def resolve(name: str | None, s3: bool = False) -> str | None:
     if not name:
         return name
     if os.path.isdir(os.path.expanduser(name)):
-        return os.path.abspath(os.path.expanduser(name))
+        path = os.path.abspath(os.path.expanduser(name))
+        if is_adapter(path):
+            return merged_adapter(path)
+        return path
     if lookup(name) is not None:
         return materialize(name)
     if s3 and name.startswith("s3://"):
@@ -231,6 +234,71 @@ def resolve(name: str | None, s3: bool = False) -> str | None:
 
 
 SMALL_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter(path: str) -> bool:
+    """A LoRA adapter directory (PEFT layout: adapter_config.json, no config.json of a whole model)."""
+    return (os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+            and not os.path.isfile(os.path.join(path, "config.json")))
+
+
+def merged_adapter(adapter_dir: str, cache: str | None = None) -> str:
+    """A whole HF model directory for a LoRA adapter: its base (``base_model_name_or_path``, itself
+    resolved, so a ``memsifter models`` name works) with the adapter merged in, float32, with the
+    base's tokenizer and chat template. Cached by the adapter's content under ``<cache>/merged/`` and
+    built in a temporary directory renamed into place. This is how the rank stage, the chat stage's
+    served model and the demo load base + adapter: vLLM and transformers see one ordinary model."""
+    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
+        cfg = json.load(f)
+    base_ref = cfg.get("base_model_name_or_path")
+    if not base_ref:
+        raise ConfigError(f"adapter {adapter_dir}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    h = hashlib.sha256()
+    for n in sorted(os.listdir(adapter_dir)):
+        p = os.path.join(adapter_dir, n)
+        if os.path.isfile(p) and n.startswith("adapter_"):
+            h.update(n.encode())
+            h.update(sha256_file(p).encode())
+    root = os.path.join(cache or cache_root(), "merged")
+    dest = os.path.join(root, f"{os.path.basename(adapter_dir.rstrip('/'))[:40]}-{h.hexdigest()[:12]}")
+    if os.path.isdir(dest) and not check_dir(dest):
+        return dest
+    base = resolve(base_ref)
+    if not os.path.isdir(str(base)):
+        raise ConfigError(f"adapter {adapter_dir}: its base {base_ref!r} is not a local model here")
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".merge-", dir=root)
+    try:
+        t0 = time.time()
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        files = {}
+        for dirpath, _, names in os.walk(tmp):
+            for n in names:
+                files[os.path.relpath(os.path.join(dirpath, n), tmp)] = sha256_file(os.path.join(dirpath, n))
+        with open(os.path.join(tmp, PROVENANCE), "w") as f:
+            json.dump({"base": base_ref, "adapter": os.path.abspath(adapter_dir), "adapter_sha256": h.hexdigest(),
+                       "lora": {k: cfg.get(k) for k in ("r", "lora_alpha", "target_modules")},
+                       "seconds": round(time.time() - t0, 1), "files": dict(sorted(files.items()))}, f, indent=2)
+        if os.path.isdir(dest):
+            shutil.rmtree(dest, ignore_errors=True)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if check_dir(dest):
+                raise
+        log.info("adapter %s merged onto %s in %.0fs -> %s", adapter_dir, base_ref, time.time() - t0, dest)
+        return dest
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetch_s3(uri: str, weights: bool = True, cache: str | None = None) -> str:

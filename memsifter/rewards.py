@@ -31,7 +31,8 @@ s_t = token F1 of its answer, and R = sum_i C(t_i) * (s_{t_i} - s_{t_{i-1}}) ove
 with C(k) = 1 / log2(k + 1) (the tier-1 term is included; the original dropped it).
 
 In both modes a response whose ranking does not parse (``memsifter.rankings.parse_ranking`` with
-K ids required; text after the last ``</think>``, so a response that starts inside the pre-filled
+K ids required; with ``format: partial`` any non-empty ranking of shown ids counts, scored on the ids
+it gives; text after the last ``</think>``, so a response that starts inside the pre-filled
 think block is fine) scores 0. A working-LLM call is retried (``memsifter.llm.ChatClient``); a call
 that still fails scores 0 for its tier and is counted in ``llm_failed``; nothing raises into the
 trainer (an unexpected error gives score 0 and ``reward_error = 1``).
@@ -44,7 +45,8 @@ MEMSIFTER_LLM_BASE_URL / OPENAI_BASE_URL), ``model`` (MEMSIFTER_REWARD_MODEL), `
 ``timeout_s`` (120), ``top_k`` (10), ``cache_uri`` (MEMSIFTER_REWARD_CACHE: JSONL response cache
 under a local path or s3:// prefix, so a restarted run re-sends nothing it already asked),
 ``answer_prompt`` (MEMSIFTER_REWARD_ANSWER_PROMPT: a replacement for ``prompts/chat.txt``, the chat
-stage's template, slots ``{history}``, ``{current}``, ``{date}``).
+stage's template, slots ``{history}``, ``{current}``, ``{date}``), ``format`` (MEMSIFTER_REWARD_FORMAT:
+``exact``, MemSifter's K-ids rule, or ``partial``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from .stages.rank import fill, load_prompt  # the prompt files and slot filling 
 log = logging.getLogger(__name__)
 
 MODES = ("dcg", "task")
+FORMATS = ("exact", "partial")
 TOP_K = 10
 
 
@@ -149,6 +152,7 @@ class RewardSettings:
     top_k: int = TOP_K
     cache_uri: str | None = None
     answer_prompt: str | None = None
+    format: str = "exact"
 
     @classmethod
     def resolve(cls, **kw: Any) -> "RewardSettings":
@@ -160,6 +164,7 @@ class RewardSettings:
             "concurrency": _env("MEMSIFTER_REWARD_CONCURRENCY"), "max_retries": _env("MEMSIFTER_REWARD_MAX_RETRIES"),
             "timeout_s": _env("MEMSIFTER_REWARD_TIMEOUT_S"), "top_k": _env("MEMSIFTER_REWARD_TOP_K"),
             "cache_uri": _env("MEMSIFTER_REWARD_CACHE"), "answer_prompt": _env("MEMSIFTER_REWARD_ANSWER_PROMPT"),
+            "format": _env("MEMSIFTER_REWARD_FORMAT"),
         }
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__:
@@ -173,9 +178,12 @@ class RewardSettings:
                     api_key_env=str(s.api_key_env) if s.api_key_env else None, temperature=float(s.temperature),
                     max_tokens=int(s.max_tokens), concurrency=int(s.concurrency),
                     max_retries=int(s.max_retries), timeout_s=float(s.timeout_s), top_k=int(s.top_k),
-                    cache_uri=s.cache_uri or None, answer_prompt=s.answer_prompt or None)
+                    cache_uri=s.cache_uri or None, answer_prompt=s.answer_prompt or None,
+                    format=str(s.format).lower())
         if typed.mode not in MODES:
             raise ValueError(f"reward mode {typed.mode!r}: expected one of {MODES}")
+        if typed.format not in FORMATS:
+            raise ValueError(f"reward format {typed.format!r}: expected one of {FORMATS}")
         return typed
 
     def endpoint(self) -> LLMEndpoint:
@@ -325,7 +333,9 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
     try:
         gold, n = parse_ground_truth(ground_truth)
         k = min(settings.top_k, n)
-        parsed = parse_ranking(solution_str, n, k=k)
+        # exact: MemSifter's rule, K = min(10, N) valid ids or nothing; partial: any ranking with at
+        # least one valid id is scored on the ids it gives (the missing ones count as irrelevant)
+        parsed = parse_ranking(solution_str, n, k=k if settings.format == "exact" else None)
         if not parsed.ok or k <= 0:
             return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids))
         ids = parsed.ids[:k]

@@ -47,6 +47,7 @@ STAGE_MODULES: dict[str, str] = {
     "chat": "memsifter.stages.chat",
     "evaluate": "memsifter.stages.evaluate",
     "prepare-rl": "memsifter.stages.prepare_rl",
+    "sft": "memsifter.stages.sft",
     "train": "memsifter.stages.train",
     "collect": "memsifter.stages.collect",
     "merge": "memsifter.stages.merge",

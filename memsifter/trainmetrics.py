@@ -29,7 +29,7 @@ _ITEM = re.compile(r"^\s*([A-Za-z0-9_@./\-]+):(\S+)\s*$")
 # (title, candidate keys in order of preference, or a prefix ending in '/')
 PANELS = (
     ("reward (mean score)", ("critic/score/mean", "critic/rewards/mean")),
-    ("valid-format rate", ("reward/valid/mean", "critic/valid/mean", "val-aux/valid")),
+    ("valid-format rate", ("reward/valid/mean", "critic/valid/mean", "val-aux/valid", "~format_ok")),
     ("validation", ("val-core/",)),
     ("response length (tokens)", ("response_length/mean",)),
     ("step time (s)", ("timing_s/step",)),
@@ -106,13 +106,15 @@ class MetricsSink:
 def _series(records: list[dict], keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for key in keys:
-        if key.endswith("/"):
+        if key.startswith("~"):  # every key containing the text (e.g. the reward's extra metrics)
+            names = sorted({k for r in records for k in r if key[1:] in k})
+        elif key.endswith("/"):
             names = sorted({k for r in records for k in r if k.startswith(key)})
         else:
             names = [key] if any(key in r for r in records) else []
         for n in names:
             out[n] = [(r["step"], r[n]) for r in records if n in r]
-        if out and not key.endswith("/"):
+        if out and not key.endswith("/") and not key.startswith("~"):
             break
     return out
 
@@ -150,6 +152,39 @@ def plot(records: list[dict], title: str = "training") -> bytes:
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
         if len(series) > 1 or t == "validation":
+            ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plot_sft(records: list[dict], title: str = "sft") -> bytes:
+    """The sft stage's curves: training loss and learning rate per step; evaluation loss, valid-format
+    rate and NDCG@10 (beside the first stage's) per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("kind") == "train"]
+    ev = [r for r in records if r.get("kind") == "eval"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    panels = [("training loss", train, ["loss"]), ("learning rate", train, ["lr"]),
+              ("eval loss", ev, ["eval_loss"]),
+              ("eval: valid format, NDCG@10", ev, ["valid_format", "ndcg@10", "first_stage_ndcg@10"])]
+    for ax, (t, rs, keys) in zip(axes, panels):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rs if r.get(k) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=k,
+                        ls="--" if k.startswith("first_stage") else "-")
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
             ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
     buf = io.BytesIO()

@@ -25,7 +25,10 @@ candidate is taken instead; counts are in the manifest.
 Row (verl parquet): ``data_source`` = ``memsifter_{dataset}``, ``prompt`` = chat messages,
 ``ability``, ``reward_model`` = ``{style: rule, ground_truth: "{local gold ids};{N sessions}"}``, and
 ``extra_info`` with what ``memsifter.rewards`` needs: question, question date, gold answer, dataset,
-the rendered sessions in prompt order with their dates and original ids, the local gold ids.
+the rendered sessions in prompt order with their dates and original ids, the local gold ids, and the
+local ids in first-stage order (``first_stage_local``: the warm-up SFT's targets, the first stage as a
+baseline). ``prompt_style: direct`` and ``session_tokens`` build the prompt a small-context ranker is
+served with by the rank stage (ids only; each session condensed towards the question).
 
 Output: ``train_00000.parquet`` … (train rows shuffled with the seed, split evenly into files of at
 most ``shard_rows`` rows, so there is no tiny trailing shard), ``test.parquet`` (and one file per
@@ -39,7 +42,7 @@ import hashlib
 import logging
 import math
 import random
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import yaml
@@ -50,9 +53,9 @@ from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
 from ..metrics import dcg_over_gold
-from ..render import render_history_texts, render_session
+from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, runtime_field, stage, uri_field
-from .rank import fill, load_prompt
+from .rank import PROMPTS, fill, load_prompt
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ EXTRA_INFO = pa.struct([
     ("sessions", pa.list_(pa.string())), ("dates", pa.list_(pa.string())),
     ("session_ids", pa.list_(pa.string())), ("gold_local", pa.list_(pa.int64())),
     ("n_sessions", pa.int64()), ("prompt_tokens", pa.int64()), ("anchor_dcg10", pa.float64()),
-    ("order_source", pa.string()),
+    ("order_source", pa.string()), ("first_stage_local", pa.list_(pa.int64())),
 ])
 ROW_SCHEMA = pa.schema([
     ("data_source", pa.string()), ("prompt", pa.list_(TURN)), ("ability", pa.string()),
@@ -110,7 +113,15 @@ class PrepareRLConfig(StageConfig):
                                         "non-gold sessions in the budget", [])
     tokenizer: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker tokenizer (hub id or dir) "
                            "used to count the budget")
-    prompt: str | None = Field(None, description="ranker prompt template URI (default: prompts/ranker.txt)")
+    prompt: str | None = Field(None, description="ranker prompt template URI (default: the shipped prompt of "
+                               "prompt_style)")
+    prompt_style: Literal["thinking", "direct"] = Field(
+        "thinking", description="shipped prompt when 'prompt' is not set: thinking = MemSifter's "
+        "(prompts/ranker.txt), direct = ids only for small non-thinking rankers (prompts/ranker_direct.txt, "
+        "the rank stage's prompt_style direct); train with the prompt the rank stage will use")
+    session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens "
+                                       "(its turns sharing the most words with the question, as the rank stage's "
+                                       "session_tokens); the reward's working LLM sees the same text; default: whole")
     history_budget_tokens: int = Field(HISTORY_BUDGET, gt=0, description="history budget (130 x 1024)")
     max_prompt_tokens: int = Field(MAX_PROMPT, gt=0, description="rows with longer prompts are skipped "
                                    "(verl data.max_prompt_length)")
@@ -183,14 +194,19 @@ class Builder:
 
         self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)
-        self.template = load_prompt(config.prompt, "ranker.txt", ("history", "current"))
-        self._texts: dict[str, str] = {}
+        self.template = load_prompt(config.prompt, PROMPTS[config.prompt_style], ("history", "current"))
+        self._texts: dict[tuple[str, str], str] = {}
         self.empty_tokens: dict[str, int] = {}
 
-    def text(self, sid: str) -> str:
-        t = self._texts.get(sid)
+    def text(self, sid: str, q: Question) -> str:
+        """A session as the prompt shows it: whole, or condensed towards the question (session_tokens)."""
+        key = (sid, q.question if self.config.session_tokens else "")
+        t = self._texts.get(key)
         if t is None:
-            t = self._texts[sid] = render_session(self.ds.sessions[sid].turns)
+            turns = self.ds.sessions[sid].turns
+            t = self._texts[key] = (condense_session(turns, q.question, self.config.session_tokens,
+                                                     self.counter.count_many)
+                                    if self.config.session_tokens else render_session(turns))
         return t
 
     def prompt_text(self, history: str, q: Question) -> str:
@@ -203,14 +219,10 @@ class Builder:
             n = self.empty_tokens[q.question] = self.counter.chat_prompt_tokens(msgs)
         return n
 
-    def select(self, q: Question) -> tuple[list[int], str, int]:
-        """Haystack indices shown (chronological), the order source, estimated prompt tokens."""
+    def order(self, q: Question) -> tuple[list[int], str]:
+        """Haystack indices in first-stage order (similarities, else the previous ranking, else the
+        haystack's own order) and the name of that source."""
         hay = q.haystack_session_ids
-        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
-        texts = [self.text(s) for s in hay]
-        headers = [f"<session{i}> <date>{d}</date>\n</session>\n" if d else f"<session{i}>\n</session>\n"
-                   for i, d in enumerate(dates)]
-        costs = [a + b for a, b in zip(self.counter.count_many(texts), self.counter.count_many(headers))]
         pos = {s: i for i, s in enumerate(hay)}
         if q.question_id in self.sims:
             source, ranked = "similarity", self.sims[q.question_id]
@@ -220,7 +232,18 @@ class Builder:
             source, ranked = "haystack", list(hay)
         order = list(dict.fromkeys(pos[s] for s in ranked if s in pos))
         seen = set(order)
-        order += [i for i in range(len(hay)) if i not in seen]
+        return order + [i for i in range(len(hay)) if i not in seen], source
+
+    def select(self, q: Question) -> tuple[list[int], str, int]:
+        """Haystack indices shown (chronological), the order source, estimated prompt tokens."""
+        hay = q.haystack_session_ids
+        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
+        texts = [self.text(s, q) for s in hay]
+        headers = [f"<session{i}> <date>{d}</date>\n</session>\n" if d else f"<session{i}>\n</session>\n"
+                   for i, d in enumerate(dates)]
+        costs = [a + b for a, b in zip(self.counter.count_many(texts), self.counter.count_many(headers))]
+        pos = {s: i for i, s in enumerate(hay)}
+        order, source = self.order(q)
         gold = [pos[g] for g in q.gold_session_ids if g in pos]
         chosen = sorted(fill_budget(order, costs, self.config.history_budget_tokens, required=gold))
         return chosen, source, self._empty(q) + sum(costs[i] for i in chosen)
@@ -228,11 +251,13 @@ class Builder:
     def row(self, q: Question, chosen: list[int], source: str, tokens: int, split: str, index: int,
             dcg10: float | None) -> dict:
         hay = [q.haystack_session_ids[i] for i in chosen]
-        texts = [self.text(s) for s in hay]
+        texts = [self.text(s, q) for s in hay]
         dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
         history = render_history_texts(texts, dates if any(dates) else None)
         gold = set(q.gold_session_ids)
         gold_local = [i for i, s in enumerate(hay) if s in gold]
+        local = {h: i for i, h in enumerate(chosen)}  # haystack index -> local id
+        first_stage = [local[h] for h in self.order(q)[0] if h in local]
         return {
             "data_source": f"memsifter_{q.dataset}",
             "prompt": [{"role": "user", "content": self.prompt_text(history, q)}],
@@ -244,7 +269,7 @@ class Builder:
                 "question": q.question, "question_date": q.question_date, "answer": q.answer,
                 "sessions": texts, "dates": dates, "session_ids": hay, "gold_local": gold_local,
                 "n_sessions": len(hay), "prompt_tokens": tokens, "anchor_dcg10": dcg10,
-                "order_source": source,
+                "order_source": source, "first_stage_local": first_stage,
             },
         }
 

@@ -99,6 +99,11 @@ class DapoSettings(BaseModel):
     param_offload: bool = True
     optimizer_offload: bool = True
     gradient_checkpointing: bool = True
+    lora_rank: int = Field(0, ge=0, description="LoRA rank of the actor (0: full fine-tuning, MemSifter's run); "
+                           "the trained ranker is then an adapter, exported by collect")
+    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (alpha / rank scales the update)")
+    lora_target_modules: str | list[str] = Field("all-linear", description="modules given LoRA adapters")
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus of the actor loss (DAPO: 0)")
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="actor/ref attention (auto: flash_attention_2 where the flash-attn package is "
         "installed, else sdpa with padded batches; verl's default, flash_attention_2, fails to load without it)")
@@ -137,11 +142,16 @@ class RewardSettingsConfig(BaseModel):
     top_k: int = 10
     cache_uri: str | None = Field(None, description="response cache (local or s3://); default <output>/_work/reward_cache")
     answer_prompt: str | None = Field(None, description="working-LLM prompt file (default: prompts/chat.txt)")
+    format: Literal["exact", "partial"] = Field("exact", description="exact: a ranking needs K = min(top_k, N) "
+                                                "valid ids or scores 0 (MemSifter); partial: any ranking of shown "
+                                                "ids is scored on the ids it gives (lets learning start)")
 
 
 class TrainConfig(StageConfig):
     model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir, s3:// URI or a name of `memsifter models list`")
     data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)")
+    init_adapter: str | None = uri_field("a LoRA adapter to start from (the sft stage's output, its adapter/ "
+                                         "directory is used); needs dapo.lora_rank > 0", None)
     nnodes: int = Field(1, ge=1, description="GPU nodes (trainer.nnodes)")
     n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node (trainer.n_gpus_per_node)")
     project_name: str = "memsifter"
@@ -164,6 +174,8 @@ class TrainConfig(StageConfig):
         if self.reward.mode == "task" and not self.reward.base_url:
             raise ValueError("reward.mode 'task' needs reward.base_url (the working LLM's OpenAI-compatible "
                              "URL) and reward.model; or use reward.mode 'dcg' (no LLM calls)")
+        if self.init_adapter and self.dapo.lora_rank <= 0:
+            raise ValueError("init_adapter needs dapo.lora_rank > 0 (the adapter is trained further as LoRA)")
         return self
 
 
@@ -200,7 +212,32 @@ def _q(v: Any) -> str:
 
 def local_paths(config: TrainConfig) -> dict[str, str]:
     root = config.local_dir.rstrip("/")
-    return {"root": root, "data": f"{root}/data", "model": f"{root}/model", "checkpoints": f"{root}/{CHECKPOINTS}"}
+    return {"root": root, "data": f"{root}/data", "model": f"{root}/model", "checkpoints": f"{root}/{CHECKPOINTS}",
+            "adapter": f"{root}/init_adapter"}
+
+
+def adapter_local(config: TrainConfig) -> str | None:
+    """Where verl reads ``init_adapter`` from: the staged copy of an ``s3://`` adapter, else the local
+    adapter directory itself (unreadable now, e.g. in a dry run: the staged location)."""
+    if not config.init_adapter:
+        return None
+    if storage.is_s3(config.init_adapter):
+        return local_paths(config)["adapter"]
+    try:
+        return storage.resolve(adapter_source(config.init_adapter))[1]
+    except Exception:  # noqa: BLE001 - composing without the input at hand
+        return local_paths(config)["adapter"]
+
+
+def adapter_source(uri: str) -> str:
+    """The adapter directory of ``init_adapter``: an sft output holds it under ``adapter/``; a plain
+    adapter directory (adapter_config.json at its top) is used as it is."""
+    if storage.exists(storage.join(uri, "adapter", "adapter_config.json")):
+        return storage.join(uri, "adapter")
+    if storage.exists(storage.join(uri, "adapter_config.json")):
+        return uri
+    raise InputError("no LoRA adapter here (expected adapter/adapter_config.json of an sft output, or "
+                     "adapter_config.json)", file=uri, field="init_adapter")
 
 
 def data_files(config: TrainConfig) -> tuple[list[str], list[str]]:
@@ -296,9 +333,13 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         ("actor_rollout_ref.model.path", model_path(config)),
         ("actor_rollout_ref.model.use_remove_padding", remove_padding),
         ("actor_rollout_ref.model.enable_gradient_checkpointing", d.gradient_checkpointing),
+        ("actor_rollout_ref.model.lora_rank", d.lora_rank),
+        ("actor_rollout_ref.model.lora_alpha", d.lora_alpha),
+        ("actor_rollout_ref.model.target_modules", d.lora_target_modules),
+        ("actor_rollout_ref.model.lora_adapter_path", adapter_local(config)),
         # actor: clipped surrogate, token-mean loss, optimiser
         (f"{a}.use_kl_loss", d.use_kl), (f"{a}.kl_loss_coef", 0.0 if not d.use_kl else 0.001),
-        (f"{a}.entropy_coeff", 0), (f"{a}.clip_ratio_low", d.clip_ratio_low),
+        (f"{a}.entropy_coeff", d.entropy_coeff), (f"{a}.clip_ratio_low", d.clip_ratio_low),
         (f"{a}.clip_ratio_high", d.clip_ratio_high), (f"{a}.clip_ratio_c", d.clip_ratio_c),
         (f"{a}.loss_agg_mode", d.loss_agg_mode),
         (f"{a}.optim.lr", d.lr), (f"{a}.optim.weight_decay", d.weight_decay),
@@ -318,6 +359,8 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         (f"{r}.gpu_memory_utilization", d.rollout_gpu_memory_utilization),
         (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
         (f"{r}.log_prob_max_token_len_per_gpu", max_len),
+        # LoRA: vLLM loads the base weights itself and gets only the adapter from the actor each step
+        *([(f"{r}.load_format", "safetensors"), (f"{r}.layered_summon", True)] if d.lora_rank > 0 else []),
         (f"{r}.val_kwargs.do_sample", True), (f"{r}.val_kwargs.temperature", d.val_temperature),
         (f"{r}.val_kwargs.top_p", d.val_top_p), (f"{r}.val_kwargs.n", 1),
         # reward: our function under the DAPO manager
@@ -584,9 +627,11 @@ def wait_for_gpu_nodes(nnodes: int, gpus_per_node: int, timeout: float) -> int:
 
 
 def _stage_node(data_uri: str, data_files_: list[str], model_uri: str | None, paths: dict[str, str],
-                ckpt_uri: str, step: int | None) -> dict:
-    """On one node: data, model and checkpoint from the storage layer to local disk."""
+                ckpt_uri: str, step: int | None, adapter_uri: str | None = None) -> dict:
+    """On one node: data, model, the starting adapter and checkpoint from the storage layer to local disk."""
     os.makedirs(paths["data"], exist_ok=True)
+    if adapter_uri:
+        storage.download_dir(adapter_uri, paths["adapter"])
     for f in data_files_:
         dest = os.path.join(paths["data"], f)
         if not os.path.exists(dest):
@@ -701,7 +746,8 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
         wait_for_gpu_nodes(config.nnodes, config.n_gpus_per_node, config.node_wait_s)
     try:
         staged = on_every_node(_stage_node, config.data, train + test,
-                               config.model if storage.is_s3(config.model) else None, p, ckpt_uri, resume)
+                               config.model if storage.is_s3(config.model) else None, p, ckpt_uri, resume,
+                               adapter_source(config.init_adapter) if config.init_adapter else None)
     finally:
         if _ray_connected():
             import ray

@@ -1,0 +1,146 @@
+"""Learning that starts: prepare-rl for a small ranker, the sft warm-up stage, the partial-format
+reward, LoRA in the train stage's verl config, adapters loaded where a model is (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from memsifter import storage
+from memsifter.errors import InputError
+from memsifter.stage import get_stage
+from memsifter.stages.prepare_rl import read_rows
+from memsifter.stages.sft import answer_text, batches, lr_at, target_ids
+
+
+@pytest.fixture(scope="module")
+def rl_direct(tmp_path_factory, tiny_model_dir):
+    """prepare-rl rows as a small ranker trains on them: the direct prompt, condensed sessions."""
+    root = tmp_path_factory.mktemp("rl")
+    ds = str(root / "ds")
+    get_stage("synth").run({"output": ds, "questions": 14, "sessions_per_question": 8, "seed": 5})
+    out = str(root / "rl")
+    get_stage("prepare-rl").run({"output": out, "datasets": [ds], "tokenizer": tiny_model_dir, "seed": 1,
+                                 "prompt_style": "direct", "session_tokens": 48, "history_budget_tokens": 4000,
+                                 "recipe": {"train": {"synth": 10}, "test": {"synth": 4}}})
+    return out
+
+
+def test_prepare_rl_direct_prompt_condensed_sessions_and_first_stage_order(rl_direct, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = read_rows(rl_direct, "train") + read_rows(rl_direct, "test")
+    assert len(rows) == 14
+    for r in rows:
+        info = r["extra_info"]
+        text = r["prompt"][0]["content"]
+        assert "between <ranking> and </ranking>. Write nothing else." in text  # prompts/ranker_direct.txt
+        n = info["n_sessions"]
+        assert sorted(info["first_stage_local"]) == list(range(n))  # a permutation of the shown ids
+        for s in info["sessions"]:  # each session shown in about session_tokens (at least its best turn)
+            lines = s.splitlines(keepends=True)
+            assert len(lines) == 1 or len(tok(s, add_special_tokens=False)["input_ids"]) <= 48 + 8
+            assert s in text  # the reward's working LLM sees what the ranker saw
+
+
+def test_targets_put_gold_first_in_first_stage_order():
+    row = {"extra_info": {"n_sessions": 5, "first_stage_local": [3, 1, 4, 0, 2], "gold_local": [0, 4], "index": 7}}
+    assert target_ids(row, "gold_first", 10) == [4, 0, 3, 1, 2]
+    assert target_ids(row, "first_stage", 3) == [3, 1, 4]
+    assert answer_text([4, 0, 3]) == "<ranking>4, 0, 3</ranking>"
+    bad = {"extra_info": {"n_sessions": 3, "first_stage_local": [0, 1], "gold_local": [0], "index": 2}}
+    with pytest.raises(InputError, match="first_stage_local") as e:
+        target_ids(bad, "gold_first", 10, "s3://b/rl")
+    assert "s3://b/rl" in str(e.value) and "2" in str(e.value)
+
+
+def test_batches_respect_the_token_budget_and_cover_every_row():
+    lengths = [5, 100, 40, 40, 7, 300, 12, 64] * 9
+    bs = batches(lengths, 400, seed=3)
+    assert sorted(i for b in bs for i in b) == list(range(len(lengths)))
+    assert all(max(lengths[i] for i in b) * len(b) <= 400 for b in bs)
+    assert lr_at(0, 100, 10, 1.0) == pytest.approx(0.1) and lr_at(9, 100, 10, 1.0) == pytest.approx(1.0)
+    assert lr_at(100, 100, 10, 1.0) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_sft_full_fine_tune_lowers_the_loss(rl_direct, tiny_model_dir, tmp_path):
+    out = str(tmp_path / "sft-full")
+    m = get_stage("sft").run({"output": out, "model": tiny_model_dir, "data": rl_direct, "lora_rank": 0,
+                              "lr": 3e-3, "epochs": 8, "batch_tokens": 2048, "eval_generate": 2, "device": "cpu"})
+    st = m["stats"]
+    assert st["artifact"] == "model" and st["rows"] == 10 and st["eval_rows"] == 4
+    recs = [json.loads(line) for line in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert len(evals) == 9 and {"valid_format", "ndcg@10", "first_stage_ndcg@10", "eval_loss"} <= set(evals[0])
+    first = sum(r["loss"] for r in train[:2]) / 2
+    last = sum(r["loss"] for r in train[-2:]) / 2
+    assert last < 0.6 * first, (first, last)  # it learns the targets
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert storage.exists(storage.join(out, "model", "config.json"))
+    assert storage.exists(storage.join(out, "sft_curves.png"))
+
+
+def test_sft_lora_adapter_is_small_and_loads_as_a_model(rl_direct, tiny_model_dir, tmp_path):
+    out = str(tmp_path / "sft")
+    m = get_stage("sft").run({"output": out, "model": tiny_model_dir, "data": rl_direct, "lora_rank": 8,
+                              "lr": 1e-2, "epochs": 1, "batch_tokens": 2048, "eval_generate": 1, "device": "cpu"})
+    st = m["stats"]
+    assert st["artifact"] == "adapter" and st["artifact_bytes"] < 16 * 2 ** 20
+    cfg = json.loads(storage.read_text(storage.join(out, "adapter", "adapter_config.json")))
+    assert cfg["base_model_name_or_path"] == tiny_model_dir and cfg["r"] == 8
+    # an adapter directory is a model wherever one is accepted: merged onto its base once, cached
+    from memsifter import models
+
+    merged = models.resolve(os.path.join(out, "adapter"))
+    assert os.path.isfile(os.path.join(merged, "config.json")) and merged != tiny_model_dir
+    assert models.resolve(os.path.join(out, "adapter")) == merged  # cached
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(merged).state_dict()
+    assert any((a[k] - b[k]).abs().max() > 0 for k in a if k.endswith("q_proj.weight"))  # the update is in
+
+
+def test_partial_format_scores_short_rankings_exact_does_not():
+    from memsifter.rewards import compute_score_sync
+
+    short = "<ranking>2, 0</ranking>"
+    exact = compute_score_sync("memsifter_x", short, "2;6", {}, mode="dcg")
+    partial = compute_score_sync("memsifter_x", short, "2;6", {}, mode="dcg", format="partial")
+    assert exact["score"] == 0.0 and exact["format_ok"] == 0.0
+    assert partial["score"] == pytest.approx(1.0) and partial["format_ok"] == 1.0
+    with pytest.raises(ValueError, match="reward format"):
+        from memsifter.rewards import RewardSettings
+
+        RewardSettings.resolve(format="loose")
+
+
+def test_lora_settings_compose_in_verl(tmp_path):
+    """dapo.lora_rank / init_adapter become verl's LoRA keys, which verl's Hydra config accepts."""
+    from memsifter.errors import ConfigError  # noqa: F401
+    from memsifter.stages import train
+    from memsifter.stages.train import TrainConfig, verl_overrides
+
+    adapter = tmp_path / "sft" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    cfg = TrainConfig(output=str(tmp_path / "t"), data="/x", init_adapter=str(tmp_path / "sft"),
+                      dapo={"lora_rank": 16, "lora_alpha": 32, "ulysses_sequence_parallel_size": 1,
+                            "entropy_coeff": 0.001})
+    ovs = verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"])
+    c = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
+    m, r = c["actor_rollout_ref"]["model"], c["actor_rollout_ref"]["rollout"]
+    assert (m["lora_rank"], m["lora_alpha"], m["target_modules"]) == (16, 32, "all-linear")
+    assert m["lora_adapter_path"] == str(adapter)
+    assert r["load_format"] == "safetensors" and r["layered_summon"] is True
+    assert c["actor_rollout_ref"]["actor"]["entropy_coeff"] == 0.001
+    with pytest.raises(ValueError, match="init_adapter needs dapo.lora_rank"):
+        TrainConfig(output="o", data="d", init_adapter=str(tmp_path / "sft"))
+    full = TrainConfig(output="o", data="d")
+    c = yaml.safe_load(train.compose(full, verl_overrides(full, ["/x/a.parquet"], ["/x/b.parquet"]), in_process=True))
+    assert c["actor_rollout_ref"]["model"]["lora_rank"] == 0 and c["actor_rollout_ref"]["rollout"]["load_format"] != "safetensors"
