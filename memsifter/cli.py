@@ -1,29 +1,44 @@
 """The ``memsifter`` command line.
 
-``memsifter run STAGE`` is generated from the stage registry: every simple config field becomes a
-flag (``--model``, ``--batch-size``), any field can be set with ``--set key=value`` (dotted keys for
-nested ones), and ``--config FILE`` loads YAML/JSON (local or s3://). Errors a user can cause print one
-line and exit 2; nothing is published on error.
+``memsifter run STAGE`` is generated from the stage registry: every config field is a flag, nested
+settings included, to any depth (``--model``, ``--batch-size``, ``--endpoint.base-url``,
+``--vllm.replicas``, ``--reward.mode``; ``_`` works for ``-`` in names). ``--help`` groups the flags of
+each nested setting under its name and description, marks required fields "(required)" and states each
+default once. Types come from the config: ``--x``/``--no-x`` for booleans (``--a.no-x`` nested),
+choices for Literals, several values for lists, one JSON/YAML value for mappings and other shapes.
+
+Where a value comes from, lowest first: the config's defaults < ``--config FILE`` (YAML/JSON, local or
+s3://) < flags < ``--set key.sub=value`` (YAML value, applied in order, the last wins). A nested flag
+changes only its own field: ``--vllm.replicas 2`` keeps the other ``vllm`` settings of the config
+file, and sets ``endpoint`` (with defaults for the rest) where the config left it unset. Errors a user
+can cause print one line and exit 2 (a flag argparse rejects: its usage line and exit 2); nothing is
+published on error.
 
 Published outputs are not replaced by mistake: ``--force`` re-runs a stage over its own output made
 with the same config (and replaces a broken ``_SUCCESS``); ``--replace`` is needed to replace an output
 this stage published with a different config; another stage's output is never replaced, and an output
 that is, contains or lies inside an input is refused (:meth:`memsifter.stage.Stage.run`).
 """
-
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import json
 import logging
+import re
 import sys
 import types
 import typing
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .errors import MemsifterError
+from .errors import ConfigError, MemsifterError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from pydantic.fields import FieldInfo
 
 log = logging.getLogger("memsifter")
 
@@ -84,6 +99,13 @@ REPLACE_HELP = ("replace an output this stage published with a DIFFERENT config 
 
 
 # --------------------------------------------------------------------------- flags from a config
+CONFIG_DEST = "cfg:"   # argparse dest prefix of the flags generated from a config: "cfg:vllm.replicas"
+
+# A description that already states its default ("(default: ...", "; default: ...", "default: ...")
+# gets no second "(default: ...)"; "verl's default, ..." is not such a statement.
+_STATES_DEFAULT = re.compile(r"(^|[(;]\s*)default\b", re.IGNORECASE)
+
+
 def _unwrap(tp: Any) -> tuple[Any, bool]:
     """Strip Optional[...]; returns (type, optional)."""
     origin = typing.get_origin(tp)
@@ -94,29 +116,219 @@ def _unwrap(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> list[str]:
-    """Add one flag per simple field of a pydantic config; returns the field names added."""
-    added = []
+def _model_type(tp: Any) -> type[BaseModel] | None:
+    """The pydantic model of a field typed ``Model`` or ``Model | None``; None otherwise."""
+    from pydantic import BaseModel
+
+    tp, _ = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _choices(tp: Any) -> list | None:
+    """The allowed values of a Literal or Enum type; None for other types."""
+    if typing.get_origin(tp) is typing.Literal:
+        return list(typing.get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return [m.value for m in tp]
+    return None
+
+
+def _choice(values: list) -> Callable[[str], Any]:
+    """argparse ``type`` that maps a word to the choice it spells (so ``Literal[1, 2]`` gets ints);
+    an unknown word passes through for argparse's "invalid choice" message."""
+    by_text = {str(v): v for v in values}
+
+    def convert(text: str) -> Any:
+        return by_text.get(text, text)
+
+    convert.__name__ = "choice"
+    return convert
+
+
+def _yaml_value(text: str) -> Any:
+    """argparse ``type`` of a mapping/complex field: a YAML or JSON value, as ``--set`` takes."""
+    from . import stage as stg
+
+    return stg.parse_value(text)
+
+
+_yaml_value.__name__ = "JSON/YAML"
+
+
+class _BoolFlag(argparse.Action):
+    """``--x`` sets True, ``--no-x`` (``--a.no-x`` for a nested field) sets False."""
+
+    def __init__(self, option_strings: list[str], dest: str, negative: str = "", **kw: Any) -> None:
+        self.negative = negative
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string != self.negative)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else repr(value.value if isinstance(value, enum.Enum) else value)
+
+
+def _field_help(f: FieldInfo, has_default: bool, default: Any) -> str:
+    """A field's help line: its description, then "(required)" or its default, stated once."""
+    desc = " ".join((f.description or "").split())
+    if not has_default:
+        tail = "(required)"
+    elif _STATES_DEFAULT.search(desc):
+        tail = ""   # the description says what the default is (often better than the raw value)
+    else:
+        tail = f"(default: {_show(default)})"
+    return " ".join(x for x in (desc, tail) if x).replace("%", "%%")
+
+
+def _field_default(f: FieldInfo, name: str, parent_default: Any) -> tuple[bool, Any]:
+    """(has a default, the default) of a field; inside a model whose default is an instance, the
+    instance's value (``vllm: VLLMSettings = VLLMSettings(replicas=4)`` shows replicas 4)."""
+    from pydantic import BaseModel
+
+    if isinstance(parent_default, BaseModel):
+        return True, getattr(parent_default, name, None)
+    if f.is_required():
+        return False, None
+    try:
+        return True, f.get_default(call_default_factory=True)
+    except (TypeError, ValueError):  # a default factory that needs the validated data
+        return True, None
+
+
+def _group_text(f: FieldInfo, model: type[BaseModel], dotted: str, has_default: bool, default: Any) -> str:
+    desc = " ".join((f.description or plain(model.__doc__)).split())
+    if default is None:
+        how = (f"unset by default: any flag below sets it, the rest at these defaults; --set {dotted}=null "
+               f"unsets it" if has_default else "required: set it with the flags below, --config or --set")
+        desc = f"{desc} ({how})" if desc else how.capitalize()
+    return desc.replace("%", "%%")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[BaseModel],
+                     group: Any = None, prefix: tuple[str, ...] = (), parent_default: Any = None,
+                     _seen: tuple[type, ...] = ()) -> list[str]:
+    """Add one flag per leaf field of a pydantic config, nested models included, to any depth:
+    ``--batch-size`` for a top-level field, ``--vllm.replicas`` for a field of the ``vllm`` model
+    (each nested model in its own argument group, titled by its dotted name). Fields with no flag type
+    of their own (mappings, lists of lists, unions) take one JSON/YAML value, as ``--set`` does.
+    Every flag stores under ``CONFIG_DEST + dotted name`` only when given (argparse.SUPPRESS), so
+    ``config_flag_values`` returns exactly what was given. Returns the dotted names added."""
+    group = group if group is not None else parser
+    added: list[str] = []
+    nested: list[tuple[str, FieldInfo, type[BaseModel]]] = []
     for name, f in config_cls.model_fields.items():
+        dotted = ".".join((*prefix, name))
+        has_default, default = _field_default(f, name, parent_default)
+        model = _model_type(f.annotation)
+        if model is not None and model not in _seen:
+            nested.append((name, f, model))
+            continue
+        flag = "--" + dotted.replace("_", "-")
+        kw: dict[str, Any] = {"dest": CONFIG_DEST + dotted, "default": argparse.SUPPRESS,
+                              "help": _field_help(f, has_default, default)}
         tp, _ = _unwrap(f.annotation)
-        origin = typing.get_origin(tp)
-        flag = "--" + name.replace("_", "-")
-        desc = (f.description or "").replace("%", "%%")
-        default = None if f.is_required() else f.get_default(call_default_factory=True)
-        help_ = f"{desc} (default: {default!r})" if not f.is_required() else f"{desc} (required)"
-        kw: dict[str, Any] = {"dest": name, "default": None, "help": help_}
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+        leaf_meta = name.upper()
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            negative = "--" + ".".join((*prefix, "no-" + name)).replace("_", "-")
+            group.add_argument(flag, negative, action=_BoolFlag, negative=negative, **kw)
         elif tp in (str, int, float):
-            parser.add_argument(flag, type=tp, metavar=name.upper(), **kw)
-        elif origin is typing.Literal:
-            parser.add_argument(flag, choices=[str(a) for a in typing.get_args(tp)], **kw)
-        elif origin is list and typing.get_args(tp) and typing.get_args(tp)[0] in (str, int, float):
-            parser.add_argument(flag, type=typing.get_args(tp)[0], nargs="+", metavar="V", **kw)
+            group.add_argument(flag, type=tp, metavar=leaf_meta, **kw)
+        elif _choices(tp) is not None:
+            group.add_argument(flag, type=_choice(_choices(tp)), choices=_choices(tp), **kw)
+        elif item in (str, int, float):
+            group.add_argument(flag, type=item, nargs="*", metavar="V", **kw)
+        elif item is not None and _choices(item) is not None:
+            group.add_argument(flag, type=_choice(_choices(item)), choices=_choices(item), nargs="*", **kw)
         else:
-            continue  # nested models and mappings: --set key=value or --config
-        added.append(name)
+            group.add_argument(flag, type=_yaml_value, metavar="JSON", **kw)
+        added.append(dotted)
+    # Nested models after the fields of their parent, each in its own group (argparse groups do not nest).
+    for name, f, model in nested:
+        dotted = ".".join((*prefix, name))
+        has_default, default = _field_default(f, name, parent_default)
+        sub = parser.add_argument_group(dotted, _group_text(f, model, dotted, has_default, default))
+        added += add_config_flags(parser, model, sub, (*prefix, name), default, (*_seen, config_cls))
     return added
+
+
+def config_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The config flags given on a command line: dotted name -> value."""
+    return {k[len(CONFIG_DEST):]: v for k, v in vars(args).items() if k.startswith(CONFIG_DEST)}
+
+
+def _normalise_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Accept ``_`` for ``-`` in flag names (``--endpoint.base_url`` = ``--endpoint.base-url``): a
+    ``--name[=value]`` word is rewritten where the rewritten name starts a known flag; words after
+    ``--`` are left alone."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        name, eq, value = word.partition("=")
+        if word.startswith("--") and "_" in name:
+            fixed = "--" + name[2:].replace("_", "-")
+            if any(o.startswith(fixed) for o in known):
+                word = fixed + eq + value
+        out.append(word)
+    return out
+
+
+def _seed(f: FieldInfo | None) -> dict:
+    """What a nested setting holds before a flag sets one of its fields, where the config left it
+    unset: the field's default instance (its explicitly set fields), so the flag refines the default."""
+    from pydantic import BaseModel
+
+    if f is None or f.is_required():
+        return {}
+    try:
+        default = f.get_default(call_default_factory=True)
+    except (TypeError, ValueError):  # a default factory that needs the validated data
+        return {}
+    return default.model_dump(exclude_unset=True) if isinstance(default, BaseModel) else {}
+
+
+def merge_path(data: dict, dotted: str, value: Any, model: type[BaseModel] | None = None,
+               what: str | None = None) -> None:
+    """Set ``a.b.c`` in a config mapping, keeping what else ``a`` and ``a.b`` hold (a nested flag
+    refines the config file's setting, it does not replace it). A parent that is missing or null
+    becomes a mapping (seeded from ``model``'s default for it); one that is not a mapping is a
+    ConfigError naming ``what`` (the flag or ``--set key``)."""
+    keys = dotted.split(".")
+    cur, cls = data, model
+    for i, k in enumerate(keys[:-1]):
+        f = cls.model_fields.get(k) if cls is not None else None
+        nxt = cur.get(k)
+        if nxt is None:
+            nxt = cur[k] = _seed(f)
+        elif not isinstance(nxt, dict):
+            raise ConfigError(f"{what or '--' + dotted}: '{'.'.join(keys[:i + 1])}' is {nxt!r}, not a mapping")
+        cur = nxt
+        cls = _model_type(f.annotation) if f is not None else None
+    cur[keys[-1]] = value
+
+
+def compose_config(name: str, file: str | None, flags: dict[str, Any], sets: Sequence[str]) -> Any:
+    """The validated config of stage ``name``: defaults < ``--config`` file < flags < ``--set key=value``
+    (in order; the last wins). Flags and ``--set`` keys are dotted paths merged into the mapping."""
+    from . import stage as stg
+
+    model = stg.get_stage(name).config
+    data = stg.load_config_file(file) if file else {}
+    for dotted, value in flags.items():
+        merge_path(data, dotted, value, model, "--" + dotted.replace("_", "-"))
+    for s in sets:
+        if "=" not in s:
+            raise ConfigError(f"--set {s}: expected key=value")
+        k, v = s.split("=", 1)
+        merge_path(data, k.strip(), stg.parse_value(v), model, f"--set {k.strip()}")
+    return stg.validate_config(name, data, source=file or "command line")
 
 
 def _stage_main(argv: Sequence[str]) -> int:
@@ -134,21 +346,27 @@ def _stage_main(argv: Sequence[str]) -> int:
     return run_stage_cli(argv[0], list(argv[1:]))
 
 
-def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
-                  positionals: Sequence[tuple[str, str]] = ()) -> int:
-    """One command line per stage, generated from its config: ``memsifter run NAME`` and the
-    front doors that are the same stage (``memsifter data import SRC DEST`` = ``run import`` with
-    ``source``/``output`` given positionally); same flags, same precedence, same skip/--force."""
+STAGE_EPILOG = ("Every config field is a flag; a field of a nested setting is dotted (--vllm.replicas 2) and "
+                "changes only that field, keeping the rest from --config. Flag names take - or _ "
+                "(--endpoint.base_url). Any field can also be set with --set key.sub=value (a YAML/JSON value; "
+                "key=null unsets). Precedence: defaults < --config < flags < --set.")
+
+
+def stage_parser(name: str, prog: str | None = None,
+                 positionals: Sequence[tuple[str, str]] = ()) -> argparse.ArgumentParser:
+    """The argument parser of ``memsifter run NAME``: run controls, then the config's flags."""
     from . import stage as stg
 
     st = stg.get_stage(name)
-    p = argparse.ArgumentParser(prog=prog or f"memsifter run {name}", description=st.help,
-                                epilog="Any field, nested ones too: --set key.sub=value. "
-                                       "Precedence: --config < flags < --set.")
+    pos = "".join(f" {meta}" for _, meta in positionals)
+    p = argparse.ArgumentParser(prog=prog or f"memsifter run {name}", description=st.help, epilog=STAGE_EPILOG,
+                                usage=f"%(prog)s{pos} [--config FILE] [--set KEY=VALUE] [--FIELD VALUE ...] "
+                                      "[options]")
     for field, meta in positionals:
         p.add_argument(f"_pos_{field}", metavar=meta, help=f"the {field!r} field")
-    p.add_argument("--config", help="YAML/JSON config file (local path or s3:// URI)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON config file (local path or s3:// URI)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a field, nested ones with dotted keys (repeatable; wins over flags)")
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--replace", action="store_true", help=REPLACE_HELP)
     p.add_argument("--steal-lease", action="store_true", help="take over the output's lease from another "
@@ -157,16 +375,29 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
     p.add_argument("--schema", action="store_true", help="print the config's JSON schema and exit")
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.add_argument("-q", "--quiet", action="store_true")
-    fields = add_config_flags(p, st.config)
-    args = p.parse_args(rest)
+    settings = p.add_argument_group(f"{name} settings", plain(st.config.__doc__) or None)
+    add_config_flags(p, st.config, settings)
+    return p
+
+
+def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
+                  positionals: Sequence[tuple[str, str]] = ()) -> int:
+    """One command line per stage, generated from its config: ``memsifter run NAME`` and the
+    front doors that are the same stage (``memsifter data import SRC DEST`` = ``run import`` with
+    ``source``/``output`` given positionally); same flags, same precedence, same skip/--force."""
+    from . import stage as stg
+
+    st = stg.get_stage(name)
+    p = stage_parser(name, prog, positionals)
+    args = p.parse_args(_normalise_flags(list(rest), p))
     setup_logging(-1 if args.quiet else args.verbose)
     if args.schema:
         print(json.dumps(st.config.model_json_schema(), indent=2))
         return 0
-    flags = {f: getattr(args, f) for f in fields}
+    flags = config_flag_values(args)
     for field, _ in positionals:
         flags[field] = getattr(args, f"_pos_{field}")
-    cfg = stg.build_config(name, args.config, args.set, flags)
+    cfg = compose_config(name, args.config, flags, args.set)
     if args.print_config:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
