@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key, run_sync
-from .metrics import dcg_over_gold, token_f1
+from .metrics import dcg_over_gold, ndcg, token_f1
 from .rankings import parse_ranking
 from .render import render_history_texts
 from .stages.chat import extract_answer  # the chat stage's answer extraction (MEMSIFTER.md §5)
@@ -309,9 +309,9 @@ async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
 
 # --------------------------------------------------------------------------- verl entry points
 def _result(settings: RewardSettings, score: float, *, format_ok: bool, dcg: float, n_ranked: int,
-            task: dict | None = None, error: bool = False) -> dict:
+            task: dict | None = None, error: bool = False, ndcg10: float = 0.0) -> dict:
     out = {"score": float(score), "acc": float(score), "format_ok": float(format_ok), "dcg": float(dcg),
-           "n_ranked": float(n_ranked), "reward_error": float(error)}
+           "ndcg10": float(ndcg10), "n_ranked": float(n_ranked), "reward_error": float(error)}
     if settings.mode == "task":
         sc = (task or {}).get("tier_scores") or [0.0]
         out.update({"s_no_memory": float(sc[0]) if task else 0.0, "s_top_k": float(sc[-1]) if task else 0.0,
@@ -326,6 +326,7 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
 
     Returns a dict with ``score`` (the reward) and metrics with the same keys for every sample of a
     run (verl stacks them): ``acc`` (= score, the DAPO group filter metric), ``format_ok``, ``dcg``,
+    ``ndcg10`` (NDCG@10 of the ranking over the shown sessions, 0 when invalid),
     ``n_ranked``, ``reward_error``; in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
     ``llm_failed``.
     """
@@ -340,10 +341,11 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
             return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids))
         ids = parsed.ids[:k]
         dcg = dcg_reward(ids, gold, k)
+        nd = ndcg([str(i) for i in ids], [str(g) for g in gold], TOP_K)  # the validation curve's NDCG@10
         if settings.mode == "dcg":
-            return _result(settings, dcg, format_ok=True, dcg=dcg, n_ranked=len(ids))
+            return _result(settings, dcg, format_ok=True, dcg=dcg, n_ranked=len(ids), ndcg10=nd)
         task = await task_reward(ids, k, dict(extra_info or {}), settings)
-        return _result(settings, task["score"], format_ok=True, dcg=dcg, n_ranked=len(ids), task=task)
+        return _result(settings, task["score"], format_ok=True, dcg=dcg, n_ranked=len(ids), task=task, ndcg10=nd)
     except Exception as e:  # noqa: BLE001 - a reward must never crash the trainer
         log.warning("reward failed for %s: %s: %s", data_source, type(e).__name__, e)
         return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=0, error=True)

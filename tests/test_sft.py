@@ -144,3 +144,38 @@ def test_lora_settings_compose_in_verl(tmp_path):
     full = TrainConfig(output="o", data="d")
     c = yaml.safe_load(train.compose(full, verl_overrides(full, ["/x/a.parquet"], ["/x/b.parquet"]), in_process=True))
     assert c["actor_rollout_ref"]["model"]["lora_rank"] == 0 and c["actor_rollout_ref"]["rollout"]["load_format"] != "safetensors"
+
+
+def test_collect_exports_a_lora_run_as_an_adapter(tiny_model_dir, tmp_path):
+    """verl's merger writes lora_adapter/ beside the unmerged base: collect keeps the adapter (bf16,
+    base named), drops the base copy, or writes the merged model on request."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from memsifter.stages.collect import export_adapter
+
+    def layout(d):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        base.save_pretrained(d)  # what verl's merger writes: the base weights
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                              LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+        peft.save_pretrained(os.path.join(d, "lora_adapter"))
+        return d
+
+    t = layout(str(tmp_path / "a"))
+    info = export_adapter(t, "smollm2-135m-instruct", merged=False)
+    assert info["rank"] == 4 and info["base"] == "smollm2-135m-instruct" and not info["merged"]
+    assert sorted(os.listdir(t)) == ["adapter"]
+    w = load_file(os.path.join(t, "adapter", "adapter_model.safetensors"))
+    assert w and all(v.dtype == torch.bfloat16 for v in w.values())
+    cfg = json.load(open(os.path.join(t, "adapter", "adapter_config.json")))
+    assert cfg["base_model_name_or_path"] == "smollm2-135m-instruct"
+
+    m = layout(str(tmp_path / "b"))
+    assert export_adapter(m, tiny_model_dir, merged=True)["merged"]
+    a = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(m).state_dict()
+    assert any((a[k] - b[k]).abs().max() > 0 for k in a if k.endswith("q_proj.weight"))
+    assert export_adapter(str(tmp_path / "c"), None, False) is None if os.makedirs(tmp_path / "c") is None else False

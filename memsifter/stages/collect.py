@@ -11,7 +11,12 @@ Only what the merger needs is downloaded (``model_world_size_*_rank_*.pt``, ``fs
 ``_COMPLETE.json`` after all ranks' shards are in S3) unless ``require_complete`` is false.
 
 Output: ``global_step_<N>/`` per step (config, safetensors, tokenizer): the same directory names as
-train and merge use. Each converted step is kept under ``<output>/_work/global_step_<N>/`` with a
+train and merge use. A LoRA run (``train``'s ``dapo.lora_rank > 0``) is exported as the adapter:
+``global_step_<N>/adapter/`` (PEFT layout, bf16, ``base_model_name_or_path`` = the train stage's
+``model`` as the user gave it, e.g. ``smollm2-135m-instruct``), which every stage taking a model
+accepts (:func:`memsifter.models.resolve` merges it onto its base); the whole weights verl's merger
+writes beside it are the untouched base and are dropped, unless ``merged: true`` asks for the base
+with the adapter merged in (written as the step's model files). Each converted step is kept under ``<output>/_work/global_step_<N>/`` with a
 ``_DONE`` marker, so a crashed run converts only the steps it had not finished.
 """
 
@@ -43,6 +48,10 @@ class CollectConfig(StageConfig):
     steps: list[int] = Field(default_factory=list, description="steps to convert (default: every complete step)")
     require_complete: bool = Field(True, description="only steps marked complete by train (_COMPLETE.json)")
     trust_remote_code: bool = False
+    merged: bool = Field(False, description="LoRA runs: also write the base with the adapter merged in "
+                         "(default: the adapter alone)")
+    base_model: str | None = Field(None, description="LoRA runs: the adapter's base as recorded in it "
+                                   "(default: the train output's `model`)")
     local_dir: str | None = runtime_field(None, "scratch directory for shards and conversion (default: tmp)")
     in_process: bool = runtime_field(False, "run verl's merger in this process (no interpreter start-up; "
                                      "default: `python -m verl.model_merger` in a subprocess)")
@@ -74,6 +83,60 @@ def _merge_in_process(args: list[str]) -> None:
     merger = FSDPModelMerger(generate_config_from_args(ns))
     merger.merge_and_save()
     merger.cleanup()
+
+
+def train_base_model(uri: str) -> str | None:
+    """The ``model`` of the train run whose output (or checkpoints prefix) ``uri`` is, if readable."""
+    for cand in (uri, uri.rstrip("/").rsplit("/", 1)[0]):
+        try:
+            cfg = storage.read_manifest(cand).get("config") or {}
+        except Exception:  # noqa: BLE001 - not a published train output
+            continue
+        if cfg.get("model"):
+            return str(cfg["model"])
+    return None
+
+
+def export_adapter(target: str, base_ref: str | None, merged: bool) -> dict | None:
+    """Turn verl's ``lora_adapter/`` beside the (unmerged) base weights into ``adapter/`` (bf16, base
+    named); drop the base weights or replace them with the merged model. None: not a LoRA run."""
+    src = os.path.join(target, "lora_adapter")
+    if not os.path.isdir(src):
+        return None
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dest = os.path.join(target, "adapter")
+    os.makedirs(dest, exist_ok=True)
+    tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              os.path.join(dest, "adapter_model.safetensors"))
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg["base_model_name_or_path"] = base_ref or cfg.get("base_model_name_or_path")
+    cfg.setdefault("task_type", "CAUSAL_LM")
+    with open(os.path.join(dest, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    shutil.rmtree(src)
+    whole = [f for f in os.listdir(target) if os.path.isfile(os.path.join(target, f))]
+    if merged:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, dest).merge_and_unload()
+        for f in whole:
+            if f.endswith(".safetensors") or f.endswith(".bin") or f.endswith(".index.json"):
+                os.remove(os.path.join(target, f))
+        model.save_pretrained(target, safe_serialization=True)
+    else:
+        for f in whole:  # the base's weights and files: the adapter is the result
+            os.remove(os.path.join(target, f))
+    size = sum(os.path.getsize(os.path.join(dest, f)) for f in os.listdir(dest))
+    return {"rank": cfg.get("r"), "alpha": cfg.get("lora_alpha"), "bytes": size, "merged": merged,
+            "base": cfg["base_model_name_or_path"]}
 
 
 def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_code: bool = False,
@@ -131,6 +194,11 @@ def run(config: CollectConfig, out: storage.Publication) -> dict:
                 target = os.path.join(scratch, "hf")
                 convert_step(storage.join(root, name, "actor"), target, scratch, config.trust_remote_code,
                              config.in_process)
+                lora = export_adapter(target, config.base_model or train_base_model(config.checkpoints),
+                                      config.merged)
+                if lora:
+                    log.info("collect: step %d is a LoRA adapter (rank %s, %.1f MiB)", s, lora["rank"],
+                             lora["bytes"] / 2 ** 20)
                 storage.delete(work)
                 storage.upload_dir(target, work)
                 storage.write_bytes(storage.join(work, DONE), b"ok\n")
@@ -142,5 +210,7 @@ def run(config: CollectConfig, out: storage.Publication) -> dict:
         for rel in files:
             out.add_file(f"{name}/{rel}", storage.join(work, rel))  # any URI: copy_file streams it
             nbytes += out.files[f"{name}/{rel}"]["bytes"]
-        per_step[name] = {"files": len(files), "bytes": nbytes}
+        per_step[name] = {"files": len(files), "bytes": nbytes,
+                          "adapter_bytes": sum(out.files[f"{name}/{r}"]["bytes"] for r in files
+                                               if r.startswith("adapter/")) or None}
     return {"checkpoint_root": root, "steps": steps, "converted": per_step}

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""CPU side of the ranker training run (issue 17): splits, import, first stage, RL data.
+
+Everything through the platform's stages (`memsifter run ...`), on the real training data in
+``../shared/data`` (LongMemEval_S training split, 348 questions; LoCoMo conv-26 and conv-30):
+
+- **held out** (never trained on, never tuned on): LoCoMo ``conv-30`` entirely (another conversation
+  than the one trained on) and ``--lme-heldout`` LongMemEval_S questions drawn with ``--seed``;
+- **train**: the other LongMemEval_S questions and LoCoMo ``conv-26``.
+
+Each part is imported under its own dataset name (``lme_train``, ``locomo_train``, ``lme_heldout``,
+``locomo_heldout``), ranked by the default first stage (``embed``: BM25 cascade with all-MiniLM-L6-v2),
+and ``prepare-rl`` builds the verl rows for the SmolLM2 ranker: the direct (ids-only) prompt, each
+session condensed to ``--session-tokens``, a ``--history-tokens`` history budget (so a prompt is about
+2k tokens, well inside the model's 8,192), split ``train`` from the train part and split ``test`` (verl's
+validation) from the held-out part.
+
+    .venv/bin/python benchmarks/gpu/prepare_ranker.py --out .gpu/ranker      # then carry .gpu/ranker
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+# The ranker's prompt: what the rank stage is run with in the held-out table (run_ranker.py).
+SESSION_TOKENS = 192
+HISTORY_TOKENS = 1600
+CONTEXT_LIMIT = 1900  # rank stage: template + history budget of the same size
+
+
+def cli(args: list[str], log: str) -> None:
+    t0 = time.time()
+    with open(log, "a") as f:
+        f.write(f"\n$ memsifter {' '.join(args)}\n")
+        f.flush()
+        r = subprocess.run([sys.executable, "-m", "memsifter.cli", *args], stdout=f, stderr=subprocess.STDOUT)
+    print(f"[prep] memsifter {' '.join(args[:2])} … {args[args.index('--output') + 1] if '--output' in args else ''}"
+          f" ({time.time() - t0:.0f}s, rc {r.returncode})", flush=True)
+    if r.returncode:
+        raise SystemExit(f"failed: memsifter {' '.join(args)} (log {log})")
+
+
+def split_sources(out: str, n_heldout: int, seed: int) -> dict[str, tuple[str, str]]:
+    """name -> (format, source file) of the four parts."""
+    src = os.path.join(out, "sources")
+    os.makedirs(src, exist_ok=True)
+    with gzip.open(os.path.join(SHARED, "longmemeval_s_train348.json.gz"), "rt") as f:
+        lme = json.load(f)
+    idx = list(range(len(lme)))
+    random.Random(seed).shuffle(idx)
+    held = set(idx[:n_heldout])
+    with gzip.open(os.path.join(SHARED, "locomo_dev2.json.gz"), "rt") as f:
+        loc = json.load(f)
+    parts = {
+        "lme_train": ("longmemeval", [x for i, x in enumerate(lme) if i not in held]),
+        "lme_heldout": ("longmemeval", [x for i, x in enumerate(lme) if i in held]),
+        "locomo_train": ("locomo", [c for c in loc if c.get("sample_id") == "conv-26"]),
+        "locomo_heldout": ("locomo", [c for c in loc if c.get("sample_id") == "conv-30"]),
+    }
+    files = {}
+    for name, (fmt, items) in parts.items():
+        if not items:
+            raise SystemExit(f"split {name}: empty (data changed?)")
+        path = os.path.join(src, f"{name}.json.gz")
+        with gzip.open(path, "wt") as f:
+            json.dump(items, f)
+        files[name] = (fmt, path)
+    with open(os.path.join(out, "split.json"), "w") as f:
+        json.dump({"seed": seed, "lme_heldout_question_ids": sorted(lme[i]["question_id"] for i in held),
+                   "locomo_train": "conv-26", "locomo_heldout": "conv-30",
+                   "counts": {k: len(v[1]) for k, v in parts.items()}}, f, indent=2)
+    return files
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, ".gpu", "ranker"))
+    p.add_argument("--lme-heldout", type=int, default=60)
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--val-per-dataset", type=int, default=32, help="held-out rows in verl's validation split")
+    a = p.parse_args()
+    if not os.path.isdir(SHARED):
+        raise SystemExit(f"{SHARED} not found (the shared training data)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.out, "prepare.log")
+    files = split_sources(a.out, a.lme_heldout, a.seed)
+    for name, (fmt, path) in files.items():
+        d = os.path.join(a.out, "data", name)
+        cli(["run", "import", "--format", fmt, "--source", path, "--output", d, "--dataset-name", name], log)
+        cli(["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2", "-q"], log)
+    data = [os.path.join(a.out, "data", n) for n in files]
+    recipe = {"train": {"lme_train": 10_000, "locomo_train": 10_000},
+              "test": {"lme_heldout": a.val_per_dataset, "locomo_heldout": a.val_per_dataset}}
+    args = ["run", "prepare-rl", "--output", os.path.join(a.out, "rl"), "--tokenizer", "smollm2-135m-instruct",
+            "--prompt-style", "direct", "--session-tokens", str(SESSION_TOKENS),
+            "--history-budget-tokens", str(HISTORY_TOKENS), "--max-prompt-tokens", "2600", "--seed", str(a.seed),
+            "--set", "recipe=" + json.dumps(recipe)]
+    args += ["--set", "datasets=" + json.dumps(data), "--set", "similarities=" + json.dumps([d + "-embed" for d in data])]
+    cli(args, log)
+    from memsifter import storage
+
+    st = storage.read_manifest(os.path.join(a.out, "rl"))["stats"]
+    print(json.dumps({k: st[k] for k in ("rows", "rows_by_dataset", "shortfall", "sessions_kept_mean",
+                                         "prompt_tokens_mean", "prompt_tokens_max", "order_source")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Train a real ranker on the lent GPU (issue 17): SmolLM2-135M-Instruct, sft warm-up, DAPO with the
+dcg reward, then with the task reward, LoRA throughout; the held-out table; curves.
+
+Runs on the GPU machine after ``source benchmarks/gpu/install.sh``, with the data built on a CPU
+machine by ``prepare_ranker.py`` carried in ``.gpu/ranker``. Every step is a platform stage run
+through the ``memsifter`` CLI with a YAML config (kept in the results), as a user runs it.
+
+A device command lasts at most 10 minutes, so the work runs **detached** and later calls poll it:
+
+    python3 benchmarks/gpu/run_ranker.py start --phases base,sft,dcg,eval   # returns at once
+    python3 benchmarks/gpu/run_ranker.py wait --out "$OUT" --max-s 540      # waits, copies results to $OUT
+    python3 benchmarks/gpu/run_ranker.py poll --out "$OUT"                  # copies results, no wait
+
+Phases (each stage skips work it already published, so ``start`` again after a crash resumes; the
+train stage resumes from its last complete checkpoint in S3):
+
+- ``base``: the working LLM (SmolLM2 served by vLLM on this GPU, OpenAI-compatible) and the base
+  ranker's held-out rankings, free generation and structured outputs (rank stage, engine endpoint);
+- ``sft``: the sft stage (LoRA warm-up, gold-first targets) on prepare-rl's train rows;
+- ``dcg``: the train stage (verl DAPO, LoRA continuing the sft adapter, ``reward.mode=dcg``), its
+  checkpoints uploaded by the S3 callback to a SeaweedFS on this machine, then collect -> adapter;
+- ``task``: the train stage again from the dcg adapter with ``reward.mode=task`` (the working LLM
+  answers with the top-t ranked sessions; MemSifter's marginal-gain reward), then collect;
+- ``eval``: every ranker available (base free/structured, sft, dcg, task) ranks the held-out
+  questions; the chat stage answers them with each ranker's context, the first stage's, no memory
+  and the gold sessions; the evaluate stage scores; ``table.md``/``table.json`` and the curves.
+
+``--test FORMAT:FILE`` adds a dataset to the eval phase (e.g. ``locomo:/data/locomo10.json`` for
+LoCoMo's other conversations, ``longmemeval:/data/longmemeval_s.json``): it is imported and ranked by
+the first stage here, then evaluated like the held-out parts.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prepare_ranker import CONTEXT_LIMIT, SESSION_TOKENS  # noqa: E402
+
+WORK = os.environ.get("MEMSIFTER_RANKER_WORK", "/root/gpu-ranker")
+DATA = os.path.join(ROOT, ".gpu", "ranker")
+STATE = os.path.join(ROOT, ".gpu", "ranker-state")  # adapters carried from an earlier machine
+RUNS = os.path.join(WORK, "runs")
+RES = os.path.join(WORK, "results")
+HELDOUT = ("lme_heldout", "locomo_heldout")
+BASE = "smollm2-135m-instruct"
+W_PORT, T_PORT = 8011, 8012
+
+# Training settings (chosen in the closing note of issue 17; kept in results/configs/)
+SFT = {"target": "gold_first", "lora_rank": 16, "lora_alpha": 32, "lr": 2e-4, "epochs": 2, "batch_tokens": 32768,
+       "eval_generate": 48}
+DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 2e-5, "lr_warmup_steps": 0, "weight_decay": 0.0,
+        "max_prompt_length": 2600, "max_response_length": 64, "overlong_buffer_len": 16,
+        "rollout_n": 8, "train_batch_size": 32, "gen_batch_size": 64, "ppo_mini_batch_size": 16,
+        "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1, "param_offload": False,
+        "optimizer_offload": False, "gradient_checkpointing": False, "rollout_gpu_memory_utilization": 0.3,
+        "val_temperature": 0.0, "val_top_p": 1.0, "val_before_train": True, "test_freq": 4}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    with open(os.path.join(RES, "progress.log"), "a") as f:
+        f.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+
+
+def status(**kw) -> None:
+    path = os.path.join(RES, "status.json")
+    st = json.load(open(path)) if os.path.exists(path) else {}
+    st.update(kw, updated=time.strftime("%H:%M:%S"))
+    json.dump(st, open(path, "w"), indent=1)
+
+
+def cli(name: str, args: list[str], check: bool = True) -> int:
+    os.makedirs(os.path.join(RES, "logs"), exist_ok=True)
+    path = os.path.join(RES, "logs", f"{name}.log")
+    t0 = time.time()
+    log(f"$ memsifter {' '.join(args)}")
+    with open(path, "a") as f:
+        r = subprocess.run([sys.executable, "-m", "memsifter.cli", *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    log(f"  {name}: exit {r.returncode} in {time.time() - t0:.0f}s")
+    status(**{f"t_{name}": round(time.time() - t0, 1), f"rc_{name}": r.returncode})
+    if r.returncode and check:
+        raise RuntimeError(f"{name} failed (log {path})")
+    return r.returncode
+
+
+def config(name: str, data: dict) -> str:
+    import yaml
+
+    os.makedirs(os.path.join(RES, "configs"), exist_ok=True)
+    path = os.path.join(RES, "configs", f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    return path
+
+
+@contextlib.contextmanager
+def served(model_dir: str, name: str, port: int, util: float):
+    """vLLM's OpenAI-compatible server for a model on this GPU; yields the base URL."""
+    import urllib.request
+
+    logf = open(os.path.join(RES, "logs", f"vllm-{name}.log"), "ab")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+           name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192",
+           "--gpu-memory-utilization", str(util), "--max-num-seqs", "256", "--enforce-eager"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server {name} exited {proc.returncode}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.time() - t0 > 400:
+                raise TimeoutError(f"vLLM server {name} not ready")
+            time.sleep(2)
+        log(f"vLLM server {name} ready in {time.time() - t0:.0f}s")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        logf.close()
+
+
+def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structured: bool) -> str:
+    out = os.path.join(RUNS, f"rank-{tag}-{ds}")
+    cfg = config(f"rank-{tag}-{ds}", {
+        "input": f"{DATA}/data/{ds}", "embeddings": f"{DATA}/data/{ds}-embed", "output": out,
+        "model": model_ref, "tokenizer": BASE, "prompt_style": "direct", "context_limit": CONTEXT_LIMIT,
+        "session_tokens": SESSION_TOKENS, "temperature": 0.0, "constrained_output": structured,
+        "answer_prefix": "auto" if structured else "", "engine": "endpoint",
+        "endpoint": {"base_url": url, "model": served_name, "api_key_env": None, "concurrency": 64}})
+    cli(f"rank-{tag}-{ds}", ["run", "rank", "--config", cfg, "-q"])
+    return out
+
+
+def datasets(a) -> list[str]:
+    out = list(HELDOUT)
+    for spec in a.test or []:
+        fmt, _, path = spec.partition(":")
+        name = "test_" + os.path.basename(path).split(".")[0].replace("-", "_")
+        d = f"{DATA}/data/{name}"
+        if not os.path.exists(os.path.join(d + "-embed", "_SUCCESS")):
+            cli(f"import-{name}", ["run", "import", "--format", fmt, "--source", path, "--output", d,
+                                   "--dataset-name", name])
+            cli(f"embed-{name}", ["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2", "-q"])
+        out.append(name)
+    return out
+
+
+def adapter_dir(kind: str) -> str | None:
+    """The adapter of a training phase: this machine's run, else one carried in .gpu/ranker-state."""
+    for root in (os.path.join(RUNS, f"adapter-{kind}"), os.path.join(STATE, f"adapter-{kind}")):
+        if os.path.isfile(os.path.join(root, "adapter_config.json")):
+            return root
+    return None
+
+
+def keep_adapter(kind: str, src: str) -> str:
+    from memsifter import storage
+
+    dest = os.path.join(RUNS, f"adapter-{kind}")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for rel in storage.list_files(src):
+        storage.copy_file(storage.join(src, rel), os.path.join(dest, rel))
+    return dest
+
+
+def phase_sft(a) -> None:
+    out = os.path.join(RUNS, "sft")
+    cfg = config("sft", {"output": out, "model": BASE, "data": f"{DATA}/rl", **SFT})
+    cli("sft", ["run", "sft", "--config", cfg])
+    keep_adapter("sft", os.path.join(out, "adapter"))
+    for f in ("metrics.jsonl", "eval.json", "sft_curves.png"):
+        shutil.copy(os.path.join(out, f), os.path.join(RES, f"sft_{f}" if not f.startswith("sft") else f))
+
+
+def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
+    from memsifter import storage
+
+    out = f"s3://memsifter/ranker/train-{kind}"
+    cfg = config(f"train-{kind}", {
+        "output": out, "data": f"{DATA}/rl", "model": BASE, "init_adapter": init, "nnodes": 1,
+        "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
+        "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
+        "dapo": {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2)},
+        "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True"]})
+    # the curves while it runs: the stage keeps verl's metric lines under <output>/_work/metrics.jsonl
+    stop = {"done": False}
+
+    def mirror() -> None:
+        while not stop["done"]:
+            with contextlib.suppress(Exception):
+                text = storage.read_text(storage.join(out, "_work", "metrics.jsonl"))
+                open(os.path.join(RES, f"train_{kind}_metrics.jsonl"), "w").write(text)
+            time.sleep(20)
+
+    import threading
+
+    th = threading.Thread(target=mirror, daemon=True)
+    th.start()
+    try:
+        cli(f"train-{kind}", ["run", "train", "--config", cfg])
+    finally:
+        stop["done"] = True
+    for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
+        with contextlib.suppress(Exception):
+            storage.copy_file(storage.join(out, f), os.path.join(RES, f"train_{kind}_{f}"))
+    col = os.path.join(RUNS, f"collect-{kind}")
+    cli(f"collect-{kind}", ["run", "collect", "--checkpoints", out, "--output", col])
+    last = max(storage.read_json(storage.join(out, "checkpoints.json"))["steps"])
+    keep_adapter(kind, os.path.join(col, f"global_step_{last}", "adapter"))
+    status(**{f"adapter_{kind}_step": last})
+
+
+def rankers() -> list[tuple[str, str | None, bool]]:
+    """(tag, adapter dir or None for the base, structured)."""
+    out = [("base-free", None, False), ("base-structured", None, True)]
+    for kind in ("sft", "dcg", "task"):
+        d = adapter_dir(kind)
+        if d:
+            out.append((kind, d, False))
+    return out
+
+
+def phase_rank_all(a, url: str, names: list[str], which: str) -> None:
+    from memsifter import models
+
+    for tag, adapter, structured in rankers():
+        if (which == "base") != (adapter is None):
+            continue
+        if adapter is None:
+            for ds in names:
+                rank(tag, ds, url, BASE, BASE, structured)
+            continue
+        merged = models.resolve(adapter)  # base + adapter, merged once (what every stage does with one)
+        with served(merged, tag, T_PORT, 0.12) as turl:
+            for ds in names:
+                # model = the adapter: the rank stage resolves it to the same merged model (its context,
+                # its label 'rank:adapter-<kind>'); the tokenizer is the base's
+                rank(tag, ds, turl, tag, adapter, structured)
+
+
+def phase_answers(a, url: str, names: list[str]) -> dict:
+    from memsifter import rankings, storage
+    from memsifter.data.model import read_dataset
+    from memsifter.metrics import question_metrics
+
+    table: dict = {}
+    for ds in names:
+        ranks = [(tag, os.path.join(RUNS, f"rank-{tag}-{ds}")) for tag, _, _ in rankers()]
+        ranks = [(t, r) for t, r in ranks if os.path.exists(os.path.join(r, "_SUCCESS"))]
+        embed = f"{DATA}/data/{ds}-embed"
+        best = ranks[-1][1]  # the most trained ranker fills the main context; the others compare
+        chat = os.path.join(RUNS, f"chat-{ds}-{len(ranks)}")
+        cfg = config(f"chat-{ds}", {
+            "input": f"{DATA}/data/{ds}", "rankings": best, "embeddings": embed,
+            "compare": [r for _, r in ranks[:-1]] + [embed], "baselines": ["none", "oracle"],
+            "output": chat, "tokenizer": BASE, "context_tokens": 2048, "session_tokens": 256,
+            "endpoint": {"base_url": url, "model": "working", "api_key_env": None, "temperature": 0.0,
+                         "max_tokens": 24, "concurrency": 64}})
+        cli(f"chat-{ds}", ["run", "chat", "--config", cfg])
+        ev = os.path.join(RUNS, f"evaluate-{ds}-{len(ranks)}")
+        cfg = config(f"evaluate-{ds}", {"input": f"{DATA}/data/{ds}", "rankings": [r for _, r in ranks] + [embed],
+                                        "answers": [chat], "output": ev})
+        cli(f"evaluate-{ds}", ["run", "evaluate", "--config", cfg])
+        shutil.copytree(ev, os.path.join(RES, f"evaluate-{ds}"), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("_staging", "_work"))
+        # retrieval per ranker: NDCG@10 / recall_any@5 of the published ranking over the whole haystack,
+        # and the model's own valid-format rate
+        q = {x.question_id: x for x in read_dataset(f"{DATA}/data/{ds}").questions if rankings.eligible(x)}
+        rows = {}
+        for tag, r in ranks + [("first-stage", embed)]:
+            rr = [x for x in rankings.read_rankings(r) if x["question_id"] in q]
+            ms = [question_metrics(x["ranked_session_ids"], q[x["question_id"]].gold_session_ids, [5, 10]) for x in rr]
+            ok = sum(1 for x in rr if x.get("status", "ok") == "ok")
+            rows[tag] = {"questions": len(rr), "valid_format": round(ok / max(1, len(rr)), 3) if tag != "first-stage" else None,
+                         "ndcg@10": round(sum(m["ndcg@10"] for m in ms) / max(1, len(ms)), 4),
+                         "recall_any@5": round(sum(m["recall_any@5"] for m in ms) / max(1, len(ms)), 4)}
+        st = storage.read_manifest(ev).get("stats", {})
+        rows["_answers"] = (st.get("answers") or {})
+        table[ds] = rows
+    json.dump(table, open(os.path.join(RES, "table.json"), "w"), indent=1)
+    return table
+
+
+def write_table(table: dict) -> None:
+    lines = []
+    for ds, rows in table.items():
+        lines += [f"### {ds}", "", "| ranker | questions | valid format | NDCG@10 | recall_any@5 |", "|---|---:|---:|---:|---:|"]
+        for tag, r in rows.items():
+            if tag.startswith("_"):
+                continue
+            vf = "-" if r["valid_format"] is None else f"{r['valid_format']:.0%}"
+            lines.append(f"| {tag} | {r['questions']} | {vf} | {r['ndcg@10']:.3f} | {r['recall_any@5']:.3f} |")
+        lines += ["", "answers (working LLM SmolLM2-135M-Instruct, F1 per context):", "",
+                  "```", json.dumps(rows.get("_answers"), indent=1)[:3000], "```", ""]
+    open(os.path.join(RES, "table.md"), "w").write("\n".join(lines) + "\n")
+    log("table.md written")
+
+
+def run_all(a) -> None:
+    os.makedirs(RES, exist_ok=True)
+    os.makedirs(RUNS, exist_ok=True)
+    status(state="running", phases=a.phases, pid=os.getpid(), started=time.strftime("%H:%M:%S"))
+    from memsifter import models, storage
+    from memsifter.testing import seaweedfs
+
+    phases = a.phases.split(",")
+    t0 = time.time()
+    base_dir = models.resolve(BASE)
+    log(f"base model at {base_dir} ({time.time() - t0:.0f}s)")
+    names = datasets(a)
+    with seaweedfs(workdir=os.path.join(WORK, "weed")) as s3:
+        os.environ.update(s3.env())
+        storage.ensure_bucket("s3://memsifter/")
+        with served(base_dir, "working", W_PORT, 0.12) as url:
+            os.environ["MEMSIFTER_WORKING_URL"] = url
+            done = []
+            for ph in phases:
+                t1 = time.time()
+                status(phase=ph)
+                try:
+                    if ph == "base":
+                        # the base ranker is the same vLLM server as the working LLM (one model, two names)
+                        for ds in names:
+                            rank("base-free", ds, url, "working", BASE, False)
+                            rank("base-structured", ds, url, "working", BASE, True)
+                    elif ph == "sft":
+                        phase_sft(a)
+                    elif ph == "dcg":
+                        phase_train(a, "dcg", os.path.join(RUNS, "sft"), {"mode": "dcg", "format": "exact"}, a.dcg_steps)
+                    elif ph == "task":
+                        init = adapter_dir("dcg") or adapter_dir("sft")
+                        phase_train(a, "task", init, {"mode": "task", "format": "exact", "base_url": url,
+                                                      "model": "working", "api_key_env": None, "temperature": 0.0,
+                                                      "max_tokens": 24, "concurrency": 128}, a.task_steps)
+                    elif ph == "eval":
+                        phase_rank_all(a, url, names, "trained")
+                        write_table(phase_answers(a, url, names))
+                    done.append(ph)
+                    log(f"phase {ph} done in {time.time() - t1:.0f}s")
+                except Exception as e:  # noqa: BLE001 - later phases may still run (eval uses what exists)
+                    log(f"phase {ph} FAILED after {time.time() - t1:.0f}s: {type(e).__name__}: {e}")
+                    status(**{f"failed_{ph}": str(e)[:300]})
+                status(done=done)
+    status(state="finished", total_s=round(time.time() - t0))
+    log("all phases finished")
+
+
+def copy_results(out: str) -> None:
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    shutil.copytree(RES, os.path.join(out, "ranker"), dirs_exist_ok=True)
+    for d in glob.glob(os.path.join(RUNS, "adapter-*")):
+        shutil.copytree(d, os.path.join(out, "ranker", os.path.basename(d)), dirs_exist_ok=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("action", choices=["start", "run", "wait", "poll"])
+    ap.add_argument("--phases", default="base,sft,dcg,task,eval")
+    ap.add_argument("--dcg-steps", type=int, default=24)
+    ap.add_argument("--task-steps", type=int, default=12)
+    ap.add_argument("--test", action="append", help="FORMAT:FILE of another dataset to evaluate on")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--max-s", type=float, default=540)
+    a = ap.parse_args()
+    os.makedirs(RES, exist_ok=True)
+    if a.action == "start":
+        args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--dcg-steps", str(a.dcg_steps),
+                "--task-steps", str(a.task_steps)] + sum((["--test", t] for t in a.test or []), [])
+        with open(os.path.join(RES, "driver.log"), "ab") as f:
+            p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")
+        return 0
+    if a.action == "run":
+        run_all(a)
+        return 0
+    t0 = time.time()
+    while a.action == "wait" and time.time() - t0 < a.max_s:
+        st = json.load(open(os.path.join(RES, "status.json"))) if os.path.exists(os.path.join(RES, "status.json")) else {}
+        if st.get("state") == "finished":
+            break
+        time.sleep(10)
+    copy_results(a.out)
+    print(open(os.path.join(RES, "status.json")).read() if os.path.exists(os.path.join(RES, "status.json")) else "no status")
+    for name in ("progress.log", "driver.log"):
+        p = os.path.join(RES, name)
+        if os.path.exists(p):
+            print(f"--- {name} (tail)")
+            print("\n".join(open(p, errors="replace").read().splitlines()[-40:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
