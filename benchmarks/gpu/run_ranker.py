@@ -65,7 +65,8 @@ DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 2e-5, "lr_warmup_steps": 0, "we
         "rollout_n": 8, "train_batch_size": 32, "gen_batch_size": 64, "ppo_mini_batch_size": 16,
         "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1, "param_offload": False,
         "optimizer_offload": False, "gradient_checkpointing": False, "rollout_gpu_memory_utilization": 0.3,
-        "val_temperature": 0.0, "val_top_p": 1.0, "val_before_train": True, "test_freq": 4}
+        "val_temperature": 0.0, "val_top_p": 1.0, "val_before_train": True, "test_freq": 4,
+        "total_epochs": 20}  # total_training_steps ends the run; one epoch is only ~7 steps of 64 prompts
 
 
 def log(msg: str) -> None:
