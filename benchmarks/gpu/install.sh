@@ -44,14 +44,16 @@ if hashlib.sha256(data).hexdigest() != metas[0]["bundle_sha256"]:
 open(f"{S}/extra.tar", "wb").write(data)
 print(f"install: extra ok ({count} pieces)")
 PY
-  (cd "$S" && tar xf extra.tar) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$S"/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
+  # into their own folder: `pip --target --upgrade` replaces whole top-level folders, and gguf's
+  # scripts in bin/ replaced the bundle's bin/ (ray, weed) when they shared $SITE
+  (cd "$S" && tar xf extra.tar) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE-extra" "$S"/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
   touch "$SITE/.extra-installed"
 fi
 # small additions found missing after a bundle was staged travel as plain wheels in .gpu/extra
 if ls .gpu/extra/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
 fi
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$SITE-extra:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
