@@ -319,7 +319,7 @@ def write_table(table: dict) -> None:
 
 
 def run_all(a) -> None:
-    os.makedirs(RES, exist_ok=True)
+    os.makedirs(os.path.join(RES, "logs"), exist_ok=True)
     os.makedirs(RUNS, exist_ok=True)
     status(state="running", phases=a.phases, pid=os.getpid(), started=time.strftime("%H:%M:%S"))
     from memsifter import models, storage
@@ -395,13 +395,19 @@ def main() -> int:
         print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")
         return 0
     if a.action == "run":
-        run_all(a)
+        try:
+            run_all(a)
+        except BaseException as e:
+            status(state="crashed", error=f"{type(e).__name__}: {e}"[:500])
+            raise
         return 0
     t0 = time.time()
     while a.action == "wait" and time.time() - t0 < a.max_s:
         st = json.load(open(os.path.join(RES, "status.json"))) if os.path.exists(os.path.join(RES, "status.json")) else {}
-        if st.get("state") == "finished":
+        if st.get("state") in ("finished", "crashed"):
             break
+        if st.get("pid") and not os.path.exists(f"/proc/{st['pid']}"):
+            break  # the driver died without saying so
         time.sleep(10)
     copy_results(a.out)
     print(open(os.path.join(RES, "status.json")).read() if os.path.exists(os.path.join(RES, "status.json")) else "no status")
