@@ -116,7 +116,10 @@ def served(model_dir: str, name: str, port: int, util: float):
            name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192",
            "--gpu-memory-utilization", str(util), "--max-num-seqs", "256", "--enforce-eager"]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    from memsifter.vllm_env import engine_env  # VLLM_USE_FLASHINFER_SAMPLER=0 without FlashInfer, as the stages do
+
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**engine_env(), **os.environ})
     try:
         while True:
             if proc.poll() is not None:
