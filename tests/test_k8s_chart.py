@@ -1,7 +1,10 @@
 """The Helm chart, jobs/ and the RayJobs they render, checked with the real tools that run here.
 
-* The chart's generated files (values.yaml, values.schema.json, ci/*.yaml) and jobs/ match the stage
-  registry and the chart (`memsifter k8s gen-chart --check`, `gen-jobs --check`).
+* The chart's generated files (values.yaml, values.schema.json, files/stages.json, README.md, ci/*.yaml) and
+  jobs/ match the stage registry and the chart (`memsifter k8s gen-chart --check`, `gen-jobs --check`); the
+  chart's sizes are within the targets of issue 18 (printed); every value is documented (`# --`).
+* A stage's config travels as one document (a ConfigMap per stage, mounted into the head pod, read with
+  `memsifter run <stage> --config`) holding only what differs from the stage's defaults.
 * `helm lint --strict` and `helm template` (real helm from the PyPI wheel) for the default values and
   every ci/ scenario; the schema rejects typos.
 * Core kinds pass `kubernetes-validate --strict`; every RayJob passes the KubeRay 1.7.0 CRD schema with
@@ -20,8 +23,9 @@ import pytest
 import yaml
 
 from memsifter import stage as stg
-from memsifter.k8s import chart, registry, validate
-from memsifter.k8s.tools import ToolError, helm
+from memsifter.k8s import registry
+from memsifter.k8s.dev import chart, validate
+from memsifter.k8s.dev.tools import ToolError, helm
 
 CHART = chart.CHART_DIR
 SCENARIOS = sorted((CHART / "ci").glob("*.yaml"))
@@ -62,11 +66,111 @@ def rayjobs_of(docs: list[dict]) -> list[dict]:
     return jobs
 
 
+def config_of(docs: list[dict], rj: dict) -> dict:
+    """The config document a rendered RayJob runs with: its entrypoint is `memsifter run <stage> --config
+    /etc/memsifter/<stage>.yaml` (behind await-capacity), the file its head pod mounts from the ConfigMap."""
+    words = shlex.split(validate.submitted_entrypoint(rj["spec"]["entrypoint"]))
+    if words[:3] == ["memsifter", "k8s", "await-capacity"]:
+        words = words[words.index("--") + 1:]
+    stage = rj["metadata"]["labels"]["memsifter.io/stage"]
+    assert words == ["memsifter", "run", stage, "--config", f"/etc/memsifter/{stage}.yaml"], words
+    head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (vol,) = [v for v in head["volumes"] if v["name"] == "config"]
+    assert vol["configMap"]["name"] == rj["metadata"]["name"]
+    assert {"name": "config", "mountPath": "/etc/memsifter", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    return chart.stage_config(docs, rj)
+
+
 # --------------------------------------------------------------------------- generated files
 def test_chart_generated_from_registry(infos):
     assert chart.gen_chart(check=True, infos=infos) == [], "run `memsifter k8s gen-chart`"
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert list(values["stages"]) == stg.available_stages()
+    # per stage only the switch and the overrides: no defaults, no code facts (those are files/stages.json)
+    assert all(block == {"enabled": False, "config": {}} for block in values["stages"].values())
+    import json
+
+    facts = json.loads((CHART / "files" / "stages.json").read_text())
+    assert list(facts) == stg.available_stages()
+    for i in infos:
+        assert (facts[i.name]["family"], facts[i.name]["needs"], facts[i.name]["inputs"]) == (i.family, i.needs, i.inputs)
+
+
+def test_chart_sizes_within_targets():
+    """Issue 18's targets: values.yaml <= 450 lines, values.schema.json <= 3500, _helpers.tpl <= 120, jobs/
+    entrypoints <= 3 lines, the image named once per jobs/ file (also printed by `memsifter k8s gen-chart`)."""
+    report, over = chart.size_report()
+    print("\n" + report)
+    assert over == [], report
+    assert set(chart.sizes()) == set(chart.TARGETS)
+
+
+def test_every_value_is_documented():
+    """Every key of values.yaml has a helm-docs `# --` comment above it, down to the values users set: in a
+    mapping either every key is documented (a group of values) or none is (one value, e.g. `resources`)."""
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+
+    def documented(key_node: yaml.Node) -> bool:
+        j = key_node.start_mark.line - 1
+        while j >= 0 and lines[j].strip().startswith("#") and not lines[j].strip().startswith("# --"):
+            j -= 1
+        return j >= 0 and lines[j].strip().startswith("# --")
+
+    count = 0
+
+    def walk(node: yaml.MappingNode, path: str, top: bool) -> None:
+        nonlocal count
+        marks = [documented(k) for k, _ in node.value]
+        assert top or all(marks) or not any(marks), f"{path}: some keys documented, some not"
+        if not all(marks):
+            assert not top, f"values.yaml: top-level keys without `# --`: {[k.value for (k, _), m in zip(node.value, marks) if not m]}"
+            return
+        for k, v in node.value:
+            count += 1
+            if isinstance(v, yaml.MappingNode) and not v.flow_style and v.value:
+                walk(v, f"{path}{k.value}.", False)
+
+    walk(yaml.compose(text), "", True)
+    assert count > 80, count
+
+
+def test_helm_show_readme():
+    out = helm("show", "readme", str(CHART)).stdout
+    assert out.strip(), "helm show readme is empty"
+    for name in stg.available_stages():
+        assert f"### {name}" in out
+    assert "only what differs" in out and "`profiles." in out
+
+
+def test_config_documents_hold_only_overrides(infos, rendered):
+    """A stage's config document = its block's config + output + the inputs wired from the run; defaults
+    stay in pydantic (a default value never appears unless the values set it)."""
+    by = {i.name: i for i in infos}
+    full = yaml.safe_load((CHART / "ci" / "full.yaml").read_text())
+    docs = rendered["full+nodriver"]
+    for rj in rayjobs_of(docs):
+        name = rj["metadata"]["labels"]["memsifter.io/stage"]
+        cfg = config_of(docs, rj)
+        own = (full["stages"][name].get("config") or {})
+        assert set(cfg) == {"output", *by[name].inputs, *own}, name
+        stg.validate_config(name, cfg, source=f"{name} config document")
+
+
+def test_jobs_are_short_and_name_the_image_once(infos):
+    """jobs/<stage>.yaml: the stage's ConfigMap and RayJob; an entrypoint of at most 3 lines; the image
+    named once (a YAML anchor the RayJob's containers refer to)."""
+    for i in infos:
+        p = chart.JOBS_DIR / f"{i.name}.yaml"
+        text = p.read_text()
+        docs = [d for d in yaml.safe_load_all(text) if d]
+        assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob"], p
+        cfg = config_of(docs, docs[1])
+        assert set(cfg) <= {"output", *i.inputs, *i.required_user_fields, *i.fields}, p
+        assert text.count("ghcr.io/") == 1 and "image: &image " in text, p
+        pods = [docs[1]["spec"]["submitterPodTemplate"], docs[1]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]
+        images = {c["image"] for t in pods for c in t["spec"]["containers"]}
+        assert len(images) == 1, images
 
 
 def test_jobs_rendered_from_chart(infos):
@@ -90,12 +194,12 @@ def test_scenarios_cover_all_stages(infos):
 
 
 def test_values_defaults_are_valid_stage_configs(infos):
-    """Each stage's config defaults in values.yaml, plus the chart's output and wiring, validate with the
-    stage's own pydantic class (what `memsifter run` will do in the pod)."""
+    """Each stage's config document (the plan's copy of what the ConfigMap holds), with the chart's output and
+    wiring, validates with the stage's own pydantic class (what `memsifter run --config` does in the pod)."""
     docs = chart.render_docs([CHART / "ci" / "full.yaml"])
     import json
 
-    plan = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["plan.json"])
+    plan = json.loads(next(d for d in docs if d["kind"] == "ConfigMap" and "plan.json" in d["data"])["data"]["plan.json"])
     assert {s["name"] for s in plan["stages"]} == {i.name for i in infos}
     for s in plan["stages"]:
         cfg = stg.validate_config(s["name"], s["config"], source="chart")
@@ -107,27 +211,12 @@ def test_inputs_wired_to_producer_outputs(infos):
     docs = chart.render_docs([CHART / "ci" / "full.yaml"], ["driver.enabled=false"])
     for rj in rayjobs_of(docs):
         name = rj["metadata"]["labels"]["memsifter.io/stage"]
-        cfg = parse_entrypoint(rj["spec"]["entrypoint"])
+        cfg = config_of(docs, rj)
         for field, producer in by[name].inputs.items():
             want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in (producer if isinstance(producer, list)
                                                                      else [producer])]
             got = cfg[field] if isinstance(cfg[field], list) else [cfg[field]]
             assert got == want, (name, field)
-
-
-def parse_entrypoint(entrypoint: str) -> dict:
-    """The config a RayJob's entrypoint passes to `memsifter run` (after the submitter's shell)."""
-    words = shlex.split(validate.submitted_entrypoint(entrypoint))
-    if words[:3] == ["memsifter", "k8s", "await-capacity"]:
-        words = words[words.index("--") + 1:]
-    assert words[:2] == ["memsifter", "run"]
-    cfg: dict = {}
-    it = iter(words[3:])
-    for w in it:
-        assert w == "--set"
-        k, v = next(it).split("=", 1)
-        stg.set_path(cfg, k, stg.parse_value(v))
-    return cfg
 
 
 # --------------------------------------------------------------------------- helm
@@ -185,7 +274,7 @@ def test_every_rayjob_valid_against_crd_cel_and_kuberay(rendered, crd):
     for p in chart.JOBS_DIR.glob("*.yaml"):
         if p.stem == "values":
             continue
-        for rj in (d for d in yaml.safe_load_all(p.read_text()) if d):
+        for rj in (d for d in yaml.safe_load_all(p.read_text()) if d and d["kind"] == "RayJob"):
             assert validate.validate_rayjob(rj, crd) == [], p
             n += 1
     assert n > 0
@@ -221,8 +310,9 @@ def test_rayjob_shape(rendered, infos):
                 wg = rcs["workerGroupSpecs"][0]
                 assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
                 assert wg["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
-            cfg = parse_entrypoint(spec["entrypoint"])
-            stg.validate_config(stage, cfg, source=f"{scenario} entrypoint")
+            if "+nodriver" in scenario or scenario.startswith("jobs"):
+                cfg = config_of(docs, rj)
+                stg.validate_config(stage, cfg, source=f"{scenario} config document")
 
 
 def test_driver_rbac_is_limited_to_rayjobs(rendered):
@@ -386,6 +476,12 @@ def test_training_group_autoscales_to_nnodes(infos):
     words = shlex.split(rj["spec"]["entrypoint"])
     assert words[:9] == ["memsifter", "k8s", "await-capacity", "--nodes", "3", "--gpus-per-node", "4",
                          "--timeout", words[8]]
+    # the worker group follows the config's GPUs per node unless set
+    (rj,) = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
+                              [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{gpn_f}=4"],
+                              show_only="templates/rayjobs.yaml")
+    (wg,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     # a worker pod must be a whole training node
     with pytest.raises(ToolError, match="must equal"):
         chart.render([chart.JOBS_DIR / "values.yaml"], [f"stages.{info.name}.enabled=true",
@@ -399,12 +495,18 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
     `placement_request`) and must launch exactly nnodes GPU workers with nothing left over."""
     info = _train_info(infos)
     import importlib
-
-    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
     from functools import partial
 
-    from ray.autoscaler._private.node_provider_availability_tracker import NodeAvailabilitySummary
-    from ray.autoscaler._private.resource_demand_scheduler import _default_utilization_scorer, get_nodes_for
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+    from ray.autoscaler._private.node_provider_availability_tracker import (
+        NodeAvailabilitySummary,
+    )
+    from ray.autoscaler._private.resource_demand_scheduler import (
+        _default_utilization_scorer,
+        get_nodes_for,
+    )
 
     scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
 
@@ -414,9 +516,9 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
     nodes_f = info.capacity["nodes"]
     docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
                              [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{nodes_f}={nnodes}"],
-                             show_only="templates/rayjobs.yaml")
-    (rj,) = docs
-    cfg = stg.validate_config(info.name, parse_entrypoint(rj["spec"]["entrypoint"]))
+                             show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
+    (rj,) = [d for d in docs if d["kind"] == "RayJob"]
+    cfg = stg.validate_config(info.name, config_of(docs, rj))
     req = mod.placement_request(cfg)
     auto = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "c", "namespace": "ns"},
                                                    "spec": rj["spec"]["rayClusterSpec"]})

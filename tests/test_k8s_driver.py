@@ -18,7 +18,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from memsifter import storage
-from memsifter.k8s.driver import Driver, DriveError, KubernetesBackend, Plan, StagePlan, published_hash
+from memsifter.k8s.driver import (
+    DriveError,
+    Driver,
+    KubernetesBackend,
+    Plan,
+    StagePlan,
+    published_hash,
+)
 from memsifter.k8s.registry import topo_order
 
 NS = "ms-test"
@@ -352,3 +359,21 @@ def test_preflight_rejects_bad_configs_before_starting_anything():
     with pytest.raises(DriveError, match="(?s)nothing was started.*questions"):
         Driver(plan, be, poll=0, write_manifest=False, sleep=lambda s: None).run()
     assert be.calls == []
+
+
+def test_local_config_entrypoint_replaces_the_mounted_config(tmp_path):
+    """RayBackend's stand-in for the ConfigMap the head pod mounts: the document goes to a local file and the
+    entrypoint's --config points there; everything else (await-capacity, the stage) is kept."""
+    import shlex
+
+    import yaml
+
+    from memsifter.k8s.driver import local_config_entrypoint
+
+    ep = ("memsifter k8s await-capacity --nodes 1 --gpus-per-node 8 --timeout 60 -- "
+          "memsifter run train --config /etc/memsifter/train.yaml")
+    path = tmp_path / "rj.yaml"
+    words = shlex.split(local_config_entrypoint(ep, {"output": "s3://b/r/train", "nnodes": 1}, str(path)))
+    assert words[:10] == shlex.split(ep)[:10] and words[-2:] == ["--config", str(path)]
+    assert yaml.safe_load(path.read_text()) == {"output": "s3://b/r/train", "nnodes": 1}
+    assert local_config_entrypoint(ep, None, str(tmp_path / "x.yaml")) == shlex.join(shlex.split(ep))

@@ -4,7 +4,8 @@ The chart is rendered with `helm template` for every registered stage (tiny conf
 tiny local models, the vLLM CPU endpoint); the plan it puts in the driver's ConfigMap is then run by
 the real driver (`memsifter.k8s.driver`) whose backend submits each RayJob's *exact* entrypoint (after
 the round trip through KubeRay's submitter shell and `ray job submit`) and runtime env, plus the head
-container's env, to a Ray head with JobSubmissionClient. Every job must SUCCEED and publish; a second
+container's env, to a Ray head with JobSubmissionClient; the `--config` file the head pod mounts from the
+stage's ConfigMap is the plan's copy of that document, written to a local file. Every job must SUCCEED and publish; a second
 driver run skips everything (resume). The training stage runs its `--dry-run`-style config (verl
 composes and validates its config; a real DAPO step needs GPUs), behind `await-capacity`, on a head
 that advertises logical GPUs shaped like one chart worker pod, where verl's own resource pool creates
@@ -29,7 +30,8 @@ import pytest
 
 from memsifter import stage as stg
 from memsifter import storage
-from memsifter.k8s import chart, registry, validate
+from memsifter.k8s import registry
+from memsifter.k8s.dev import chart, validate
 from memsifter.k8s.driver import Driver, Plan, RayBackend
 from memsifter.testing import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
 
@@ -165,7 +167,7 @@ def _values(infos, ctx, bucket, endpoint) -> dict:
         block: dict = {"enabled": True, "config": tiny_config(info, ctx)}
         if info.capacity:
             block["workers"] = {"gpus": GPUS}
-            block["capacity"] = {"waitTimeoutSeconds": 120}
+            block["capacityTimeoutSeconds"] = 120
         stages[info.name] = block
     return {"run": {"id": "t" + uuid.uuid4().hex[:6]},
             "s3": {"bucket": bucket, "endpoint": endpoint, "runPrefix": "runs"},
@@ -210,7 +212,7 @@ def test_rendered_rayjobs_run_on_local_ray(ray_cluster, pod_env, s3_env, tiny_mo
         ref = (e.get("valueFrom") or {}).get("secretKeyRef") or {}
         assert e["name"] in pod_env or e["name"] in runtime_keys or ref.get("optional") or \
             e["name"] in ("AWS_REGION",) + CACHE_LOCATIONS, e
-    backend = RayBackend(ray_cluster)
+    backend = RayBackend(ray_cluster, configs=full.configs)  # the ConfigMaps' documents, as local files
     dry = _dry_run_stages(infos)
     main = Plan(full.run, [s for s in full.stages if s.name not in dry])
     d = Driver(main, backend, poll=0.5, stage_timeout=600)

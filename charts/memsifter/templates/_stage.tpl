@@ -1,0 +1,91 @@
+{{/*
+A stage's settings, assembled from (lowest first) `common`, `multiNode` (stages that span GPU nodes),
+the family's `profiles` entry, worker sizes from the stage's facts, and the stage's own block in
+`stages`: each key comes from the highest layer that sets it; `resources` are merged key by key.
+The facts (family, GPUs per worker, needs, inputs, multi-node capacity) are code, not settings:
+files/stages.json, generated from the stage registry by `memsifter k8s gen-chart`.
+*/}}
+
+{{- define "memsifter.facts" -}}
+{{- .Files.Get "files/stages.json" }}
+{{- end }}
+
+{{/* Keys from layers (list, lowest first), each from the highest layer that has it, as JSON. dict layers keys */}}
+{{- define "memsifter.pick" -}}
+{{- $out := dict }}
+{{- range $layer := .layers }}
+{{- range $k := $.keys }}{{ if hasKey $layer $k }}{{ $_ := set $out $k (get $layer $k) }}{{ end }}{{ end }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* Value at a dotted path of a map, or "". dict obj path */}}
+{{- define "memsifter.getPath" -}}
+{{- $cur := .obj }}
+{{- range (splitList "." .path) }}
+{{- if kindIs "map" $cur }}{{ $cur = get $cur . }}{{ else }}{{ $cur = "" }}{{ end }}
+{{- end }}
+{{- $cur }}
+{{- end }}
+
+{{/* The stage's config document, as JSON: its block's `config` (only what differs from the stage's
+     defaults, which stay in its pydantic model), plus `output` and the inputs wired to the producing
+     stages' outputs in this run, where not set. dict root name */}}
+{{- define "memsifter.stageConfig" -}}
+{{- $facts := index (include "memsifter.facts" .root | fromJson) .name }}
+{{- $cfg := deepCopy ((index .root.Values.stages .name | default dict).config | default dict) }}
+{{- if not (get $cfg "output") }}
+{{- $_ := set $cfg "output" (include "memsifter.stageOutput" .) }}
+{{- end }}
+{{- range $field, $producer := ($facts.inputs | default dict) }}
+{{- if not (get $cfg $field) }}
+{{- $uris := list }}
+{{- range (kindIs "slice" $producer | ternary $producer (list $producer)) }}
+{{- $uris = append $uris (include "memsifter.stageOutput" (dict "root" $.root "name" .)) }}
+{{- end }}
+{{- $_ := set $cfg $field (kindIs "slice" $producer | ternary $uris (first $uris)) }}
+{{- end }}
+{{- end }}
+{{- toJson $cfg }}
+{{- end }}
+
+{{/* A stage's settings as JSON: the keys of a stage block (`config`: the config document) plus `family`,
+     `needs` and `capacity` ({nodes, gpusPerNode, gpusPerNodeField} read from the config, or {}). dict root name */}}
+{{- define "memsifter.stage" -}}
+{{- $v := .root.Values }}
+{{- $f := index (include "memsifter.facts" .root | fromJson) .name }}
+{{- $own := index $v.stages .name | default dict }}
+{{- $cfg := include "memsifter.stageConfig" . | fromJson }}
+{{- $cap := dict }}
+{{- with $f.capacity }}
+{{- $n := include "memsifter.getPath" (dict "obj" $cfg "path" .nodes) }}
+{{- $g := include "memsifter.getPath" (dict "obj" $cfg "path" .gpusPerNode) }}
+{{- $cap = dict "nodes" (int (default .defaultNodes $n)) "gpusPerNode" (int (default .defaultGpusPerNode $g)) "gpusPerNodeField" .gpusPerNode }}
+{{- end }}
+{{- $sizes := dict "replicas" 0 "minReplicas" 0 "maxReplicas" 0 "autoscaling" false "gpus" 0 }}
+{{- if $cap }}
+{{- $sizes = dict "replicas" 0 "minReplicas" 0 "maxReplicas" (max $cap.nodes 1) "autoscaling" true "gpus" $cap.gpusPerNode }}
+{{- else if gt (int $f.gpus) 0 }}
+{{- $sizes = dict "replicas" 1 "minReplicas" 1 "maxReplicas" 1 "autoscaling" false "gpus" (int $f.gpus) }}
+{{- end }}
+{{- $layers := list $v.common }}
+{{- if $cap }}{{ $layers = append $layers $v.multiNode }}{{ end }}
+{{- $top := list "image" "env" "runtimeEnv" "activeDeadlineSeconds" "backoffLimit" "ttlSecondsAfterFinished" "shutdownAfterJobFinishes" "capacityTimeoutSeconds" }}
+{{- $s := include "memsifter.pick" (dict "layers" (append $layers $own) "keys" $top) | fromJson }}
+{{- $prof := index $v.profiles $f.family | default dict }}
+{{- $keys := list "resources" "shmSize" "rayStartParams" "nodeSelector" "tolerations" "affinity" }}
+{{- range $group, $extra := dict "head" (list) "workers" (list "replicas" "minReplicas" "maxReplicas" "autoscaling" "gpus" "idleTimeoutSeconds") }}
+{{- $mine := get $own $group | default dict }}
+{{- $base := ternary $sizes (dict) (eq $group "workers") }}
+{{- $gl := list $base (get $v.common $group | default dict) (get $prof $group | default dict) $mine }}
+{{- $g := include "memsifter.pick" (dict "layers" $gl "keys" (concat $keys $extra)) | fromJson }}
+{{- $res := mergeOverwrite (deepCopy (dig $group "resources" dict $prof)) (deepCopy ($mine.resources | default dict)) }}
+{{- $_ := set $g "resources" $res }}
+{{- $_ := set $s $group $g }}
+{{- end }}
+{{- $_ := set $s "config" $cfg }}
+{{- $_ := set $s "family" $f.family }}
+{{- $_ := set $s "needs" ($f.needs | default list) }}
+{{- $_ := set $s "capacity" $cap }}
+{{- toJson $s }}
+{{- end }}

@@ -1,0 +1,188 @@
+"""``values.schema.json``: every value's type, ``additionalProperties: false`` everywhere (a typo fails
+``helm install``), the repeated shapes once in ``$defs``.
+
+The global values come from the same tree as ``values.yaml`` (:data:`.values.global_tree`, descriptions
+included). A stage block is ``$defs/stage`` (enabled, config, image, env, runtimeEnv, head, workers,
+deadlines) with ``config`` narrowed to the stage's own pydantic schema (``$defs/<stage>__config``, its
+nested models hoisted next to it); ``required`` of the config applies only when the stage is enabled,
+and only to the fields neither the chart (``output``) nor the wiring fill.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..registry import StageInfo
+from .values import STAGE_KEYS, Group, Value, global_tree, image_families
+
+
+def _rename_refs(node: Any, names: dict[str, str]) -> Any:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#/$defs/"):
+                out[k] = f"#/$defs/{names[v[len('#/$defs/'):]]}"
+            elif k in ("uri", "runtime") and isinstance(v, bool):
+                out[f"x-memsifter-{k}"] = v
+            else:
+                out[k] = _rename_refs(v, names)
+        return out
+    if isinstance(node, list):
+        return [_rename_refs(v, names) for v in node]
+    return node
+
+
+def _coercing_fields(cls: Any) -> set[str]:
+    """Fields with a before/plain/wrap validator: their JSON schema is narrower than what they accept."""
+    out: set[str] = set()
+    decos = getattr(cls, "__pydantic_decorators__", None)
+    for d in (decos.field_validators.values() if decos else []):
+        if d.info.mode in ("before", "plain", "wrap"):
+            fields = d.info.fields
+            out |= set(cls.model_fields) if "*" in fields else set(fields)
+    return out
+
+
+def config_def(info: StageInfo) -> str:
+    return f"{info.name.replace('-', '_')}__config"
+
+
+def _compact(node: Any) -> Any:
+    """pydantic's schema without its noise: no ``title`` (the property name says it), and
+    ``anyOf: [{type: A}, {type: null}]`` written ``type: [A, null]``."""
+    if isinstance(node, list):
+        return [_compact(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _compact(v) for k, v in node.items() if not (k == "title" and isinstance(v, str))}
+    alts = out.get("anyOf")
+    if isinstance(alts, list) and alts and all(isinstance(a, dict) and set(a) == {"type"} for a in alts):
+        out.pop("anyOf")
+        types = [t for a in alts for t in (a["type"] if isinstance(a["type"], list) else [a["type"]])]
+        out = {"type": types[0] if len(types) == 1 else types, **out}
+    return out
+
+
+def config_schema(info: StageInfo, defs: dict) -> dict:
+    """The stage config's pydantic JSON schema, nested definitions hoisted into ``defs`` (shared between
+    stages when identical, e.g. an LLM endpoint; else prefixed with the stage); ``required`` dropped (see
+    the module docstring)."""
+    sch = _compact(info.config.model_json_schema(mode="validation"))
+    for fname in _coercing_fields(info.config):
+        prop = sch.get("properties", {}).get(fname)
+        if prop is not None:  # the stage accepts more than the type says (e.g. a URI for a mapping)
+            sch["properties"][fname] = {k: v for k, v in prop.items()
+                                        if k in ("description", "default", "uri", "runtime")}
+    prefix = f"{info.name.replace('-', '_')}__"
+    names = {}
+    own = sch.pop("$defs", {}) or {}
+    for name, d in own.items():
+        shared = "$ref" not in str(d) and defs.get(name, _rename_refs(d, {})) == _rename_refs(d, {})
+        names[name] = name if shared else prefix + name
+    for name, d in own.items():
+        defs[names[name]] = _rename_refs(d, names)
+    sch = _rename_refs(sch, names)
+    sch.pop("required", None)
+    sch["additionalProperties"] = False
+    sch["description"] = (f"Config of stage '{info.name}': only what differs from the defaults "
+                          f"(memsifter run {info.name} --schema).")
+    return sch
+
+
+def _node(node: Value | Group) -> dict:
+    if isinstance(node, Value):
+        return {**node.schema, "description": node.doc}
+    out: dict[str, Any] = {"type": "object", "additionalProperties": False, "description": node.doc,
+                           "properties": {k: _node(v) for k, v in node.items.items()}}
+    if node.required:
+        out["required"] = node.required
+    return out
+
+
+_OBJ = {"type": "object"}
+
+
+def shared_defs() -> dict:
+    """The shapes used more than once."""
+    ref = lambda n: {"$ref": f"#/$defs/{n}"}
+    group = {"resources": ref("resources"), "shmSize": ref("size"), "rayStartParams": ref("rayStartParams"),
+             "nodeSelector": ref("nodeSelector"), "tolerations": ref("tolerations"), "affinity": _OBJ}
+    nonneg = {"type": "integer", "minimum": 0}
+    return {
+        "quantity": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+        "size": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"},
+        "resources": {"type": "object", "additionalProperties": False, "properties": {
+            "requests": {"type": "object", "additionalProperties": ref("quantity")},
+            "limits": {"type": "object", "additionalProperties": ref("quantity")}}},
+        "image": {"type": "object", "additionalProperties": False,
+                  "properties": {"repository": {"type": "string"}, "tag": {"type": "string"}}},
+        "env": {"type": "array", "items": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                           "properties": {"name": {"type": "string"}, "value": {"type": "string"},
+                                                          "valueFrom": _OBJ}}},
+        "secretEnv": {"type": "object", "additionalProperties": False, "required": ["name", "secretName", "key"],
+                      "properties": {"name": {"type": "string"}, "secretName": {"type": "string"},
+                                     "key": {"type": "string"}, "optional": {"type": "boolean"}}},
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tolerations": {"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
+            "key": {"type": "string"}, "operator": {"enum": ["Exists", "Equal"]}, "value": {"type": "string"},
+            "effect": {"enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]},
+            "tolerationSeconds": {"type": "integer"}}}},
+        "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"},
+                           "not": {"required": ["labels"]}},
+        "head": {"type": "object", "additionalProperties": False, "properties": group},
+        "workers": {"type": "object", "additionalProperties": False, "properties": {
+            **group, "replicas": nonneg, "minReplicas": nonneg, "maxReplicas": nonneg,
+            "autoscaling": {"type": "boolean"}, "gpus": nonneg, "idleTimeoutSeconds": nonneg}},
+        "stage": {"type": "object", "additionalProperties": False, "properties": {
+            "enabled": {"type": "boolean", "description": "Run this stage."},
+            "config": {"type": "object", "description": "Only what differs from the stage's defaults."},
+            "image": ref("image"), "env": ref("env"), "runtimeEnv": _OBJ,
+            "head": ref("head"), "workers": ref("workers"),
+            "activeDeadlineSeconds": {"type": "integer", "minimum": 1}, "backoffLimit": nonneg,
+            "ttlSecondsAfterFinished": nonneg, "shutdownAfterJobFinishes": {"type": "boolean"},
+            "capacityTimeoutSeconds": {"type": "integer", "minimum": 1}}},
+    }
+
+
+def stage_schema(info: StageInfo, defs: dict) -> dict:
+    defs[config_def(info)] = config_schema(info, defs)
+    sch: dict[str, Any] = {"description": info.help, "allOf": [
+        {"$ref": "#/$defs/stage"}, {"properties": {"config": {"$ref": f"#/$defs/{config_def(info)}"}}}]}
+    req = info.required_user_fields
+    if req:
+        sch["if"] = {"properties": {"enabled": {"const": True}}, "required": ["enabled"]}
+        sch["then"] = {"required": ["config"], "properties": {"config": {"required": req}}}
+    return sch
+
+
+def values_schema(infos: list[StageInfo]) -> dict:
+    defs = shared_defs()
+    assert set(defs["stage"]["properties"]) == {"enabled", "config", *STAGE_KEYS}
+    props = {k: _node(v) for k, v in global_tree(infos).items()}
+    stages = {i.name: stage_schema(i, defs) for i in infos}
+    props["global"] = {"type": "object", "description": "Helm's global values (unused)."}
+    props["stages"] = {"type": "object", "additionalProperties": False, "properties": stages,
+                       "description": "One block per registered stage."}
+    assert image_families(infos)  # the driver's family is always there
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": "memsifter chart values (generated by `memsifter k8s gen-chart`)",
+            "type": "object", "additionalProperties": False, "properties": props, "$defs": defs}
+
+
+def schema_text(schema: dict, width: int = 110) -> str:
+    """JSON, indented, with lists of scalars (types, enums, required names) on one line when they fit."""
+    def enc(node: Any, indent: int) -> str:
+        pad, inner = "  " * indent, "  " * (indent + 1)
+        if isinstance(node, dict):
+            if not node:
+                return "{}"
+            items = [f"{inner}{json.dumps(k)}: {enc(v, indent + 1)}" for k, v in node.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        if isinstance(node, list):
+            flat = json.dumps(node)
+            if all(not isinstance(v, (dict, list)) for v in node) and len(inner) + len(flat) <= width:
+                return flat
+            return "[\n" + ",\n".join(f"{inner}{enc(v, indent + 1)}" for v in node) + f"\n{pad}]"
+        return json.dumps(node)
+    return enc(schema, 0) + "\n"

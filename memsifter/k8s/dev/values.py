@@ -1,0 +1,403 @@
+"""The chart's values, written once: defaults, ``# --`` doc comments and JSON schema side by side.
+
+:data:`GLOBALS` is a tree of :class:`Group` / :class:`Value` nodes (default, one-line doc, schema). From it,
+and from the stage registry, come ``values.yaml`` (helm-docs style ``# --`` comments on every value),
+the non-stage part of ``values.schema.json`` (:mod:`.schema`) and the values tables of the chart's
+``README.md``. Per stage, ``values.yaml`` holds only ``enabled`` and ``config: {}`` (what differs from the
+pydantic defaults, which stay in the stage's config class); head/worker sizes come from the family
+``profiles`` and ``common``/``multiNode`` settings, overridable per stage. Facts that are code, not
+settings (family, GPUs per worker, needs, input wiring, multi-node capacity fields) go to
+``files/stages.json`` (:func:`stage_facts`), which the templates read.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ... import __version__
+from ..registry import StageInfo
+
+RAY_VERSION = "2.59.0"
+IMAGE_REPOSITORY = "ghcr.io/memsifter/memsifter-{family}"
+DRIVER_FAMILY = "chat"  # the driver runs in the chat image (light, no torch; it has the kubernetes client)
+WIDTH = 110
+
+# Head/worker pods per image family (the families of the images/ Dockerfiles); a family without an entry
+# here gets the "chat" sizes. CPU limit = request (Ray sizes num-cpus from it).
+FAMILY_PROFILES: dict[str, dict[str, tuple[str, str, str]]] = {   # group -> (cpu, memory, /dev/shm)
+    "chat": {"head": ("2", "8Gi", "1Gi"), "workers": ("4", "16Gi", "2Gi")},
+    "embed": {"head": ("2", "8Gi", "2Gi"), "workers": ("8", "48Gi", "8Gi")},
+    "rank": {"head": ("4", "16Gi", "2Gi"), "workers": ("16", "128Gi", "32Gi")},
+    "train": {"head": ("8", "64Gi", "8Gi"), "workers": ("64", "512Gi", "64Gi")},
+}
+# Every pod and container of the chart: non-root, no privilege escalation, no capabilities, RuntimeDefault
+# seccomp, read-only root filesystem with emptyDir mounts where the workloads write. k8s/SECURITY.md.
+POD_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                              "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                              "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+# --------------------------------------------------------------------------- the tree
+@dataclass
+class Value:
+    default: Any
+    doc: str
+    schema: dict = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    doc: str
+    items: dict[str, Value | Group]
+    required: list[str] = field(default_factory=list)
+
+
+def resources(cpu: str, memory: str, cpu_limit: str | None = None) -> dict:
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit or cpu, "memory": memory}}
+
+
+def image_families(infos: list[StageInfo]) -> list[str]:
+    return sorted({i.family for i in infos} | {DRIVER_FAMILY}) + ["driver"]
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/$defs/{name}"}
+
+
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_POS = {"type": "integer", "minimum": 1}
+_NONNEG = {"type": "integer", "minimum": 0}
+_PATH = {"type": "string", "pattern": "^/"}
+
+
+def profile_group(family: str, infos: list[StageInfo]) -> Group:
+    prof = FAMILY_PROFILES.get(family, FAMILY_PROFILES["chat"])
+    users = ", ".join(i.name for i in infos if i.family == family)
+    items: dict[str, Value | Group] = {}
+    for grp, (cpu, mem, shm) in prof.items():
+        what = "Head pod" if grp == "head" else "Worker pods (GPU stages: the nvidia.com/gpu limit comes from workers.gpus)"
+        items[grp] = Group(f"{what}.", {
+            "resources": Value(resources(cpu, mem), "Requests and limits.", _ref("resources")),
+            "shmSize": Value(shm, "Size of the /dev/shm tmpfs (Ray's object store, NCCL).", _ref("size"))})
+    return Group(f"Family {family} ({users}).", items)
+
+
+def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
+    families = image_families(infos)
+    return {
+        "nameOverride": Value("", "Replaces the chart name in resource names.", _STR),
+        "fullnameOverride": Value("", "Replaces <release>-<chart> in resource names.", _STR),
+        "run": Group("Run identity: RayJob names, S3 prefixes and the run manifest are scoped by it.", {
+            "id": Value("", "Run id ('' = the release name). A new id starts a fresh run; the same id resumes.",
+                        {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 40})}),
+        "s3": Group("Where everything is published: s3://<bucket>/<runPrefix>/<run id>/<stage>/.", {
+            "endpoint": Value("", "S3 endpoint URL; '' for AWS S3, else e.g. http://seaweedfs.memsifter.svc:8333.",
+                              {"type": "string", "pattern": "^(https?://.+)?$"}),
+            "region": Value("us-east-1", "Region (AWS_REGION).", {"type": "string", "minLength": 1}),
+            "bucket": Value("memsifter", "Bucket of the run.",
+                            {"type": "string", "pattern": "^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"}),
+            "runPrefix": Value("runs", "Prefix of runs in the bucket.",
+                               {"type": "string", "pattern": "^[^/](.*[^/])?$|^$"})}, required=["bucket"]),
+        "secrets": Group("Secrets by name and key (create them first: k8s/secrets.example.yaml); pods get them as "
+                         "env vars via secretKeyRef, nothing secret is stored in values.", {
+            "s3": Value({"name": "memsifter-s3", "accessKeyIdKey": "AWS_ACCESS_KEY_ID",
+                         "secretAccessKeyKey": "AWS_SECRET_ACCESS_KEY"}, "S3 credentials.",
+                        _secret("accessKeyIdKey", "secretAccessKeyKey")),
+            "llm": Value({"name": "memsifter-llm", "key": "OPENAI_API_KEY", "envName": "OPENAI_API_KEY",
+                          "optional": True}, "Key of the working LLM / judge endpoint, as env var envName.",
+                         _secret("key", "envName", "optional")),
+            "huggingFace": Value({"name": "memsifter-hf", "key": "HF_TOKEN", "optional": True},
+                                 "Hugging Face token (HF_TOKEN), for gated models.", _secret("key", "optional")),
+            "extraEnv": Value([], "More env vars from Secrets: [{name, secretName, key, optional}] (e.g. tracker "
+                                  "credentials).", {"type": "array", "items": _ref("secretEnv")})}),
+        "images": Group("One image per stage family (images/<family>/Dockerfile); the driver uses the chat image.", {
+            "pullPolicy": Value("Always", "Always re-checks the registry (and pull credentials) at each pod start; "
+                                          "IfNotPresent for images loaded into nodes.",
+                                {"enum": ["Always", "IfNotPresent", "Never"]}),
+            "pullSecrets": Value([], "imagePullSecrets of every pod: [{name: ...}].",
+                                 {"type": "array", "items": {"type": "object", "required": ["name"],
+                                                            "properties": {"name": _STR}}}),
+            "families": Value({f: {"repository": IMAGE_REPOSITORY.format(family=DRIVER_FAMILY if f == "driver" else f),
+                                   "tag": __version__} for f in families},
+                              "repository/tag per family; pin by digest with tag: \"<tag>@sha256:<digest>\".",
+                              {"type": "object", "additionalProperties": False, "required": families,
+                               "properties": {f: {**_ref("image"), "required": ["repository", "tag"]}
+                                              for f in families}})}),
+        "rayVersion": Value(RAY_VERSION, "Ray version of the images (KubeRay uses it for the cluster spec).",
+                            {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}),
+        "env": Value([{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
+                     "Extra env vars of every Ray container (name/value or name/valueFrom).", _ref("env")),
+        "cacheVolume": Group("Model and compile caches (HF_HOME, XDG_CACHE_HOME, vLLM, Triton point here).", {
+            "sizeLimit": Value("100Gi", "Size of the per-pod emptyDir.", _ref("size")),
+            "mountPath": Value("/cache", "Where it is mounted.", _PATH),
+            "existingClaim": Value("", "A ReadWriteMany PersistentVolumeClaim shared by every pod instead (weights "
+                                       "downloaded once).", _STR)}),
+        "scratchVolume": Group("emptyDir at /tmp: Ray's session files and stage scratch (train's local_dir).", {
+            "sizeLimit": Value("200Gi", "Size (needs that much node disk).", _ref("size"))}),
+        "homeVolume": Group("emptyDir used as HOME (the root filesystem is read-only).", {
+            "sizeLimit": Value("1Gi", "Size.", _ref("size")),
+            "mountPath": Value("/home/memsifter", "HOME of the Ray containers.", _PATH)}),
+        "volumes": Value([], "Extra volumes of every Ray pod.", {"type": "array", "items": {"type": "object"}}),
+        "volumeMounts": Value([], "Extra volume mounts of every Ray container.",
+                              {"type": "array", "items": {"type": "object"}}),
+        "podSecurityContext": Value(POD_SECURITY_CONTEXT, "Every pod: the images' non-root user, seccomp "
+                                                          "RuntimeDefault.", {"type": "object"}),
+        "containerSecurityContext": Value(CONTAINER_SECURITY_CONTEXT, "Every container: no privilege escalation, "
+                                          "no capabilities, read-only root filesystem (k8s/SECURITY.md).",
+                                          {"type": "object"}),
+        "cpuPool": Group("Scheduling of head pods, submitters, the driver and workers of CPU-only stages.", {
+            "nodeSelector": Value({}, "Node labels.", _ref("nodeSelector")),
+            "tolerations": Value([], "Tolerations.", _ref("tolerations")),
+            "affinity": Value({}, "Affinity.", {"type": "object"})}),
+        "gpuPool": Group("Scheduling of GPU worker pods: the GPU pool's labels and taints (k8s/gpu-node-pool.md).", {
+            "nodeSelector": Value({"memsifter.io/pool": "gpu"}, "Node labels.", _ref("nodeSelector")),
+            "tolerations": Value([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                                 "Tolerations.", _ref("tolerations")),
+            "affinity": Value({}, "Affinity.", {"type": "object"})}),
+        "driver": Group("The pipeline driver (`memsifter k8s drive`): a Job that creates the enabled stages' RayJobs "
+                        "in dependency order, waits for each, stops at the first failure and writes the run manifest.", {
+            "enabled": Value(True, "false: helm creates the RayJobs at once, unordered (as in jobs/).", _BOOL),
+            "image": Value({"repository": "", "tag": ""}, "Overrides images.families.driver.", _ref("image")),
+            "pollSeconds": Value(15, "Seconds between status checks.", _POS),
+            "stageTimeoutSeconds": Value(0, "Fail a stage after this long (0: the RayJob's own deadline).", _NONNEG),
+            "backoffLimit": Value(3, "Retries of the driver pod (a new pod resumes the run).", _NONNEG),
+            "resources": Value(resources("200m", "512Mi", cpu_limit="1"), "Driver pod resources.", _ref("resources")),
+            "serviceAccount": Group("Its ServiceAccount (a Role allows get/create/delete on rayjobs only).", {
+                "create": Value(True, "Create it.", _BOOL),
+                "name": Value("", "Name ('' = <fullname>-driver, or 'default' when not created).", _STR)})}),
+        "submitter": Group("KubeRay's submitter pod of each RayJob (`ray job submit`, in the head's image).", {
+            "resources": Value(resources("500m", "1Gi"), "Its resources.", _ref("resources"))}),
+        "networkPolicy": Group("Optional NetworkPolicy for all pods of the release: ingress from the release's pods "
+                               "and (dashboard port) the KubeRay operator; egress to the release, DNS and `egress`.", {
+            "enabled": Value(False, "Create it.", _BOOL),
+            "operatorNamespaceLabels": Value({"kubernetes.io/metadata.name": "kuberay-system"},
+                                             "Labels of the KubeRay operator's namespace.",
+                                             {"type": "object", "additionalProperties": _STR}),
+            "extraIngress": Value([], "More ingress rules.", {"type": "array", "items": {"type": "object"}}),
+            "egress": Value([{}], "Egress rules ([{}]: anywhere; narrow it to your S3/LLM endpoints).",
+                            {"type": "array", "items": {"type": "object"}})}),
+        "profiles": Group("Head/worker pod sizes per stage family; a stage's own head/workers override them key by "
+                          "key.", {f: profile_group(f, infos) for f in sorted({i.family for i in infos})},
+                          required=sorted({i.family for i in infos})),
+        "common": Group("Settings of every stage's RayJob; a stage's block (stages.<name>) overrides each of them.", {
+            "activeDeadlineSeconds": Value(86400, "Seconds a RayJob may run.", _POS),
+            "backoffLimit": Value(0, "Re-runs of a failed RayJob's submitter.", _NONNEG),
+            "ttlSecondsAfterFinished": Value(600, "Seconds a finished RayJob's cluster is kept.", _NONNEG),
+            "shutdownAfterJobFinishes": Value(True, "Delete the Ray cluster when the job ends.", _BOOL),
+            "workers": Group("Worker group (its size comes from the stage: GPUs per worker, multi-node capacity).", {
+                "idleTimeoutSeconds": Value(600, "Autoscaled groups: seconds before an idle worker is removed.",
+                                            _NONNEG)})}),
+        "multiNode": Group("Stages that span GPU nodes (config nnodes / n_gpus_per_node: their worker group "
+                           "autoscales from 0); over `common`, under the stage's block.", {
+            "activeDeadlineSeconds": Value(7 * 86400, "Seconds a RayJob may run.", _POS),
+            "backoffLimit": Value(3, "Re-runs after preemption or failure (training resumes from its S3 "
+                                     "checkpoints).", _NONNEG),
+            "capacityTimeoutSeconds": Value(1800, "How long the entrypoint waits for the GPU nodes "
+                                                  "(`memsifter k8s await-capacity`).", _POS)}),
+    }
+
+
+def _secret(*keys: str) -> dict:
+    return {"type": "object", "additionalProperties": False,
+            "required": ["name", *[k for k in keys if k != "optional"]],
+            "properties": {"name": {"type": "string", "minLength": 1},
+                           **{k: (_BOOL if k == "optional" else {"type": "string", "minLength": 1}) for k in keys}}}
+
+
+# Keys a stage's block may set besides enabled/config (schema $defs/stage; README "Stage blocks").
+STAGE_KEYS: dict[str, str] = {
+    "image": "{repository, tag}: overrides the family image.",
+    "env": "Extra env vars of the stage's Ray containers.",
+    "runtimeEnv": "Extra Ray runtime_env (runtimeEnvYAML); env_vars are merged.",
+    "head": "Head pod: resources (merged over the profile), shmSize, rayStartParams, nodeSelector, tolerations, "
+            "affinity (default: cpuPool's).",
+    "workers": "Worker group: the head's keys plus replicas, minReplicas, maxReplicas, autoscaling, gpus, "
+               "idleTimeoutSeconds (scheduling default: gpuPool's when gpus > 0).",
+    "activeDeadlineSeconds": "As in common / multiNode.",
+    "backoffLimit": "As in common / multiNode.",
+    "ttlSecondsAfterFinished": "As in common.",
+    "shutdownAfterJobFinishes": "As in common.",
+    "capacityTimeoutSeconds": "As in multiNode (multi-node stages only).",
+}
+
+
+def walk(tree: dict[str, Value | Group], prefix: str = "") -> Iterator[tuple[str, Value]]:
+    """(dotted key, value) of every leaf."""
+    for k, node in tree.items():
+        if isinstance(node, Group):
+            yield from walk(node.items, f"{prefix}{k}.")
+        else:
+            yield prefix + k, node
+
+
+def defaults(tree: dict[str, Value | Group]) -> dict:
+    return {k: defaults(n.items) if isinstance(n, Group) else n.default for k, n in tree.items()}
+
+
+# --------------------------------------------------------------------------- facts
+def stage_facts(infos: list[StageInfo]) -> dict:
+    """files/stages.json: what the templates know about each stage (code, not settings)."""
+    out = {}
+    for i in infos:
+        cap = None
+        if i.capacity:
+            cap = {**i.capacity, "defaultNodes": i.capacity_defaults["nodes"],
+                   "defaultGpusPerNode": i.capacity_defaults["gpusPerNode"]}
+        out[i.name] = {"family": i.family, "gpus": i.gpus, "needs": list(i.needs), "inputs": dict(i.inputs),
+                       "capacity": cap, "required": i.required_user_fields, "help": i.help}
+    return out
+
+
+# --------------------------------------------------------------------------- values.yaml
+def _comment(text: str, indent: int, first: str = "# -- ") -> str:
+    pad = " " * indent
+    lines = textwrap.wrap(text, WIDTH - indent - len(first)) or [""]
+    return "".join(f"{pad}{first if n == 0 else '# '}{line}\n" for n, line in enumerate(lines))
+
+
+def _dump(key: str, value: Any, indent: int) -> str:
+    """``key: value``: scalars plain, collections of scalars in flow style, deeper ones as blocks of those."""
+    leaf = not isinstance(value, (dict, list)) or \
+        not any(isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict) else value))
+    text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=True if leaf else None,
+                          width=WIDTH - indent, allow_unicode=True)
+    if leaf:
+        text = text.strip()[1:-1] + "\n"  # the outer {key: value}'s braces
+    pad = " " * indent
+    return "".join(pad + line for line in text.splitlines(True))
+
+
+def _tree_text(tree: dict[str, Value | Group], indent: int) -> str:
+    out = []
+    for k, node in tree.items():
+        out.append(_comment(node.doc, indent))
+        if isinstance(node, Group):
+            out.append(" " * indent + f"{k}:\n" + _tree_text(node.items, indent + 2))
+        else:
+            out.append(_dump(k, node.default, indent))
+        if indent == 0:
+            out.append("\n")
+    return "".join(out)
+
+
+def field_names(info: StageInfo) -> list[str]:
+    return [f for f in info.fields if f != "output"]
+
+
+def stage_summary(info: StageInfo) -> str:
+    gpus = (f"{info.capacity_defaults['gpusPerNode']} GPUs per node, config.{info.capacity['nodes']} nodes"
+            if info.capacity else f"{info.gpus} GPU worker" if info.gpus else "no GPUs")
+    return f"family {info.family}, {gpus}; needs: {', '.join(info.needs) or '-'}"
+
+
+def values_text(infos: list[StageInfo], header: str) -> str:
+    out = [header, "# Values of the memsifter chart (helm show readme: every value, every stage's config fields).\n",
+           "# Validated by values.schema.json: unknown keys fail.\n\n", _tree_text(global_tree(infos), 0)]
+    out.append(_comment("One block per registered stage: enabled, config (only what differs from the stage's "
+                        "defaults) and, to override common/profiles for this stage: " + ", ".join(STAGE_KEYS) + ".",
+                        0))
+    out.append("stages:\n")
+    for info in infos:
+        req = info.required_user_fields
+        doc = f"{info.name}: {info.help.rstrip('.')}. ({stage_summary(info)}" + \
+              (f"; required: {', '.join('config.' + f for f in req)})" if req else ")")
+        out.append(_comment(doc, 2))
+        out.append(f"  {info.name}:\n")
+        out.append(_comment("Run this stage.", 4) + "    enabled: false\n")
+        wired = f" output and {', '.join(info.inputs)} come from the run." if info.inputs else \
+            " output comes from the run."
+        out.append(_comment(f"Only what differs from the defaults: {', '.join(field_names(info))};{wired}", 4))
+        out.append("    config: {}\n")
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- README.md
+def _md(v: Any) -> str:
+    text = json.dumps(v, separators=(", ", ": ")) if not isinstance(v, str) else json.dumps(v)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _config_rows(cls: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """(field, default, description) of a pydantic model, nested models one level down."""
+    import typing
+
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined, to_jsonable_python
+
+    for name, f in cls.model_fields.items():
+        if name == "output" and not prefix:
+            continue
+        sub = next((a for a in (f.annotation, *typing.get_args(f.annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if f.is_required():
+            default = "required"
+        else:
+            raw = f.get_default(call_default_factory=True)
+            default = "" if raw is PydanticUndefined else _md(to_jsonable_python(raw))
+        if sub is not None and not prefix:
+            yield prefix + name, "" if default != "`null`" else default, _cell(f.description or "")
+            yield from _config_rows(sub, f"{prefix}{name}.")
+        else:
+            yield prefix + name, default, _cell(f.description or "")
+
+
+def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
+    facts = stage_facts(infos)
+    intro = (f"# memsifter chart\n\n{_cell(chart_meta.get('description', ''))}\n\n"
+             f"Chart {chart_meta.get('version')}, app {chart_meta.get('appVersion')}; needs "
+             f"{chart_meta.get('annotations', {}).get('memsifter.io/requires', 'the KubeRay operator')}. "
+             "Cluster prerequisites, install, progress, results, resume: "
+             "[k8s/README.md](https://github.com/memsifter/memsifter/blob/main/k8s/README.md).\n\n"
+             "```sh\nhelm install lme charts/memsifter -n memsifter -f my-run.yaml   # see ci/*.yaml for scenarios\n```\n\n"
+             "## How a stage is configured\n\n"
+             "- `stages.<name>.enabled` turns a stage on; `stages.<name>.config` holds **only what differs from the "
+             "stage's defaults** (they stay in its pydantic config class: `memsifter run <name> --help`). The chart "
+             "adds `output` (`s3://<bucket>/<runPrefix>/<run id>/<name>`) and the inputs produced by other stages "
+             "of the run, unless set.\n"
+             "- That document travels as one file: a ConfigMap per stage (named like its RayJob) mounted into the "
+             "head pod at `/etc/memsifter/<name>.yaml`; the entrypoint is `memsifter run <name> --config "
+             "/etc/memsifter/<name>.yaml` (behind `memsifter k8s await-capacity` for multi-node stages).\n"
+             "- Pod sizes: `profiles.<family>` (head and workers), then the stage's own `head`/`workers`; other "
+             "RayJob settings: `common`, then `multiNode` for stages that span GPU nodes, then the stage's block. "
+             "Worker group sizes come from the stage (GPUs per worker; `nnodes`/`n_gpus_per_node` of multi-node "
+             "stages).\n"
+             "- Facts that are code (family, GPUs, needs, input wiring, capacity fields) are not values: "
+             "`files/stages.json`, generated with `values.yaml`, `values.schema.json`, `ci/` and this README by "
+             "`memsifter k8s gen-chart` from the stage registry.\n\n")
+    out = [header, intro, "## Values\n\n| Key | Default | Description |\n| --- | --- | --- |\n"]
+    for key, v in walk(global_tree(infos)):
+        out.append(f"| `{key}` | {_md(v.default)} | {_cell(v.doc)} |\n")
+    out.append("| `stages.<name>.enabled` | `false` | Run this stage. |\n"
+               "| `stages.<name>.config` | `{}` | The stage's config: only what differs from its defaults (below). |\n")
+    for k, doc in STAGE_KEYS.items():
+        out.append(f"| `stages.<name>.{k}` | | {_cell(doc)} |\n")
+    out.append("\n## Stages\n\n| Stage | Family | GPUs per worker | Needs | Inputs wired from the run | "
+               "Required |\n| --- | --- | --- | --- | --- | --- |\n")
+    for i in infos:
+        f = facts[i.name]
+        wired = ", ".join(f"`{k}` ← {'+'.join(v) if isinstance(v, list) else v}" for k, v in f["inputs"].items())
+        gpus = f"{i.capacity_defaults['gpusPerNode']} × `{i.capacity['nodes']}` nodes" if i.capacity else str(i.gpus)
+        out.append(f"| `{i.name}` | {i.family} | {gpus} | {', '.join(i.needs) or '-'} | {wired or '-'} | "
+                   f"{', '.join(f'`{r}`' for r in f['required']) or '-'} |\n")
+    out.append("\n## Stage configs\n\nEvery field of `stages.<name>.config` with its default "
+               "(`memsifter run <name> --help`, `--schema`).\n")
+    for i in infos:
+        out.append(f"\n### {i.name}\n\n{_cell(i.help)}\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
+        for name, default, desc in _config_rows(i.config):
+            out.append(f"| `{name}` | {default} | {desc} |\n")
+    return "".join(out)
