@@ -62,7 +62,7 @@ SFT = {"target": "gold_first", "lora_rank": 16, "lora_alpha": 32, "lr": 2e-4, "e
        "eval_generate": 0}  # greedy HF generate ran minutes on the GPU; the rank stage measures format and NDCG
 DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 2e-5, "lr_warmup_steps": 0, "weight_decay": 0.0,
         "max_prompt_length": 2600, "max_response_length": 64, "overlong_buffer_len": 16,
-        "rollout_n": 8, "train_batch_size": 32, "gen_batch_size": 64, "ppo_mini_batch_size": 16,
+        "rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32, "ppo_mini_batch_size": 16,
         "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1, "param_offload": False,
         "optimizer_offload": False, "gradient_checkpointing": False, "rollout_gpu_memory_utilization": 0.3,
         "val_temperature": 0.0, "val_top_p": 1.0, "val_before_train": True, "test_freq": 4,
@@ -107,7 +107,7 @@ def config(name: str, data: dict) -> str:
 
 
 @contextlib.contextmanager
-def served(model_dir: str, name: str, port: int, util: float):
+def served(model_dir: str, name: str, port: int, util: float, lora: bool = False):
     """vLLM's OpenAI-compatible server for a model on this GPU; yields the base URL."""
     import urllib.request
 
@@ -115,11 +115,13 @@ def served(model_dir: str, name: str, port: int, util: float):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
            name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192",
            "--gpu-memory-utilization", str(util), "--max-num-seqs", "256", "--enforce-eager"]
+    if lora:  # trained rankers are loaded into this server as they appear (one server for every ranker)
+        cmd += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
     t0 = time.time()
     from memsifter.vllm_env import engine_env  # VLLM_USE_FLASHINFER_SAMPLER=0 without FlashInfer, as the stages do
 
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**engine_env(), **os.environ})
+                            env={**engine_env(), **os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
         while True:
             if proc.poll() is not None:
@@ -206,7 +208,12 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
         "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
         "dapo": {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2)},
-        "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True"]})
+        # micro-batches of up to 32k tokens (the stage's default, one max-length sequence, is for 130k
+        # prompts; with 2.6k-token rows it ran one row per forward)
+        "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True",
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
+                            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
+                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768"]})
     # the curves while it runs: the stage keeps verl's metric lines under <output>/_work/metrics.jsonl
     stop = {"done": False}
 
@@ -245,22 +252,43 @@ def rankers() -> list[tuple[str, str | None, bool]]:
     return out
 
 
-def phase_rank_all(a, url: str, names: list[str], which: str) -> None:
-    from memsifter import models
+def load_lora(url: str, name: str, path: str) -> None:
+    import urllib.request
 
+    req = urllib.request.Request(url.rsplit("/v1", 1)[0] + "/v1/load_lora_adapter", method="POST",
+                                 data=json.dumps({"lora_name": name, "lora_path": path}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            log(f"adapter {name} loaded into the working server ({r.status})")
+    except Exception as e:  # noqa: BLE001 - already loaded (a re-run) is fine
+        log(f"adapter {name}: load said {e}")
+
+
+def phase_rank_all(a, url: str, names: list[str]) -> None:
+    """Every ranker on every held-out dataset, as parallel rank-stage runs against the one server
+    (the base model under its name, each adapter as a LoRA of it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
     for tag, adapter, structured in rankers():
-        if (which == "base") != (adapter is None):
-            continue
-        if adapter is None:
-            for ds in names:
-                rank(tag, ds, url, BASE, BASE, structured)
-            continue
-        merged = models.resolve(adapter)  # base + adapter, merged once (what every stage does with one)
-        with served(merged, tag, T_PORT, 0.12) as turl:
-            for ds in names:
-                # model = the adapter: the rank stage resolves it to the same merged model (its context,
-                # its label 'rank:adapter-<kind>'); the tokenizer is the base's
-                rank(tag, ds, turl, tag, adapter, structured)
+        served_name = "working"
+        if adapter is not None:
+            load_lora(url, tag, adapter)
+            served_name = tag
+        for ds in names:
+            if not os.path.exists(os.path.join(RUNS, f"rank-{tag}-{ds}", "_SUCCESS")):
+                # model = the adapter: the rank stage resolves it (merged onto the base) for its context
+                # and labels the method 'rank:adapter-<kind>'; the tokenizer is the base's
+                jobs.append((tag, ds, url, served_name, adapter or BASE, structured))
+    def one(j: tuple) -> None:
+        try:
+            rank(*j)
+        except Exception as e:  # noqa: BLE001 - the table uses the rankers that ranked
+            log(f"rank {j[0]} on {j[1]} failed: {e}")
+
+    with ThreadPoolExecutor(6) as ex:
+        list(ex.map(one, jobs))
 
 
 def phase_answers(a, url: str, names: list[str]) -> dict:
@@ -336,7 +364,7 @@ def run_all(a) -> None:
     with seaweedfs(workdir=os.path.join(WORK, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
-        with served(base_dir, "working", W_PORT, 0.12) as url:
+        with served(base_dir, "working", W_PORT, 0.15, lora=True) as url:
             os.environ["MEMSIFTER_WORKING_URL"] = url
             done = []
             for ph in phases:
@@ -351,14 +379,14 @@ def run_all(a) -> None:
                     elif ph == "sft":
                         phase_sft(a)
                     elif ph == "dcg":
-                        phase_train(a, "dcg", os.path.join(RUNS, "sft"), {"mode": "dcg", "format": "exact"}, a.dcg_steps)
+                        phase_train(a, "dcg", adapter_dir("sft"), {"mode": "dcg", "format": "exact"}, a.dcg_steps)
                     elif ph == "task":
                         init = adapter_dir("dcg") or adapter_dir("sft")
                         phase_train(a, "task", init, {"mode": "task", "format": "exact", "base_url": url,
                                                       "model": "working", "api_key_env": None, "temperature": 0.0,
                                                       "max_tokens": 24, "concurrency": 128}, a.task_steps)
                     elif ph == "eval":
-                        phase_rank_all(a, url, names, "trained")
+                        phase_rank_all(a, url, names)
                         write_table(phase_answers(a, url, names))
                     done.append(ph)
                     log(f"phase {ph} done in {time.time() - t1:.0f}s")
@@ -371,12 +399,19 @@ def run_all(a) -> None:
 
 
 def copy_results(out: str) -> None:
+    """One archive (the device returns few files): results/ and the adapters, plus status and table."""
     if not out:
         return
+    import tarfile
+
     os.makedirs(out, exist_ok=True)
-    shutil.copytree(RES, os.path.join(out, "ranker"), dirs_exist_ok=True)
-    for d in glob.glob(os.path.join(RUNS, "adapter-*")):
-        shutil.copytree(d, os.path.join(out, "ranker", os.path.basename(d)), dirs_exist_ok=True)
+    with tarfile.open(os.path.join(out, "ranker.tgz"), "w:gz") as t:
+        t.add(RES, arcname="results")
+        for d in glob.glob(os.path.join(RUNS, "adapter-*")):
+            t.add(d, arcname=os.path.join("adapters", os.path.basename(d)))
+    for f in ("status.json", "table.md"):
+        if os.path.exists(os.path.join(RES, f)):
+            shutil.copy(os.path.join(RES, f), os.path.join(out, f))
 
 
 def main() -> int:
