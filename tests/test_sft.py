@@ -137,7 +137,7 @@ def test_lora_settings_compose_in_verl(tmp_path):
     m, r = c["actor_rollout_ref"]["model"], c["actor_rollout_ref"]["rollout"]
     assert (m["lora_rank"], m["lora_alpha"], m["target_modules"]) == (16, 32, "all-linear")
     assert m["lora_adapter_path"] == str(adapter)
-    assert r["load_format"] == "safetensors" and r["layered_summon"] is True
+    assert r["load_format"] == "safetensors" and r["layered_summon"] is True  # 8 GPUs: FSDP shards
     assert c["actor_rollout_ref"]["actor"]["entropy_coeff"] == 0.001
     with pytest.raises(ValueError, match="init_adapter needs dapo.lora_rank"):
         TrainConfig(output="o", data="d", init_adapter=str(tmp_path / "sft"))

@@ -52,16 +52,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import storage
+from ..checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
 from ..errors import ConfigError, InputError
+from ..reward_settings import RewardSettings
 from ..stage import StageConfig, runtime_field, stage, uri_field
 from ..vllm_env import engine_env
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-COMPLETE_MARKER = "_COMPLETE.json"
-TRACKER = "latest_checkpointed_iteration.txt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ENV_CHECKPOINT_URI = "MEMSIFTER_CHECKPOINT_URI"
 # Non-secret settings forwarded to verl's Ray actors (credentials stay in the pods' environment).
 FORWARD_ENV = ("MEMSIFTER_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION",
@@ -123,41 +121,18 @@ class DapoSettings(BaseModel):
     val_before_train: bool = False
 
 
-class RewardSettingsConfig(BaseModel):
-    """How ``memsifter.rewards`` scores rollouts (passed as verl ``reward_kwargs``; no secrets)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mode: Literal["dcg", "task"] = Field("dcg", description="dcg: DCG of the ranking against the gold sessions, no "
-                                         "LLM calls (MemSifter's first stage); task: the working LLM's answer "
-                                         "gains (needs base_url)")
-    base_url: str | None = Field(None, description="working LLM (OpenAI-compatible) base URL; task mode")
-    model: str = "gpt-4o-mini"
-    api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env var (in the pods) holding the "
-                                    "key (null: the working LLM's server needs none)")
-    temperature: float = 0.3
-    max_tokens: int = 512
-    concurrency: int = Field(64, description="working-LLM requests in flight per reward worker")
-    max_retries: int = 4
-    top_k: int = 10
-    cache_uri: str | None = Field(None, description="response cache (local or s3://); default <output>/_work/reward_cache")
-    answer_prompt: str | None = Field(None, description="working-LLM prompt file (default: prompts/chat.txt)")
-    format: Literal["exact", "partial"] = Field("exact", description="exact: a ranking needs K = min(top_k, N) "
-                                                "valid ids or scores 0 (MemSifter); partial: any ranking of shown "
-                                                "ids is scored on the ids it gives (lets learning start)")
-
-
 class TrainConfig(StageConfig):
     model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir, s3:// URI or a name of `memsifter models list`")
-    data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)")
+    data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)", stage="prepare-rl")
     init_adapter: str | None = uri_field("a LoRA adapter to start from (the sft stage's output, its adapter/ "
-                                         "directory is used); needs dapo.lora_rank > 0", None)
+                                         "directory is used); needs dapo.lora_rank > 0", None,
+                                         stage=("sft", "collect"), wire="none")
     nnodes: int = Field(1, ge=1, description="GPU nodes (trainer.nnodes)")
     n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node (trainer.n_gpus_per_node)")
     project_name: str = "memsifter"
     experiment_name: str = "dapo-ranker"
     dapo: DapoSettings = Field(default_factory=DapoSettings)
-    reward: RewardSettingsConfig = Field(default_factory=RewardSettingsConfig)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
     keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
                                         "(trainer.max_actor_ckpt_to_keep); S3 keeps every one")
@@ -360,7 +335,9 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
         (f"{r}.log_prob_max_token_len_per_gpu", max_len),
         # LoRA: vLLM loads the base weights itself and gets only the adapter from the actor each step
-        *([(f"{r}.load_format", "safetensors"), (f"{r}.layered_summon", True)] if d.lora_rank > 0 else []),
+        # (layered summon offloads to CPU, which verl's FSDP refuses with NO_SHARD, i.e. on one GPU)
+        *([(f"{r}.load_format", "safetensors"), (f"{r}.layered_summon", config.nnodes * config.n_gpus_per_node > 1)]
+          if d.lora_rank > 0 else []),
         (f"{r}.val_kwargs.do_sample", True), (f"{r}.val_kwargs.temperature", d.val_temperature),
         (f"{r}.val_kwargs.top_p", d.val_top_p), (f"{r}.val_kwargs.n", 1),
         # reward: our function under the DAPO manager
@@ -489,11 +466,6 @@ def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False
 
 
 # --------------------------------------------------------------------------- checkpoints in S3
-def step_of(name: str) -> int | None:
-    m = STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
-
-
 def missing_files(files: dict[str, int]) -> list[str]:
     """What a ``global_step_N`` file listing (relative path -> size) lacks to be a complete checkpoint."""
     missing = []
@@ -554,16 +526,6 @@ def mark_complete(ckpt_uri: str, step: int) -> dict:
     storage.write_bytes(storage.join(step_uri, COMPLETE_MARKER), json.dumps(marker, indent=2).encode())
     storage.write_bytes(storage.join(ckpt_uri, TRACKER), str(step).encode())
     return marker
-
-
-def complete_steps(ckpt_uri: str) -> list[int]:
-    """Steps under a checkpoint root that carry the completion marker, ascending."""
-    out = []
-    for name in storage.list_dirs(ckpt_uri):
-        s = step_of(name)
-        if s is not None and storage.exists(storage.join(ckpt_uri, name, COMPLETE_MARKER)):
-            out.append(s)
-    return sorted(out)
 
 
 def restore_step(ckpt_uri: str, step: int | None, local_root: str) -> int | None:
@@ -728,7 +690,7 @@ def preview(config: TrainConfig) -> dict:
     return {"unchecked": unchecked}
 
 
-@stage("train", TrainConfig, family="train", gpus=8, needs=["prepare-rl"], preview=preview,
+@stage("train", TrainConfig, family="train", gpus=8, preview=preview,
        help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
 def run(config: TrainConfig, out: storage.Publication) -> dict:
     check_loggers(config)
