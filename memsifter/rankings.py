@@ -196,24 +196,6 @@ def read_rankings(uri: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- resumable work
-class InjectedCrash(RuntimeError):
-    """Raised by :func:`crash_point` (tests of crash-resume)."""
-
-
-def crash_point(stage: str, done: int) -> None:
-    """Test hook: with ``MEMSIFTER_CRASH_AFTER=<stage>:<n>`` in the environment, raise once the
-    n-th unit of resumable work (an embedding shard, a batch of rankings or answers) is saved."""
-    import os
-
-    spec = os.environ.get("MEMSIFTER_CRASH_AFTER", "")
-    if not spec or ":" not in spec:
-        return
-    name, n = spec.rsplit(":", 1)
-    if name == stage and done >= int(n):
-        raise InjectedCrash(f"injected crash in stage {stage} after {done} saved units "
-                            f"(MEMSIFTER_CRASH_AFTER={spec})")
-
-
 def read_partials(uri: str) -> list[dict]:
     """Rows of every ``*.parquet`` under a partial-results prefix (empty when there is none)."""
     rows: list[dict] = []

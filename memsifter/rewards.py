@@ -54,26 +54,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import math
-import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .llm import ChatClient, LLMEndpoint, ResponseCache, request_key, run_sync
+from .llm import ChatClient, ResponseCache, request_key, run_sync
 from .metrics import dcg_over_gold, ndcg, token_f1
+from .prompting import extract_answer, fill, load_prompt  # as the chat and rank stages use them
 from .rankings import parse_ranking
 from .render import render_history_texts
-from .stages.chat import extract_answer  # the chat stage's answer extraction (MEMSIFTER.md §5)
-from .stages.rank import fill, load_prompt  # the prompt files and slot filling the stages use
+from .reward_settings import FORMATS, MODES, TOP_K, RewardSettings  # noqa: F401 - the settings, re-exported
 
 log = logging.getLogger(__name__)
-
-MODES = ("dcg", "task")
-FORMATS = ("exact", "partial")
-TOP_K = 10
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -130,69 +123,6 @@ def answer_messages(question: str, question_date: str | None, session_texts: Seq
 def chat_template(uri: str | None) -> str:
     """The working-LLM prompt: ``uri`` (a replacement file, local or s3://) or ``prompts/chat.txt``."""
     return load_prompt(uri, "chat.txt", ("history", "current"))
-
-
-# --------------------------------------------------------------------------- settings
-def _env(name: str, default: Any = None) -> Any:
-    v = os.environ.get(name)
-    return v if v not in (None, "") else default
-
-
-@dataclass(frozen=True)
-class RewardSettings:
-    mode: str = "dcg"
-    base_url: str | None = None
-    model: str = "gpt-4o-mini"
-    api_key_env: str | None = "OPENAI_API_KEY"
-    temperature: float = 0.3
-    max_tokens: int = 512
-    concurrency: int = 64
-    max_retries: int = 4
-    timeout_s: float = 120.0
-    top_k: int = TOP_K
-    cache_uri: str | None = None
-    answer_prompt: str | None = None
-    format: str = "exact"
-
-    @classmethod
-    def resolve(cls, **kw: Any) -> "RewardSettings":
-        """Keyword arguments (verl's ``reward_kwargs``) first, then environment variables."""
-        env = {
-            "mode": _env("MEMSIFTER_REWARD_MODE"), "base_url": _env("MEMSIFTER_REWARD_BASE_URL"),
-            "model": _env("MEMSIFTER_REWARD_MODEL"), "api_key_env": _env("MEMSIFTER_REWARD_API_KEY_ENV"),
-            "temperature": _env("MEMSIFTER_REWARD_TEMPERATURE"), "max_tokens": _env("MEMSIFTER_REWARD_MAX_TOKENS"),
-            "concurrency": _env("MEMSIFTER_REWARD_CONCURRENCY"), "max_retries": _env("MEMSIFTER_REWARD_MAX_RETRIES"),
-            "timeout_s": _env("MEMSIFTER_REWARD_TIMEOUT_S"), "top_k": _env("MEMSIFTER_REWARD_TOP_K"),
-            "cache_uri": _env("MEMSIFTER_REWARD_CACHE"), "answer_prompt": _env("MEMSIFTER_REWARD_ANSWER_PROMPT"),
-            "format": _env("MEMSIFTER_REWARD_FORMAT"),
-        }
-        vals: dict[str, Any] = {}
-        for f in cls.__dataclass_fields__:
-            v = kw.get(f)
-            if v is None:
-                v = env.get(f)
-            if v is not None:
-                vals[f] = v
-        s = cls(**vals)
-        typed = cls(mode=str(s.mode).lower(), base_url=s.base_url, model=str(s.model),
-                    api_key_env=str(s.api_key_env) if s.api_key_env else None, temperature=float(s.temperature),
-                    max_tokens=int(s.max_tokens), concurrency=int(s.concurrency),
-                    max_retries=int(s.max_retries), timeout_s=float(s.timeout_s), top_k=int(s.top_k),
-                    cache_uri=s.cache_uri or None, answer_prompt=s.answer_prompt or None,
-                    format=str(s.format).lower())
-        if typed.mode not in MODES:
-            raise ValueError(f"reward mode {typed.mode!r}: expected one of {MODES}")
-        if typed.format not in FORMATS:
-            raise ValueError(f"reward format {typed.format!r}: expected one of {FORMATS}")
-        return typed
-
-    def endpoint(self) -> LLMEndpoint:
-        return LLMEndpoint(base_url=self.base_url, model=self.model, api_key_env=self.api_key_env,
-                           temperature=self.temperature, max_tokens=self.max_tokens, timeout_s=self.timeout_s,
-                           max_retries=self.max_retries, concurrency=self.concurrency)
-
-    def key(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True, default=str)
 
 
 # --------------------------------------------------------------------------- the working LLM
@@ -330,7 +260,7 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
     ``n_ranked``, ``reward_error``; in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
     ``llm_failed``.
     """
-    settings = RewardSettings.resolve(**{k: v for k, v in kwargs.items() if k in RewardSettings.__dataclass_fields__})
+    settings = RewardSettings.resolve(**kwargs)
     try:
         gold, n = parse_ground_truth(ground_truth)
         k = min(settings.top_k, n)

@@ -3,7 +3,7 @@
 A stage module looks like::
 
     class EmbedConfig(StageConfig):
-        input: str = uri_field("published dataset to embed")
+        input: str = uri_field("published dataset to embed", stage=("import", "synth"))
         model: str = "BAAI/bge-m3"
 
     @stage("embed", EmbedConfig, family="embed", help="Embed sessions and questions")
@@ -18,6 +18,13 @@ published is not lost by mistake (:meth:`Stage.run`): another stage's output is 
 output of another config only with ``replace``, and an output that is or contains an input (or lies
 inside one) is refused. The CLI (``memsifter run NAME``), the RayJob entrypoints,
 ``jobs/`` and the Helm chart are all generated from this registry (:data:`STAGES`).
+
+How stages connect is declared once, on the input fields: ``uri_field(..., stage="embed")`` names the
+stage whose output a field reads (a tuple when several can produce it, in order of preference). A
+stage's ``needs``, the pipeline order (:func:`available_stages`), the inputs ``memsifter pipeline`` and
+the chart fill in (:func:`wired_value`) are all derived from those declarations; nothing else names a
+producer. Stage modules are found by importing every module of :data:`STAGE_PACKAGES`: adding a stage is
+one module with one ``@stage`` registration (then ``memsifter k8s gen-chart && memsifter k8s gen-jobs``).
 """
 
 from __future__ import annotations
@@ -27,31 +34,22 @@ import importlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import pkgutil
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__, storage
+from . import __version__, faults, storage
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Stage name -> module that defines it (imported lazily so `--help` stays fast).
-STAGE_MODULES: dict[str, str] = {
-    "import": "memsifter.data.importers",
-    "synth": "memsifter.data.synth",
-    "embed": "memsifter.stages.embed",
-    "rank": "memsifter.stages.rank",
-    "chat": "memsifter.stages.chat",
-    "evaluate": "memsifter.stages.evaluate",
-    "prepare-rl": "memsifter.stages.prepare_rl",
-    "sft": "memsifter.stages.sft",
-    "train": "memsifter.stages.train",
-    "collect": "memsifter.stages.collect",
-    "merge": "memsifter.stages.merge",
-}
+# Where stages live: every module of these packages (or these modules) is imported to find the
+# stages it registers (:func:`discover`). A new stage module needs no entry anywhere.
+STAGE_PACKAGES: tuple[str, ...] = ("memsifter.data", "memsifter.stages")
 
 
 class StageConfig(BaseModel):
@@ -62,9 +60,34 @@ class StageConfig(BaseModel):
     output: str = Field(description="URI (local path or s3://bucket/prefix) where the stage publishes")
 
 
-def uri_field(description: str, default: Any = ..., **kw: Any) -> Any:
-    """A config field holding an input URI (the pipeline wires these between stages)."""
-    return Field(default, description=description, json_schema_extra={"uri": True}, **kw)
+WIRE_MODES = ("first", "all", "none")
+
+
+def uri_field(description: str, default: Any = ..., *, stage: str | tuple[str, ...] | None = None,
+              wire: str = "first", **kw: Any) -> Any:
+    """A config field holding an input URI.
+
+    ``stage`` names the stage whose published output the field reads; a tuple when several stages can
+    produce it, in order of preference (``stage=("rank", "embed")``). Leave it out for what the user
+    names (a raw source file, a prompt, a model). These declarations are the only place where stages
+    are connected: needs, pipeline order and the inputs a pipeline or the chart fills in derive from
+    them. ``wire`` says what fills an unset field: ``first``, the output of the first producer there
+    is (a one-element list for a list field); ``all``, every producer's output; ``none``, nothing (the
+    producers then only order the stages: the user names the output, e.g. one of an earlier run).
+    """
+    extra: dict[str, Any] = {"uri": True}
+    if stage is not None:
+        producers = (stage,) if isinstance(stage, str) else tuple(stage)
+        if not producers or not all(isinstance(p, str) and p for p in producers):
+            raise ValueError(f"uri_field stage={stage!r}: expected a stage name or a tuple of them")
+        if wire not in WIRE_MODES:
+            raise ValueError(f"uri_field wire={wire!r}: expected one of {WIRE_MODES}")
+        extra["stage"] = list(producers)
+        if wire != "first":
+            extra["wire"] = wire
+    elif wire != "first":
+        raise ValueError("uri_field wire= needs stage=")
+    return Field(default, description=description, json_schema_extra=extra, **kw)
 
 
 def runtime_field(default: Any, description: str, **kw: Any) -> Any:
@@ -152,10 +175,22 @@ class Stage:
     family: str
     help: str
     gpus: int = 0                                   # GPUs one worker of this stage wants by default
-    needs: list[str] = field(default_factory=list)  # names of stages it reads from (for pipelines)
     # Runs instead of the body when the config says ``dry_run``: before the output store is touched
     # (no manifest read, no staging, nothing published), so an unreachable store cannot stop it.
     preview: Callable | None = None
+    module: str = ""                                # the module that registered it
+
+    @property
+    def inputs(self) -> list["Input"]:
+        """The config's input fields and the stages that produce them (``uri_field(stage=...)``)."""
+        return config_inputs(self.config)
+
+    @property
+    def needs(self) -> list[str]:
+        """The stages it reads from, derived from its input fields (:func:`derive_needs`), in
+        pipeline order."""
+        stages = {**available(), self.name: self}
+        return derive_needs(stages)[self.name]
 
     def published(self, config: StageConfig, damage: list[str] | None = None) -> dict | None:
         """The manifest at ``config.output`` if it holds this stage's output for this exact config
@@ -265,8 +300,7 @@ class Stage:
         from . import lease
 
         storage.ensure_bucket(config.output)
-        prev_stage = storage.CURRENT_STAGE["name"]
-        storage.CURRENT_STAGE["name"] = self.name
+        faults.checkpoint("stage-start", stage=self.name)
         try:
             with lease.hold(config.output, purpose=f"stage {self.name}", steal=steal_lease) as held:
                 now = storage.try_manifest(config.output) if not force else None
@@ -295,7 +329,7 @@ class Stage:
                     logging.getLogger().removeHandler(tail)
                 clear_failure(config.output)
         finally:
-            storage.CURRENT_STAGE["name"] = prev_stage
+            faults.checkpoint("stage-end", stage=self.name)
         log.info("%s: published %s (%d files)", self.name, config.output, len(manifest["files"]))
         return manifest
 
@@ -354,12 +388,14 @@ STAGES: dict[str, Stage] = {}
 
 
 def stage(name: str, config: type[StageConfig], *, family: str, help: str, gpus: int = 0,
-          needs: list[str] | None = None, preview: Callable | None = None) -> Callable:
+          preview: Callable | None = None) -> Callable:
     """Register a stage body; returns the module-level ``run(config, force=False, steal_lease=False,
-    replace=False)`` (see :meth:`Stage.run`)."""
+    replace=False)`` (see :meth:`Stage.run`). What the stage reads from other stages is declared on
+    its config's input fields (:func:`uri_field` ``stage=``), not here."""
 
     def deco(body: Callable) -> Callable[..., dict]:
-        st = Stage(name, config, body, family, help, gpus, needs or [], preview)
+        config_inputs(config)  # a bad declaration fails at import, naming the field
+        st = Stage(name, config, body, family, help, gpus, preview, getattr(body, "__module__", ""))
         STAGES[name] = st
 
         def run(cfg: StageConfig | dict, force: bool = False, steal_lease: bool = False,
@@ -371,23 +407,155 @@ def stage(name: str, config: type[StageConfig], *, family: str, help: str, gpus:
     return deco
 
 
-def get_stage(name: str) -> Stage:
-    if name not in STAGE_MODULES:
-        raise ConfigError(f"unknown stage '{name}' (known: {', '.join(STAGE_MODULES)})")
-    if name not in STAGES:
-        importlib.import_module(STAGE_MODULES[name])
-    if name not in STAGES:
-        raise ConfigError(f"module {STAGE_MODULES[name]} did not register stage '{name}'")
-    return STAGES[name]
+_SCANNED: set[str] = set()
+
+
+def discover() -> None:
+    """Import every module of :data:`STAGE_PACKAGES` (once each): their ``@stage`` decorators register
+    the stages. A package's modules are found by scanning it; an entry that is a plain module is
+    imported as it is."""
+    for pkg in STAGE_PACKAGES:
+        if pkg in _SCANNED:
+            continue
+        mod = importlib.import_module(pkg)
+        if hasattr(mod, "__path__"):
+            for info in sorted(pkgutil.iter_modules(mod.__path__), key=lambda m: m.name):
+                importlib.import_module(f"{pkg}.{info.name}")
+        _SCANNED.add(pkg)
+
+
+def _shipped(st: Stage) -> bool:
+    return any(st.module == p or st.module.startswith(p + ".") for p in STAGE_PACKAGES)
+
+
+def available() -> dict[str, Stage]:
+    """The stages of :data:`STAGE_PACKAGES` by name, in pipeline order (:func:`available_stages`)."""
+    discover()
+    found = {n: s for n, s in STAGES.items() if _shipped(s)}
+    return {n: found[n] for n in derive_order(derive_needs(found))}
 
 
 def available_stages() -> list[str]:
-    """Stages whose module exists in this installation."""
+    """The stages of this installation in pipeline order: each after the stages it reads from, ties
+    by name (:func:`derive_order`)."""
+    return list(available())
+
+
+def get_stage(name: str) -> Stage:
+    if name not in STAGES:
+        discover()
+    if name not in STAGES:
+        raise ConfigError(f"unknown stage '{name}' (known: {', '.join(available_stages())})")
+    return STAGES[name]
+
+
+# --------------------------------------------------------------------------- inputs and wiring
+@dataclass(frozen=True)
+class Input:
+    """An input field of a stage config: the stages whose output it reads (empty: a file or model the
+    user names), how an unset field is filled (``wire``), whether it is required, whether it is a list."""
+
+    field: str
+    stages: tuple[str, ...]
+    wire: str
+    required: bool
+    many: bool
+
+
+def _extra(f: Any) -> dict:
+    return f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+
+
+def is_list(annotation: Any) -> bool:
+    """A list/tuple/set type (or an optional one)."""
+    for cand in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(cand) in (list, tuple, set):
+            return True
+    return False
+
+
+def config_inputs(cls: type[BaseModel]) -> list[Input]:
+    """The ``uri_field`` inputs of a config class (``output`` aside), in field order."""
     out = []
-    for name, mod in STAGE_MODULES.items():
-        if importlib.util.find_spec(mod) is not None:
-            out.append(name)
+    for name, f in cls.model_fields.items():
+        ex = _extra(f)
+        if not ex.get("uri") or name == "output":
+            continue
+        stages = tuple(ex.get("stage") or ())
+        wire = ex.get("wire", "first")
+        many = is_list(f.annotation)
+        if wire == "all" and not many:
+            raise ValueError(f"{cls.__name__}.{name}: wire='all' needs a list field")
+        out.append(Input(name, stages, wire, f.is_required(), many))
     return out
+
+
+def derive_needs(stages: Mapping[str, Stage]) -> dict[str, list[str]]:
+    """Stage -> the stages among ``stages`` that its input fields name, in pipeline order.
+
+    An optional input whose producer itself needs this stage through required inputs (train's
+    ``init_adapter`` may be a collect output, and collect reads train's checkpoints) can only be the
+    output of an earlier run: it adds no need. A producer that is not registered is an error."""
+    ins = {n: s.inputs for n, s in stages.items()}
+    for n, fields in ins.items():
+        for i in fields:
+            bad = [p for p in i.stages if p not in stages and p not in STAGES]
+            if bad:
+                raise ConfigError(f"stage '{n}': field '{i.field}' names unknown stage(s) {bad} "
+                                  f"(uri_field stage=...)")
+    hard = {n: {p for i in fields if i.required for p in i.stages if p in stages and p != n}
+            for n, fields in ins.items()}
+
+    def reaches(a: str, b: str) -> bool:   # a needs b through required inputs
+        seen, todo = {a}, [a]
+        while todo:
+            for y in hard.get(todo.pop(), ()):
+                if y == b:
+                    return True
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return False
+
+    needs: dict[str, list[str]] = {}
+    for n, fields in ins.items():
+        out: list[str] = []
+        for i in fields:
+            for p in i.stages:
+                if p in stages and p != n and p not in out and (i.required or not reaches(p, n)):
+                    out.append(p)
+        needs[n] = out
+    order = derive_order(needs)
+    return {n: sorted(ds, key=order.index) for n, ds in needs.items()}
+
+
+def derive_order(needs: Mapping[str, Iterable[str]]) -> list[str]:
+    """Stages in dependency order: each after every stage it needs (needs outside ``needs`` ignored),
+    ties by name. Raises ConfigError on a cycle."""
+    left = {n: {d for d in ds if d in needs and d != n} for n, ds in needs.items()}
+    order: list[str] = []
+    while left:
+        ready = sorted(n for n, ds in left.items() if not ds)
+        if not ready:
+            raise ConfigError("dependency cycle among stages " + ", ".join(sorted(left)) +
+                              " (their uri_field stage= declarations)")
+        order.append(ready[0])
+        del left[ready[0]]
+        for ds in left.values():
+            ds.discard(ready[0])
+    return order
+
+
+def wired_value(inp: Input, outputs: Mapping[str, Any]) -> Any:
+    """What fills the unset input ``inp`` given ``outputs`` (producer stage -> its output, for the
+    producers at hand): per ``inp.wire``, the first producer's output (a one-element list for a list
+    field), every producer's, or None (nothing to fill it with, or ``wire="none"``)."""
+    got = [outputs[p] for p in inp.stages if p in outputs]
+    if inp.wire == "none" or not got:
+        return None
+    if inp.wire == "all":
+        return got
+    return [got[0]] if inp.many else got[0]
 
 
 # --------------------------------------------------------------------------- config loading

@@ -88,7 +88,7 @@ def stage_state(out: str, name: str) -> dict:
 
 def run_status(run: str) -> dict:
     """States of every stage of a run, in the plan's order (then any other output found)."""
-    from .stage import STAGE_MODULES
+    from .stage import available_stages
 
     run = run.rstrip("/")
     if not storage.exists(run) and not storage.list_files(run):
@@ -98,7 +98,7 @@ def run_status(run: str) -> dict:
                if isinstance(s, dict) and s.get("stage") and s.get("output")]
     found = [d for d in storage.list_dirs(run) if not d.startswith("_")]
     seen = {o.rstrip("/") for _, o in planned}
-    order = list(STAGE_MODULES)
+    order = available_stages()
     extra = sorted((d for d in found if storage.join(run, d) not in seen),
                    key=lambda d: (order.index(d) if d in order else len(order), d))
     stages = [stage_state(o, n) for n, o in planned] + [stage_state(storage.join(run, d), d) for d in extra]

@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import re
-import signal
 import threading
 import time
 import uuid
@@ -59,6 +58,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from . import faults
 from .errors import ConfigError, NotPublishedError, StorageError
 
 log = logging.getLogger(__name__)
@@ -141,34 +141,6 @@ _stats_lock = threading.Lock()
 def _count(key: str, n: int = 1) -> None:
     with _stats_lock:
         STATS[key] = STATS.get(key, 0) + n
-
-
-# --------------------------------------------------------------------------- kill points (tests)
-CURRENT_STAGE = {"name": ""}   # set by memsifter.stage while a stage runs
-_kill_counts: dict[str, int] = {}
-
-
-def kill_point(point: str) -> None:
-    """Test hook: ``MEMSIFTER_KILL_AT=<stage>:<point>:<n>`` SIGKILLs this process at the n-th time
-    ``point`` is reached while ``stage`` runs. Points: ``write`` (any file written by the storage
-    layer: work shards, staged files), ``publish-start``, ``publish-move`` (after each file moved into
-    place), ``publish-commit`` (every file in place, ``_SUCCESS`` not yet written)."""
-    pause = os.environ.get("MEMSIFTER_PAUSE_AT", "")   # <stage>:<point>:<seconds>: widen a window
-    if pause and pause.rsplit(":", 2)[:2] == [CURRENT_STAGE["name"], point]:
-        time.sleep(float(pause.rsplit(":", 1)[1]))
-    spec = os.environ.get("MEMSIFTER_KILL_AT", "")
-    if not spec:
-        return
-    try:
-        stage, where, n = spec.rsplit(":", 2)
-        n_i = int(n)
-    except ValueError:
-        raise StorageError(f"MEMSIFTER_KILL_AT={spec!r}: expected <stage>:<point>:<n>") from None
-    if where != point or stage != CURRENT_STAGE["name"]:
-        return
-    _kill_counts[point] = _kill_counts.get(point, 0) + 1
-    if _kill_counts[point] >= n_i:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- filesystems
@@ -440,7 +412,7 @@ def write_bytes(uri: str, data: bytes) -> None:
         with fs.open_output_stream(path) as f:
             f.write(data)
     retrying(_write, uri)
-    kill_point("write")
+    faults.checkpoint("write")
 
 
 def write_atomic(uri: str, data: bytes) -> None:
@@ -535,7 +507,7 @@ def copy_file(src: str, dst: str, chunk: int = 8 << 20) -> tuple[int, str]:
     n, sha = retrying(_copy, f"copy {src} -> {dst}")
     if src.rstrip("/") in _expected:
         _check_expected(src, n, sha)
-    kill_point("write")
+    faults.checkpoint("write")
     return n, sha
 
 
@@ -806,7 +778,7 @@ class Publication:
             "attempt": self.attempt, "files": self.files, "stats": self.stats, "inputs": self.inputs,
             "run_id": os.environ.get("MEMSIFTER_RUN_ID"),
         }
-        kill_point("publish-start")
+        faults.checkpoint("publish-start")
         if check is not None:
             check()
         self.journalled = True   # from here on a crash is completed by roll_forward: keep the staging
@@ -862,8 +834,8 @@ def _complete(uri: str, manifest: dict) -> dict:
             # already moved by an earlier attempt (a crash, or a move whose reply was lost)?
             if not _file_matches(fs, dst, shown, meta):
                 raise
-        kill_point("publish-move")
-    kill_point("publish-commit")
+        faults.checkpoint("publish-move")
+    faults.checkpoint("publish-commit")
     write_atomic(join(uri, MANIFEST), _dumps(manifest))
     _expect(uri, manifest)
     with contextlib.suppress(Exception):

@@ -25,12 +25,14 @@ from . import storage
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(?:^|\s)step:(\d+)\s+-\s+(.*)$")
 _ITEM = re.compile(r"^\s*([A-Za-z0-9_@./\-]+):(\S+)\s*$")
+_NUMPY = re.compile(r"^np\.\w+\((.*)\)$")  # verl prints validation values as np.float64(0.55)
 
 # (title, candidate keys in order of preference, or a prefix ending in '/')
 PANELS = (
     ("reward (mean score)", ("critic/score/mean", "critic/rewards/mean")),
     ("valid-format rate", ("reward/valid/mean", "critic/valid/mean", "val-aux/valid", "~format_ok")),
-    ("validation", ("val-core/",)),
+    ("validation (reward)", ("val-core/",)),
+    ("validation NDCG@10 (held-out)", ("~ndcg10",)),
     ("response length (tokens)", ("response_length/mean",)),
     ("step time (s)", ("timing_s/step",)),
     ("rollout tokens/s", ("perf/throughput",)),
@@ -47,8 +49,10 @@ def parse_line(line: str) -> dict | None:
         im = _ITEM.match(part)
         if not im:
             continue
+        raw = im.group(2)
+        wrapped = _NUMPY.match(raw)
         try:
-            v = float(im.group(2))
+            v = float(wrapped.group(1) if wrapped else raw)
         except ValueError:
             continue
         if math.isfinite(v):

@@ -1,6 +1,6 @@
 """Object-store faults: every CPU stage under a fault-injecting proxy in front of the real SeaweedFS.
 
-The proxy (memsifter.faults) resets connections, stalls past the client's timeout, drops answers
+The proxy (memsifter.faultproxy) resets connections, stalls past the client's timeout, drops answers
 after the request ran, answers 503 SlowDown / 500, and refuses everything for a while. Each stage must
 publish outputs identical (sha256, read back from the store) to a clean run of the same config; a
 store that stays down must fail the stage with one clear error after bounded retries, publishing
@@ -18,7 +18,7 @@ from stage_cases import before_stage, output_hashes, setup_inputs, stored_hashes
 
 from memsifter import storage
 from memsifter.errors import NotPublishedError, StorageError
-from memsifter.faults import FaultPlan, fault_proxy
+from memsifter.faultproxy import FaultPlan, fault_proxy
 from memsifter.stage import get_stage
 from memsifter.testing import env_vars
 

@@ -55,7 +55,7 @@ def test_max_per_owner_and_rrf():
 def test_progress_logs_rate_and_eta(caplog):
     p = embedding.Progress(10, every=0, after=0)
     p.tty = False
-    with caplog.at_level(logging.INFO, logger="memsifter.embedding"):
+    with caplog.at_level(logging.INFO, logger="memsifter.raypool"):
         p.update(4)
         p.update(6)
     lines = [r.getMessage() for r in caplog.records]

@@ -510,7 +510,7 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
 
     scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
 
-    mod = importlib.import_module(stg.STAGE_MODULES[info.name])
+    mod = importlib.import_module(stg.get_stage(info.name).module)
     if not hasattr(mod, "placement_request"):
         pytest.skip(f"{info.name} has no placement_request()")
     nodes_f = info.capacity["nodes"]

@@ -5,41 +5,27 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from memsifter.k8s import registry
-from memsifter.stage import StageConfig, uri_field
-
-
-def test_named_producers():
-    stages = ["import", "synth", "embed", "rank", "prepare-rl", "collect", "chat"]
-    f = registry._named_producers
-    assert f("published datasets (import/synth outputs)", stages) == ["import", "synth"]
-    assert f("rankings (rank or embed output, or a rankings parquet file)", stages) == ["rank", "embed"]
-    assert f("rankings to score: stage outputs (embed, rank) or parquet files", stages) == ["embed", "rank"]
-    assert f("prepare-rl output (train_*.parquet)", stages) == ["prepare-rl"]
-    assert f("a collect output: average its steps", stages) == ["collect"]
-    assert f("embed stage output", stages) == ["embed"]
-    assert f("Hugging Face model directories", stages) == []
+from memsifter.stage import Stage, StageConfig, uri_field
 
 
 class Cfg(StageConfig):
-    dataset: str = uri_field("published dataset")
-    sims: list[str] = uri_field("embed outputs (similarity order)", [])
-    ranks: list[str] = uri_field("rankings: stage outputs (embed, rank)", [])
-    previous: list[str] = uri_field("rank outputs of an earlier ranker", [])
-    explicit: str = Field("", json_schema_extra={"uri": True, "stage": "synth"})
+    dataset: str = uri_field("published dataset", stage=("import", "synth"))
+    sims: list[str] = uri_field("similarity order", [], stage="embed")
+    ranks: list[str] = uri_field("rankings to score", [], stage=("embed", "rank"), wire="all")
+    previous: list[str] = uri_field("rankings of an earlier ranker", [], stage="rank", wire="none")
+    best: str | None = uri_field("the best rankings at hand", None, stage=("rank", "embed"))
     prompt: str | None = uri_field("prompt template file", None)
+    source: str = uri_field("a raw file the user names")
 
 
-def test_wiring_rules():
-    needs_of = {"import": [], "synth": [], "embed": ["import"], "rank": ["import", "embed"],
-                "x": ["rank"], "other": ["embed"]}
-    fields = registry._field_infos(Cfg)
-    wired, unwired = registry.wire_inputs("x", ["rank"], fields, Cfg, {"import", "synth"}, needs_of)
-    assert wired == {"dataset": "import", "sims": ["embed"], "ranks": ["embed", "rank"], "previous": ["rank"],
-                     "explicit": "synth"}
-    assert unwired == []
-    # only upstream stages are wired: for a stage that does not depend on rank, 'previous' stays empty
-    wired, _ = registry.wire_inputs("other", ["embed"], fields, Cfg, {"import", "synth"}, needs_of)
-    assert "previous" not in wired and wired["ranks"] == ["embed"]
+def test_wiring_is_read_from_the_declarations():
+    st = Stage("x", Cfg, lambda c, o: {}, "chat", "x", module="x")
+    wired, unwired = registry.wire_inputs(st, ["import", "synth", "embed", "rank"])
+    assert wired == {"dataset": "import", "sims": ["embed"], "ranks": ["embed", "rank"], "best": "rank"}
+    assert unwired == ["source"]
+    # only producers among the needs are wired (a producer that runs later is an earlier run's output)
+    wired, _ = registry.wire_inputs(st, ["import", "embed"])
+    assert wired == {"dataset": "import", "sims": ["embed"], "ranks": ["embed"], "best": "embed"}
 
 
 class Inner(BaseModel):

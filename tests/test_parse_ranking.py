@@ -63,7 +63,7 @@ def test_local_to_original_and_completion():
 
 
 def test_prompt_fill_is_single_pass():
-    from memsifter.stages.rank import fill
+    from memsifter.prompting import fill
 
     tpl = "H:{history}\nQ:{current}"
     out = fill(tpl, history="session says {current} and {x}", current="what?")

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from memsifter import pipeline, rankings, storage
+from memsifter import faults, pipeline, storage
 from memsifter.errors import ConfigError
 
 
@@ -98,7 +98,7 @@ def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_d
     for stage in ("embed", "rank", "chat", "evaluate"):
         monkeypatch.setenv("MEMSIFTER_CRASH_AFTER", f"{stage}:1")
         log.append(f"--- crash in {stage}")
-        with pytest.raises(rankings.InjectedCrash):
+        with pytest.raises(faults.InjectedCrash):
             pipeline.run_pipeline(spec, echo=log.append)
         assert not storage.exists(storage.join(spec["run"], stage, "_SUCCESS"))
     monkeypatch.delenv("MEMSIFTER_CRASH_AFTER")

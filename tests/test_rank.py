@@ -12,7 +12,9 @@ from memsifter.context import TokenCounter, load_tokenizer
 from memsifter.data.model import read_dataset
 from memsifter.render import render_session
 from memsifter.stage import get_stage
-from memsifter.stages.rank import RankConfig, build_prompt, default_prompt, ranking_regex
+from memsifter.faults import InjectedCrash
+from memsifter.prompting import default_prompt
+from memsifter.stages.rank import RankConfig, build_prompt, ranking_regex
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +142,7 @@ def test_rank_endpoint_ok_path_and_resume(synth_data, tiny_model_dir, vllm_endpo
            "endpoint": {"base_url": vllm_endpoint, "model": "tiny"}, "constrained_output": True,
            "context_limit": 3000, "max_tokens": 40, "shard_size": 2, "top_k": 3}
     monkeypatch.setenv("MEMSIFTER_CRASH_AFTER", "rank:1")
-    with pytest.raises(rankings.InjectedCrash):
+    with pytest.raises(InjectedCrash):
         get_stage("rank").run(cfg)
     assert not storage.exists(os.path.join(out, "_SUCCESS"))
     monkeypatch.delenv("MEMSIFTER_CRASH_AFTER")
@@ -272,7 +274,8 @@ def test_fit_lengths_from_the_models_context():
 
 
 def test_prompt_style_follows_the_tokenizer(tiny_model_dir):
-    from memsifter.stages.rank import PROMPTS, resolve_style
+    from memsifter.prompting import RANKER_PROMPTS as PROMPTS
+    from memsifter.stages.rank import resolve_style
 
     cfg = RankConfig(output="x", input="d", embeddings="e")
     assert resolve_style(cfg, load_tokenizer(tiny_model_dir)) == "thinking"  # knows <think>

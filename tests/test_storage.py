@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from memsifter import storage
+from memsifter import faults, storage
 from memsifter.errors import NotPublishedError, StorageError
 from memsifter.testing import env_vars
 
@@ -189,11 +189,11 @@ def test_publish_journal_rolls_forward_after_a_crash_mid_publish(store_root, mon
     pub.write_table("b.parquet", pa.table({"x": [2]}))
     moved = {"n": 0}
 
-    def crash_after_first_move(point):
+    def crash_after_first_move(point, **ctx):
         if point == "publish-move":
             moved["n"] += 1
             raise KeyboardInterrupt("simulated kill")   # what SIGKILL leaves behind, in-process
-    monkeypatch.setattr(storage, "kill_point", crash_after_first_move)
+    monkeypatch.setattr(faults, "checkpoint", crash_after_first_move)
     with pytest.raises(KeyboardInterrupt):
         pub.publish()
     monkeypatch.undo()
@@ -208,8 +208,8 @@ def test_roll_forward_completes_the_same_config(store_root, monkeypatch):
     pub = _publication(out)
     pub.write_table("a.parquet", pa.table({"x": [1]}))
     pub.write_table("b.parquet", pa.table({"x": [2]}))
-    monkeypatch.setattr(storage, "kill_point",
-                        lambda p: (_ for _ in ()).throw(KeyboardInterrupt()) if p == "publish-commit" else None)
+    monkeypatch.setattr(faults, "checkpoint",
+                        lambda p, **ctx: (_ for _ in ()).throw(KeyboardInterrupt()) if p == "publish-commit" else None)
     with pytest.raises(KeyboardInterrupt):
         pub.publish()
     monkeypatch.undo()

@@ -129,7 +129,8 @@ def hf_baseline(a, model: str, n: int, max_tokens: int) -> dict:
     from memsifter.context import TokenCounter
     from memsifter.data.model import read_dataset
     from memsifter.rankings import read_rankings
-    from memsifter.stages.rank import RankConfig, build_prompt, load_prompt
+    from memsifter.prompting import load_prompt
+    from memsifter.stages.rank import RankConfig, build_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     cfg = RankConfig(input=os.path.join(a.inputs, "lme131k"), embeddings=os.path.join(a.inputs, "lme131k-embed"),

@@ -203,11 +203,17 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     from memsifter import storage
 
     out = f"s3://memsifter/ranker/train-{kind}"
+    model, dapo = BASE, {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2)}
+    if a.full:  # every weight, from the sft adapter merged onto the base (no LoRA weight sync)
+        from memsifter import models
+
+        model, init = models.resolve(init), None
+        dapo.update(lora_rank=0, lr=a.full_lr, test_freq=max(1, steps // 2), save_freq=steps)
     cfg = config(f"train-{kind}", {
-        "output": out, "data": f"{DATA}/rl", "model": BASE, "init_adapter": init, "nnodes": 1,
+        "output": out, "data": f"{DATA}/rl", "model": model, "init_adapter": init, "nnodes": 1,
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
         "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
-        "dapo": {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2)},
+        "dapo": dapo,
         # micro-batches of up to 32k tokens (the stage's default, one max-length sequence, is for 130k
         # prompts; with 2.6k-token rows it ran one row per forward)
         "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True",
@@ -235,6 +241,8 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
         with contextlib.suppress(Exception):
             storage.copy_file(storage.join(out, f), os.path.join(RES, f"train_{kind}_{f}"))
+    if a.full:  # a whole model: its validation curve is the measurement here (no adapter to ship)
+        return
     col = os.path.join(RUNS, f"collect-{kind}")
     cli(f"collect-{kind}", ["run", "collect", "--checkpoints", out, "--output", col])
     last = max(storage.read_json(storage.join(out, "checkpoints.json"))["steps"])
@@ -327,6 +335,16 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
             rows[tag] = {"questions": len(rr), "valid_format": round(ok / max(1, len(rr)), 3) if tag != "first-stage" else None,
                          "ndcg@10": round(sum(m["ndcg@10"] for m in ms) / max(1, len(ms)), 4),
                          "recall_any@5": round(sum(m["recall_any@5"] for m in ms) / max(1, len(ms)), 4)}
+        # the reference of the targets: a random valid ranking of the same shown sessions (the rank
+        # stage's own prompt builder on the same config; random_baseline.py)
+        if ranks:
+            import yaml
+            from random_baseline import baseline
+
+            rb = baseline(yaml.safe_load(open(os.path.join(RES, "configs", f"rank-{ranks[0][0]}-{ds}.yaml"))))
+            rows["random-valid"] = {"questions": rb["random_valid"]["questions"], "valid_format": 1.0,
+                                    "ndcg@10": rb["random_valid"]["ndcg@10"],
+                                    "recall_any@5": rb["random_valid"]["recall_any@5"]}
         st = storage.read_manifest(ev).get("stats", {})
         rows["_answers"] = (st.get("answers") or {})
         table[ds] = rows
@@ -364,7 +382,8 @@ def run_all(a) -> None:
     with seaweedfs(workdir=os.path.join(WORK, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
-        with served(base_dir, "working", W_PORT, 0.15, lora=True) as url:
+        need = {"base", "task", "eval"} & set(phases)  # the working LLM / base ranker server
+        with (served(base_dir, "working", W_PORT, 0.15, lora=True) if need else contextlib.nullcontext("")) as url:
             os.environ["MEMSIFTER_WORKING_URL"] = url
             done = []
             for ph in phases:
@@ -421,13 +440,15 @@ def main() -> int:
     ap.add_argument("--dcg-steps", type=int, default=24)
     ap.add_argument("--task-steps", type=int, default=12)
     ap.add_argument("--test", action="append", help="FORMAT:FILE of another dataset to evaluate on")
+    ap.add_argument("--full", action="store_true", help="DAPO of every weight from the merged sft model (no LoRA)")
+    ap.add_argument("--full-lr", type=float, default=5e-6)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--max-s", type=float, default=540)
     a = ap.parse_args()
     os.makedirs(RES, exist_ok=True)
     if a.action == "start":
         args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--dcg-steps", str(a.dcg_steps),
-                "--task-steps", str(a.task_steps)] + sum((["--test", t] for t in a.test or []), [])
+                "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
         with open(os.path.join(RES, "driver.log"), "ab") as f:
             p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")

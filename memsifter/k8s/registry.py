@@ -4,19 +4,17 @@ Nothing here names a stage: the chart, ``jobs/``, the scenarios and the driver i
 :func:`memsifter.stage.available_stages` and look at each stage's config class (pydantic), its
 ``family`` (image), ``gpus`` and ``needs``.
 
-Input wiring: a stage's input-URI fields (``uri_field``) that read another stage's output are filled
-from the run prefix (``<run root>/<producer stage>``) unless the user sets them. The producer of a
-field is found, in order, from the field's ``json_schema_extra`` (``{"uri": True, "stage": "embed"}``
-or ``"from_stage"``), its description naming it (``"embed stage output"``, ``"import/synth outputs"``),
-a field name that names a needed stage (``embed``, ``embed_uri``), a dataset field (the upstream stage
-without needs, i.e. the importer), or, when exactly one field and one needed stage are left, their
-pairing. Fields that cannot be wired stay for the user to set (the values schema then requires them
-when the stage is enabled). List-typed fields get a list of outputs.
+Input wiring: an input field declares the stages that produce it (``uri_field(..., stage=...)``,
+:func:`memsifter.stage.config_inputs`), and that declaration is all the chart reads. Unless the user
+sets it, the chart fills such a field with ``<run root>/<producer>``: the first producer it declares
+(a one-element list for a list field), every producer for ``wire="all"`` (a list), none for
+``wire="none"``; a producer that can only be an earlier run's output (it runs after this stage) is
+skipped (:func:`memsifter.stage.derive_needs`). Required fields that no stage produces stay for the
+user to set (the values schema then requires them when the stage is enabled).
 """
 
 from __future__ import annotations
 
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +24,6 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .. import stage as stg
 
-# Names that mean "a published dataset" (produced by a stage without needs, e.g. an importer).
-DATASET_FIELD_NAMES = {"dataset", "data", "input", "questions", "dataset_uri", "input_uri", "data_uri"}
 # Config fields from which the capacity of a multi-node GPU stage is read (verl's names).
 NODES_FIELD = "nnodes"
 GPUS_PER_NODE_FIELD = "n_gpus_per_node"
@@ -88,101 +84,19 @@ def _field_infos(cls: type[BaseModel]) -> dict[str, FieldInfo]:
     return out
 
 
-def _norm(s: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", s.lower())
-
-
-def _is_list(annotation: Any) -> bool:
-    tp = annotation
-    for cand in (tp, *typing.get_args(tp)):
-        if typing.get_origin(cand) in (list, tuple, set):
-            return True
-    return False
-
-
-def _transitive(name: str, needs_of: dict[str, list[str]]) -> list[str]:
-    out: list[str] = []
-    todo = list(needs_of.get(name, []))
-    while todo:
-        n = todo.pop(0)
-        if n not in out:
-            out.append(n)
-            todo += needs_of.get(n, [])
-    return out
-
-
-def _named_producers(text: str, stages: list[str]) -> list[str]:
-    """Stages named as producers in a description, in order: 'embed output', 'import/synth outputs',
-    'rank or embed output', 'a collect output', 'embed stage output', 'stage outputs (embed, rank)'."""
-    name = r"[A-Za-z][\w-]*"
-    found: list[str] = []
-    spans = [m.group(1) for m in re.finditer(
-        rf"((?:{name})(?:\s*(?:/|,|\bor\b|\band\b)\s*{name})*)\s+(?:stage\s+)?outputs?\b", text)]
-    spans += [m.group(1) for m in re.finditer(r"outputs?\s*\(([^)]*)\)", text)]
-    for span in spans:
-        for word in re.split(r"\s*(?:/|,|\bor\b|\band\b|\s)\s*", span):
-            if word in stages and word not in found:
-                found.append(word)
-    return found
-
-
-def wire_inputs(name: str, needs: list[str], fields: dict[str, FieldInfo], cls: type[BaseModel],
-                roots: set[str], needs_of: dict[str, list[str]] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Map input-URI fields to the stages that produce them (see the module docstring).
-
-    Returns ``{field: stage}`` (``{field: [stage]}`` for list-typed fields) and the required URI
-    fields left unwired. A field is only wired to stages upstream of this one (direct needs preferred);
-    a list-typed field gets every upstream stage its description names.
-    """
-    needs_of = dict(needs_of or {})
-    needs_of.setdefault(name, list(needs))
-    upstream = _transitive(name, needs_of)
-    stages = sorted(set(needs_of) | set(upstream), key=len, reverse=True)
-    uri_fields = [f for f in fields.values() if f.uri and f.name != "output"]
-    wired: dict[str, str] = {}
-
-    def pick(f: FieldInfo, cands: list[str]) -> Any:
-        ok = [c for c in cands if c in upstream]
-        if not ok:
-            return None
-        if _is_list(f.annotation):
-            return ok
-        direct = [c for c in ok if c in needs]
-        return (direct or ok)[0]
-
-    for f in uri_fields:
-        ex = _extra(cls.model_fields[f.name])
-        explicit = ex.get("from_stage") or ex.get("stage")
-        if explicit:                                                    # 1. declared by the stage
-            wired[f.name] = explicit
-            continue
-        got = pick(f, _named_producers(f.description, stages))         # 2. "<stage> output" in the help
-        if got:
-            wired[f.name] = got
-        if f.name in wired:
-            continue
-        n = _norm(f.name)
-        for src in needs:                                               # 3. the field names a need
-            nn = _norm(src)
-            if n == nn or (n.startswith(nn) and n[len(nn):] in ("uri", "output", "out", "dir", "path")):
-                wired[f.name] = src
-                break
-        if f.name in wired:
-            continue
-        if f.required and (f.name.rstrip("s") in DATASET_FIELD_NAMES
-                           or "published dataset" in f.description.lower()):
-            cands = [u for u in upstream if u in roots]                 # 4. a dataset: the upstream importer
-            if cands:
-                wired[f.name] = cands[0]
-    used = {x for v in wired.values() for x in (v if isinstance(v, list) else [v])}
-    left_needs = [n for n in needs if n not in used]
-    rest = [f for f in uri_fields if f.name not in wired and f.required]
-    if len(rest) == 1 and len(left_needs) == 1:                         # 5. the last pair
-        wired[rest[0].name] = left_needs[0]
-    out: dict[str, Any] = {k: ([v] if _is_list(fields[k].annotation) and not isinstance(v, list) else v)
-                           for k, v in wired.items()}
-    unwired = [f.name for f in uri_fields if f.name not in wired and f.required]
-    return out, unwired
+def wire_inputs(st: stg.Stage, needs: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The chart's wiring of a stage: ``{field: producer}`` (``{field: [producers]}`` for list fields),
+    read from its fields' declarations, with the producers limited to ``needs``; and the required
+    input fields that no stage fills (the user sets them)."""
+    wired: dict[str, Any] = {}
+    unwired = []
+    for inp in st.inputs:
+        value = stg.wired_value(inp, {p: p for p in needs})
+        if value is not None:
+            wired[inp.field] = value
+        elif inp.required:
+            unwired.append(inp.field)
+    return wired, unwired
 
 
 def _find_path(cls: type[BaseModel], target: str, prefix: str = "") -> str | None:
@@ -212,16 +126,16 @@ def _default_at(cls: type[BaseModel], path: str) -> Any:
 
 
 def stage_infos(names: list[str] | None = None) -> list[StageInfo]:
-    """Every available stage (or those named), in registry order."""
-    names = list(names) if names is not None else stg.available_stages()
-    stages = [stg.get_stage(n) for n in names]
-    roots = {s.name for s in stages if not s.needs}
-    needs_of = {s.name: list(s.needs) for s in stages}
+    """Every available stage (or those named), in pipeline order."""
+    known = stg.available()
+    needs_of = stg.derive_needs({**known, **{n: stg.get_stage(n) for n in names or []}})
+    names = list(names) if names is not None else list(known)
     out = []
-    for st in stages:
+    for name in names:
+        st = stg.get_stage(name)
         fields = _field_infos(st.config)
-        inputs, unwired = wire_inputs(st.name, st.needs, fields, st.config, roots, needs_of)
-        info = StageInfo(st.name, st.family, st.help, int(st.gpus or 0), list(st.needs), st.config, fields,
+        inputs, unwired = wire_inputs(st, needs_of[name])
+        info = StageInfo(st.name, st.family, st.help, int(st.gpus or 0), list(needs_of[name]), st.config, fields,
                          inputs, unwired)
         nodes, gpn = _find_path(st.config, NODES_FIELD), _find_path(st.config, GPUS_PER_NODE_FIELD)
         if nodes and gpn:

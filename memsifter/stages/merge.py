@@ -46,7 +46,8 @@ OUT_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 class MergeConfig(StageConfig):
     inputs: list[str] = uri_field("Hugging Face model directories to average (local or s3://)", [])
-    checkpoints: str | None = uri_field("a collect output: average its global_step_<N> directories", None)
+    checkpoints: str | None = uri_field("a collect output: average its global_step_<N> directories", None,
+                                        stage="collect")
     steps: list[int] = Field(default_factory=list, description="steps of `checkpoints` to average, e.g. 20 30 40 "
                              "(default: every step the collect output holds)")
     weights: list[float] | None = Field(None, description="one weight per input (normalised); default uniform")
@@ -359,7 +360,7 @@ def _put(out: storage.Publication | None, out_dir: str | None, name: str, data: 
             f.write(data)
 
 
-@stage("merge", MergeConfig, family="train", needs=["collect"],
+@stage("merge", MergeConfig, family="train",
        help="Average N Hugging Face checkpoints tensor by tensor (float32 accumulation, explicit output dtype)")
 def run(config: MergeConfig, out: storage.Publication) -> dict:
     uris = config.model_uris()

@@ -53,9 +53,9 @@ from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
 from ..metrics import dcg_over_gold
+from ..prompting import RANKER_PROMPTS, fill, load_prompt
 from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, runtime_field, stage, uri_field
-from .rank import PROMPTS, fill, load_prompt
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,16 @@ def _load_recipe(value: Any) -> dict[str, dict[str, int]]:
 
 
 class PrepareRLConfig(StageConfig):
-    datasets: list[str] = uri_field("published datasets (import/synth outputs)", min_length=1)
+    datasets: list[str] = uri_field("published datasets (import/synth outputs)", min_length=1,
+                                    stage=("import", "synth"))
     recipe: dict[str, dict[str, int]] = Field(
         description="per split, {dataset: count}; or the URI of a YAML/JSON file holding that mapping "
                     "(read when the config is validated, so the manifest records the recipe used)")
     previous_rankings: list[str] = uri_field("rankings of a previous ranker (rank outputs or "
-                                             "rankings parquet files): anchor curriculum", [])
+                                             "rankings parquet files): anchor curriculum", [],
+                                             stage="rank", wire="none")
     similarities: list[str] = uri_field("embed outputs (rankings.parquet by similarity): order of the "
-                                        "non-gold sessions in the budget", [])
+                                        "non-gold sessions in the budget", [], stage="embed")
     tokenizer: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker tokenizer (hub id or dir) "
                            "used to count the budget")
     prompt: str | None = Field(None, description="ranker prompt template URI (default: the shipped prompt of "
@@ -194,7 +196,7 @@ class Builder:
 
         self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)
-        self.template = load_prompt(config.prompt, PROMPTS[config.prompt_style], ("history", "current"))
+        self.template = load_prompt(config.prompt, RANKER_PROMPTS[config.prompt_style], ("history", "current"))
         self._texts: dict[tuple[str, str], str] = {}
         self.empty_tokens: dict[str, int] = {}
 
@@ -284,7 +286,7 @@ def shard_sizes(n: int, max_rows: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- the stage
-@stage("prepare-rl", PrepareRLConfig, family="train", needs=["embed"],
+@stage("prepare-rl", PrepareRLConfig, family="train",
        help="verl RL data: recipe sampling (anchor curriculum), ranker prompts within the token budget")
 def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
     ds = _load_datasets(config.datasets)

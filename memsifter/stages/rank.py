@@ -38,52 +38,26 @@ crashed run resumes with the questions still missing.
 
 from __future__ import annotations
 
-import re
-
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Iterator, Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .. import models, rankings, storage
+from .. import faults, models, rankings, storage
 from ..context import TokenCounter, fill_budget, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..render import condense_session, defuse_chat_markers, render_history_texts, render_session
+from ..prompting import RANKER_PROMPTS, fill, load_prompt
+from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..vllm_env import cpu_engine_env, engine_env
 
 log = logging.getLogger(__name__)
-
-
-def default_prompt(name: str) -> str:
-    return resources.files("memsifter").joinpath("prompts", name).read_text(encoding="utf-8")
-
-
-def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
-    text = storage.read_text(uri) if uri else default_prompt(default)
-    missing = [s for s in slots if "{" + s + "}" not in text]
-    if missing:
-        raise ConfigError(f"prompt {uri or default}: missing slot(s) {', '.join('{' + s + '}' for s in missing)}")
-    return text
-
-
-def fill(template: str, **slots: str) -> str:
-    """Literal slot replacement in one pass (session text may contain braces or even a slot name
-    like ``{current}``, so neither str.format nor successive replaces). Chat-template markers in the
-    values (``<|im_end|>``…) are defused (:func:`memsifter.render.defuse_chat_markers`): filled text
-    is data, never prompt structure; the template's own text is kept as it is."""
-    if not slots:
-        return template
-    values = {k: defuse_chat_markers(str(v)) for k, v in slots.items()}
-    pattern = re.compile("|".join(re.escape("{" + k + "}") for k in slots))
-    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
 
 
 class VLLMSettings(BaseModel):
@@ -112,8 +86,9 @@ class VLLMSettings(BaseModel):
 
 
 class RankConfig(StageConfig):
-    input: str = uri_field("published dataset")
-    embeddings: str = uri_field("embed stage output (its rankings.parquet gives the similarity order)")
+    input: str = uri_field("published dataset", stage=("import", "synth"))
+    embeddings: str = uri_field("embed stage output (its rankings.parquet gives the similarity order)",
+                                stage="embed")
     model: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker: hub id, local directory or a "
                        "model name of `memsifter models list` (e.g. smollm2-135m-instruct)")
     tokenizer: str | None = Field(None, description="tokenizer for the token budget (default: model)")
@@ -211,9 +186,6 @@ def fit_lengths(config: RankConfig, model_context: int | None, style: str = "thi
         raise ConfigError(f"rank: vllm.max_model_len = {max_model_len} is less than context_limit + max_tokens "
                           f"= {need}")
     return max_tokens, max_model_len
-
-
-PROMPTS = {"thinking": "ranker.txt", "direct": "ranker_direct.txt"}
 
 
 def prefix_of(config: RankConfig) -> str:
@@ -336,7 +308,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from ..embedding import cluster_gpus, ensure_ray
+    from ..raypool import cluster_gpus, ensure_ray
 
     ensure_ray()
     v = config.vllm
@@ -475,7 +447,7 @@ def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -
             "reason": parsed.reason}
 
 
-@stage("rank", RankConfig, family="rank", gpus=1, needs=["import", "embed"],
+@stage("rank", RankConfig, family="rank", gpus=1,
        help="Re-rank each haystack with the generative ranker (vLLM via Ray Data LLM, or an endpoint)")
 def run(config: RankConfig, out: storage.Publication) -> dict:
     ds = read_dataset(config.input)
@@ -490,7 +462,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     counter = TokenCounter(load_tokenizer(models.fetch_s3(tok_src, weights=False) if tok_src.startswith("s3://")
                                           else models.resolve(tok_src)))
     style = resolve_style(config, counter.tokenizer)
-    template = load_prompt(config.prompt, PROMPTS[style], ("history", "current"))
+    template = load_prompt(config.prompt, RANKER_PROMPTS[style], ("history", "current"))
     max_tokens, max_model_len = fit_lengths(config, models.model_context(meta_dir), style)
     # What the prompts and engines use (derived lengths and prefill); `config` itself, as hashed, keeps
     # what was asked.
@@ -529,7 +501,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
                 rankings.write_partial(work, shards, buf)
                 done.update({r["question_id"]: r for r in buf})
                 buf, shards = [], shards + 1
-                rankings.crash_point("rank", shards)
+                faults.checkpoint("saved", done=shards)
         if buf:
             rankings.write_partial(work, shards, buf)
             done.update({r["question_id"]: r for r in buf})

@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 class SFTConfig(StageConfig):
     model: str = Field("smollm2-135m-instruct", description="base ranker: hub id, local dir, s3:// URI or a "
                        "name of `memsifter models list`")
-    data: str = uri_field("prepare-rl output (train_*.parquet; its eval split for evaluation)")
+    data: str = uri_field("prepare-rl output (train_*.parquet; its eval split for evaluation)",
+                          stage="prepare-rl")
     target: Literal["gold_first", "first_stage"] = Field("gold_first", description="answer taught: gold "
                                                          "sessions first, then first-stage order; or the "
                                                          "first stage's order alone")
@@ -160,31 +161,40 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 
 # --------------------------------------------------------------------------- evaluation
 def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], top_k: int, device: str,
-                  generate: int, max_new_tokens: int) -> dict:
-    """Greedy answers of the first ``generate`` rows: valid-format rate and NDCG@10 (local ids)."""
+                  generate: int, max_new_tokens: int, batch: int = 16) -> dict:
+    """Greedy answers of the first ``generate`` rows (left-padded batches: one token step costs the
+    same kernel launches for 16 rows as for 1): valid-format rate and NDCG@10 (local ids)."""
     import torch
 
     model.eval()
-    valid, scores, first = 0, [], []
-    samples = []
+    rows = rows[:generate]
+    valid, scores, first, samples = 0, [], [], []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        for row in rows[:generate]:
-            info = row["extra_info"]
-            n = int(info["n_sessions"])
-            gold = [str(g) for g in info["gold_local"]]
-            p_ids, _ = encode(tokenizer, row, None)
-            x = torch.tensor([p_ids], device=device)
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            text = tokenizer.decode(y[0, len(p_ids):], skip_special_tokens=True)
-            parsed = parse_ranking(text, n, k=min(top_k, n))
-            valid += int(parsed.ok)
-            scores.append(ndcg([str(i) for i in parsed.ids] if parsed.ok else [], gold, 10))
-            first.append(ndcg([str(i) for i in info["first_stage_local"]], gold, 10))
-            if len(samples) < 3:
-                samples.append(text[:200])
-    m = max(1, min(generate, len(rows)))
-    return {"rows": min(generate, len(rows)), "valid_format": valid / m, "ndcg@10": sum(scores) / m,
+        for b in range(0, len(rows), batch):
+            part = rows[b:b + batch]
+            prompts = [encode(tokenizer, r, None)[0] for r in part]
+            width = max(len(p) for p in prompts)
+            x = torch.full((len(part), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                x[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=pad)
+            for r, out in zip(part, y):
+                info = r["extra_info"]
+                n = int(info["n_sessions"])
+                gold = [str(g) for g in info["gold_local"]]
+                text = tokenizer.decode(out[width:], skip_special_tokens=True)
+                parsed = parse_ranking(text, n, k=min(top_k, n))
+                valid += int(parsed.ok)
+                scores.append(ndcg([str(i) for i in parsed.ids] if parsed.ok else [], gold, 10))
+                first.append(ndcg([str(i) for i in info["first_stage_local"]], gold, 10))
+                if len(samples) < 3:
+                    samples.append(text[:200])
+    m = max(1, len(rows))
+    return {"rows": len(rows), "valid_format": valid / m, "ndcg@10": sum(scores) / m,
             "first_stage_ndcg@10": sum(first) / m, "samples": samples}
 
 
@@ -250,7 +260,7 @@ def save_adapter(model: Any, base_ref: str, dest: str) -> None:
         json.dump(cfg, fh, indent=2)
 
 
-@stage("sft", SFTConfig, family="train", gpus=1, needs=["prepare-rl"],
+@stage("sft", SFTConfig, family="train", gpus=1,
        help="Warm-up fine-tune of the ranker (LoRA by default) on prepare-rl rows: gold-first or first-stage targets")
 def run(config: SFTConfig, out: storage.Publication) -> dict:
     import torch
@@ -298,10 +308,11 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
         t0 = time.time()
         with autocast:
             r = {"epoch": epoch, "step": step, "eval_loss": eval_loss(model, eval_examples, device, config.batch_tokens)}
-            r.update(evaluate_rows(model, tok, eval_rows, config.top_k, device, config.eval_generate, max_new))
+            if config.eval_generate:
+                r.update(evaluate_rows(model, tok, eval_rows, config.top_k, device, config.eval_generate, max_new))
         r["eval_s"] = round(time.time() - t0, 2)
-        log.info("sft eval (epoch %d, step %d): loss %.4f, valid format %.2f, NDCG@10 %.3f (first stage %.3f)",
-                 epoch, step, r["eval_loss"], r["valid_format"], r["ndcg@10"], r["first_stage_ndcg@10"])
+        log.info("sft eval (epoch %d, step %d): loss %.4f, valid format %s, NDCG@10 %s (first stage %s)",
+                 epoch, step, r["eval_loss"], r.get("valid_format"), r.get("ndcg@10"), r.get("first_stage_ndcg@10"))
         records.append({"kind": "eval", **{k: v for k, v in r.items() if k != "samples"}})
         return r
 

@@ -25,6 +25,9 @@ def _rename_refs(node: Any, names: dict[str, str]) -> Any:
                 out[k] = f"#/$defs/{names[v[len('#/$defs/'):]]}"
             elif k in ("uri", "runtime") and isinstance(v, bool):
                 out[f"x-memsifter-{k}"] = v
+            elif (k == "stage" and isinstance(v, list) and all(isinstance(x, str) for x in v)) or \
+                    (k == "wire" and isinstance(v, str)):   # the producing stages (uri_field stage=, wire=)
+                out[f"x-memsifter-{k}"] = v
             else:
                 out[k] = _rename_refs(v, names)
         return out
@@ -73,7 +76,7 @@ def config_schema(info: StageInfo, defs: dict) -> dict:
         prop = sch.get("properties", {}).get(fname)
         if prop is not None:  # the stage accepts more than the type says (e.g. a URI for a mapping)
             sch["properties"][fname] = {k: v for k, v in prop.items()
-                                        if k in ("description", "default", "uri", "runtime")}
+                                        if k in ("description", "default", "uri", "runtime", "stage", "wire")}
     prefix = f"{info.name.replace('-', '_')}__"
     names = {}
     own = sch.pop("$defs", {}) or {}
