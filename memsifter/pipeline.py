@@ -29,6 +29,7 @@ stages resume their own partial work (``<output>/_work``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -161,6 +162,10 @@ def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, ste
     ray_cfg = spec.get("ray") or {}
     results: dict[str, dict] = {}
     summary = {"run": root, "stages": {}}
+    with contextlib.suppress(Exception):   # a part of the order (--from/--until) adds to the run's summary
+        old = json.loads(storage.read_bytes(storage.join(root, "pipeline.json")))
+        if old.get("run") == root and isinstance(old.get("stages"), dict):
+            summary["stages"].update(old["stages"])
     with session(ray_cfg.get("address"), ray_cfg.get("num_cpus")):
         for name, cfg in plan:
             if before:

@@ -41,14 +41,22 @@ def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
             assert any(ln.split()[:2] == [ds, method] for ln in proc.stdout.splitlines()), (ds, method)
     lines = proc.stdout.splitlines()
     assert any(ln.split()[:2] == ["locomo", "rank:smollm2-135m-instruct+structured"] for ln in lines)
+    # the ranker this platform trained (the shipped LoRA adapter, served by the same vLLM server) beside it
+    assert "TRAINED by this platform" in proc.stdout
+    assert any(ln.split()[:3] == ["locomo", "rank:smollm2-135m-memsifter-ranker", "(trained)"] for ln in lines), \
+        [ln for ln in lines if "rank:" in ln]
+    tr = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "rank-trained"))
+    assert tr["config"]["model"] == "smollm2-135m-memsifter-ranker" and not tr["config"]["constrained_output"]
+    assert tr["config"]["endpoint"]["model"] == "smollm2-135m-memsifter-ranker" and tr["stats"]["questions"] == 2
     # the answers table: every context, the real working LLM's F1 beside its retrieval metrics
     answers = [ln for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("Answers of the working"))):]
                if ln.strip().startswith("locomo")]
     labels = [" ".join(ln.split()[1:3]) for ln in answers]
-    assert labels[0] == "no memory" and labels[-1] == "oracle (gold" and len(answers) == 5, answers
-    assert any("embed:dense" in ln for ln in answers) and any("rank:smollm2" in ln for ln in answers)
+    assert labels[0] == "no memory" and labels[-1] == "oracle (gold" and len(answers) == 6, answers
+    assert any("embed:dense" in ln for ln in answers) and any("rank:smollm2-135m-instruct" in ln for ln in answers)
+    assert any("rank:smollm2-135m-memsifter-ranker" in ln for ln in answers)
     ans = storage.read_parquet(str(tmp_path / "demo" / "locomo" / "chat" / "answers.parquet")).to_pylist()
-    assert len(ans) == 5 * 2 and all(r["status"] == "ok" and r["raw_response"] for r in ans)
+    assert len(ans) == 6 * 2 and all(r["status"] == "ok" and r["raw_response"] for r in ans)
     rk = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "rank"))
     assert rk["stats"]["questions"] == 2 and rk["config"]["model"] == "smollm2-135m-instruct"
     imp = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "import"))

@@ -87,8 +87,10 @@ def test_run_a_slice_then_the_rest(probe, tmp_path, capsys):
     assert pipeline.main(["run", "--config", _write(tmp_path, spec), "--from", "aa-probe", "-q"]) == 0
     got = json.loads(storage.read_text(storage.join(run, "aa-probe", "probe.json")))
     assert got == {"questions": 3, "sims": None}
+    # the run's summary keeps the first part's stages beside the second's
     summary = json.loads(storage.read_text(storage.join(run, "pipeline.json")))
-    assert list(summary["stages"]) == ["aa-probe"]
+    assert sorted(summary["stages"]) == ["aa-probe", "synth"]
+    assert summary["stages"]["synth"]["output"] == storage.join(run, "synth")
 
 
 def _write(tmp_path, spec: dict) -> str:
