@@ -137,13 +137,15 @@ def test_lora_settings_compose_in_verl(tmp_path):
     m, r = c["actor_rollout_ref"]["model"], c["actor_rollout_ref"]["rollout"]
     assert (m["lora_rank"], m["lora_alpha"], m["target_modules"]) == (16, 32, "all-linear")
     assert m["lora_adapter_path"] == str(adapter)
-    assert r["load_format"] == "safetensors" and r["layered_summon"] is True  # 8 GPUs: FSDP shards
+    # the sync sends merged whole weights (verl's adapter-only sync is empty under FSDP1: test_train_lora_sync)
+    assert r["load_format"] == "safetensors" and m["lora"]["merge"] is True
     assert c["actor_rollout_ref"]["actor"]["entropy_coeff"] == 0.001
     with pytest.raises(ValueError, match="init_adapter needs dapo.lora_rank"):
         TrainConfig(output="o", data="d", init_adapter=str(tmp_path / "sft"))
     full = TrainConfig(output="o", data="d")
     c = yaml.safe_load(train.compose(full, verl_overrides(full, ["/x/a.parquet"], ["/x/b.parquet"]), in_process=True))
     assert c["actor_rollout_ref"]["model"]["lora_rank"] == 0 and c["actor_rollout_ref"]["rollout"]["load_format"] != "safetensors"
+    assert c["actor_rollout_ref"]["model"]["lora"]["merge"] is False
 
 
 def test_collect_exports_a_lora_run_as_an_adapter(tiny_model_dir, tmp_path):

@@ -334,9 +334,13 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         (f"{r}.gpu_memory_utilization", d.rollout_gpu_memory_utilization),
         (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
         (f"{r}.log_prob_max_token_len_per_gpu", max_len),
-        # LoRA: vLLM loads the base weights itself and gets only the adapter from the actor each step
-        # (layered summon offloads to CPU, which verl's FSDP refuses with NO_SHARD, i.e. on one GPU)
-        *([(f"{r}.load_format", "safetensors"), (f"{r}.layered_summon", config.nnodes * config.n_gpus_per_node > 1)]
+        # LoRA: the actor merges the adapter into its weights for each sync and sends whole weights (vLLM
+        # runs without LoRA); only the adapter is trained and exported. verl 0.9.1's adapter-only sync
+        # sends an EMPTY adapter under FSDP1 with peft >= 0.21 (peft derives key prefixes from module
+        # names that keep FSDP's inner '_fsdp_wrapped_module.', so no state-dict key matches), and vLLM
+        # 0.24 then stops in _create_merged_loras_inplace with StopIteration: seen on the H100
+        # (benchmarks/gpu/results/2026-11-24-h100-m2), reproduced on CPU (tests/test_train_lora_sync.py).
+        *([("actor_rollout_ref.model.lora.merge", True), (f"{r}.load_format", "safetensors")]
           if d.lora_rank > 0 else []),
         (f"{r}.val_kwargs.do_sample", True), (f"{r}.val_kwargs.temperature", d.val_temperature),
         (f"{r}.val_kwargs.top_p", d.val_top_p), (f"{r}.val_kwargs.n", 1),
