@@ -1,0 +1,109 @@
+"""The GPU drivers' pure parts (benchmarks/gpu): repeat statistics, the rank roofline, the --full inputs.
+
+CPU only and fast: the drivers' GPU runs are smoke-tested by hand (``--tiny``), not here."""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SHARED
+
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+run_embed = importlib.import_module("run_embed")
+run_rank = importlib.import_module("run_rank")
+prepare_inputs = importlib.import_module("prepare_inputs")
+
+
+def test_spread_median_and_range():
+    assert run_embed.spread([3.0, 1.0, 2.0]) == {"n": 3, "median": 2.0, "min": 1.0, "max": 3.0}
+    assert run_embed.spread([4, 1, 3, 2])["median"] == 2.5
+    assert run_embed.spread([])["n"] == 0 and math.isnan(run_embed.spread([])["median"])
+    assert run_embed.fmt_spread(run_embed.spread([1, 2, 3])) == "2.00 (1.00-3.00)"
+    assert run_embed.fmt_spread(run_embed.spread([1.5])) == "1.50"
+    assert run_embed.fmt_spread(run_embed.spread([])) == "-"
+
+
+def test_rate_row_rates_come_from_the_seconds():
+    r = run_embed.rate_row("x", [2.0, 4.0, 5.0], texts=100, tokens=1000, flops=8e12, peak=1e12)
+    assert r["seconds"] == 4.0 and r["repeats"] == 3
+    assert r["texts_s"] == 25.0
+    assert r["texts_s_spread"]["min"] == 20.0 and r["texts_s_spread"]["max"] == 50.0  # slowest / fastest run
+    assert r["mfu"] == pytest.approx(2.0) and r["mfu_spread"]["max"] == pytest.approx(4.0)
+    assert r["mfu_datasheet"] == pytest.approx(8e12 / 4.0 / run_embed.H100_SXM_BF16_DENSE_FLOPS)
+    assert run_embed.H100_SXM_BF16_DENSE_FLOPS == 989e12
+
+
+def test_prefill_flops_of_qwen3_4b():
+    from memsifter.tiny import QWEN3_4B
+
+    p = run_rank.model_params(QWEN3_4B)
+    assert 3.55e9 < p["body"] < 3.7e9  # Qwen3-4B's model card: 3.6B non-embedding parameters
+    assert p["q_dim"] == 4096 and p["layers"] == 36
+    L = 20480
+    want = 2 * p["body"] * L + 4 * 36 * 4096 * L**2 / 2 + 2 * 2560 * 151936
+    assert run_rank.prefill_flops(QWEN3_4B, L) == pytest.approx(want)
+    # the attention term is quadratic: at 131k tokens it outweighs the linear layers
+    big = 131072
+    assert 4 * 36 * 4096 * big**2 / 2 > 2 * p["body"] * big
+    rf = run_rank.roofline(QWEN3_4B, [L, L], 800e12, new=256)
+    assert rf["prefill_ceiling_prompts_s"] == pytest.approx(800e12 / want)
+    assert rf["ceiling_with_decode_prompts_s"] < rf["prefill_ceiling_prompts_s"]
+    assert rf["mean_tokens"] == L
+
+
+def test_summarize_reports_start_apart_and_skips_runs_without_time():
+    def mk(gen, busy):
+        return {"name": "ours", "rc": 0, "gen_s": gen, "busy_s": busy, "status": {"ok": 0, "fallback": 4},
+                "tokens": {"prompt_tokens": 400, "generated_tokens": 8}}
+    s = run_rank.summarize([mk(100.0, 10.0), mk(90.0, 8.0), mk(120.0, 12.0),
+                            {**mk(0.0, None), "gen_s": 0.0}, {"name": "original", "rc": "timeout"}])
+    o = s["ours"]
+    assert o["runs"] == 3 and o["busy"]["median"] == 10.0 and o["pipeline"]["median"] == 100.0
+    assert o["start"] == {"n": 3, "median": 90.0, "min": 82.0, "max": 108.0}
+    assert o["prompts_s"] == pytest.approx(0.4) and o["prompts_s_spread"]["max"] == pytest.approx(0.5)
+    assert o["failed"] == ["nothing generated: None"]
+    assert "busy" not in s["original"]
+
+
+def test_runs_accumulate_per_workload(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    k1, k2 = {"workload": "locomo", "prompts": 256}, {"workload": "lme", "prompts": 64}
+    path.write_text("\n".join(json.dumps({"name": n, "key": k}) for n, k in
+                              [("ours", k1), ("original", k1), ("ours", k2)]) + "\nnot json\n")
+    assert [r["name"] for r in run_rank.load_runs(str(path), k1)] == ["ours", "original"]
+    assert run_rank.load_runs(str(tmp_path / "none.jsonl"), k1) == []
+
+
+def test_count_lme_sessions_dedupes_by_id(tmp_path):
+    items = [{"haystack_session_ids": ["a", "b", "c"]}, {"haystack_session_ids": ["b", "d"]}]
+    f = tmp_path / "x.json.gz"
+    with gzip.open(f, "wt") as fh:
+        json.dump(items, fh)
+    assert prepare_inputs.count_lme_sessions(str(f)) == {"questions": 2, "session_refs": 5, "distinct_sessions": 4}
+
+
+def test_full_inputs_have_ten_thousand_real_sessions(tmp_path):
+    """prepare_inputs --full's embed workload: the LongMemEval_S training split, imported by the
+    platform, keeps every distinct session (>= 10,000, issue 20) and fits one device call's carry."""
+    src = SHARED / "data" / prepare_inputs.LME_TRAIN
+    if not src.exists():
+        pytest.skip(f"{src} absent")
+    raw = prepare_inputs.count_lme_sessions(str(src))
+    assert raw["questions"] == 348 and raw["distinct_sessions"] >= 10_000
+    out = tmp_path / "full"
+    subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "import", "--format", "longmemeval", "--source",
+                    str(src), "--output", str(out), "--dataset-name", "lme_train348", "-q"], check=True, cwd=REPO,
+                   capture_output=True)
+    from memsifter.data.model import read_dataset
+
+    ds = read_dataset(str(out))
+    assert len(ds.sessions) == raw["distinct_sessions"] and len(ds.questions) == 348
+    assert prepare_inputs.dir_bytes(str(out)) < prepare_inputs.CARRY_LIMIT - 8 * 2**20  # room for the rest
+    assert os.path.exists(out / "_SUCCESS")
