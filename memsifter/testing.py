@@ -182,6 +182,25 @@ def ray_head(num_cpus: int = 2, resources: str | None = None, timeout: float = 9
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def wait_openai_server(proc: subprocess.Popen, port: int, timeout: float, where: str = "",
+                       poll_s: float = 1.0) -> None:
+    """Wait until the OpenAI-compatible server ``proc`` answers ``/v1/models`` on 127.0.0.1:``port``;
+    an error (naming ``where``, e.g. its log) if it exits first or is not ready in ``timeout`` seconds."""
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}; {where}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        if time.time() > deadline:
+            raise TimeoutError(f"vLLM server not ready in {timeout:.0f}s; {where}")
+        time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
                 extra_args: list[str] | None = None, log_path: str | None = None) -> Iterator[str]:
@@ -201,19 +220,7 @@ def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        import urllib.request
-
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}; log: {log_path}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            if time.time() > deadline:
-                raise TimeoutError(f"vLLM server not ready in {timeout}s; log: {log_path}")
-            time.sleep(1)
+        wait_openai_server(proc, port, timeout, f"log: {log_path}")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -157,12 +157,7 @@ def plot(records: list[dict], title: str = "training") -> bytes:
         ax.grid(alpha=0.3)
         if len(series) > 1 or t == "validation":
             ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=10)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig, title)
 
 
 def plot_sft(records: list[dict], title: str = "sft") -> bytes:
@@ -190,6 +185,13 @@ def plot_sft(records: list[dict], title: str = "sft") -> bytes:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=6)
+    return _png(fig, title)
+
+
+def _png(fig, title: str) -> bytes:
+    """A finished figure (suptitle, tight layout) as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     buf = io.BytesIO()
     fig.tight_layout()

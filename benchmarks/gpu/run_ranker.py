@@ -109,7 +109,7 @@ def config(name: str, data: dict) -> str:
 @contextlib.contextmanager
 def served(model_dir: str, name: str, port: int, util: float, lora: bool = False):
     """vLLM's OpenAI-compatible server for a model on this GPU; yields the base URL."""
-    import urllib.request
+    from memsifter.testing import wait_openai_server
 
     logf = open(os.path.join(RES, "logs", f"vllm-{name}.log"), "ab")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
@@ -123,16 +123,7 @@ def served(model_dir: str, name: str, port: int, util: float, lora: bool = False
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**engine_env(), **os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server {name} exited {proc.returncode}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            if time.time() - t0 > 400:
-                raise TimeoutError(f"vLLM server {name} not ready")
-            time.sleep(2)
+        wait_openai_server(proc, port, 400, f"server {name}, log: {logf.name}", poll_s=2)
         log(f"vLLM server {name} ready in {time.time() - t0:.0f}s")
         yield f"http://127.0.0.1:{port}/v1"
     finally:

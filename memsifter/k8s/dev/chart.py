@@ -97,16 +97,24 @@ def check_images(infos: list[StageInfo], images_dir: Path = IMAGES_DIR) -> list[
     return [f"stage family '{f}' has no images/{f}/Dockerfile" for f in missing]
 
 
+def _prune(stale, check: bool, why: str) -> list[str]:
+    """Generated files nothing generates any more: reported with ``check``, else removed."""
+    out = []
+    for p in stale:
+        if check:
+            out.append(f"{p} is stale ({why})")
+        else:
+            p.unlink()
+            out.append(f"removed {p}")
+    return out
+
+
 def gen_chart(check: bool = False, chart_dir: Path = CHART_DIR, infos: list[StageInfo] | None = None) -> list[str]:
     infos = registry.stage_infos() if infos is None else infos
     files = chart_files(infos, chart_dir)
     out = _write_or_check(files, check)
-    for p in stale_generated(chart_dir / "ci", set(files), "*.yaml"):
-        if check:
-            out.append(f"{p} is stale (generated for a scenario that no longer exists)")
-        else:
-            p.unlink()
-            out.append(f"removed {p}")
+    out += _prune(stale_generated(chart_dir / "ci", set(files), "*.yaml"), check,
+                  "generated for a scenario that no longer exists")
     return out
 
 
@@ -241,12 +249,8 @@ def gen_jobs(check: bool = False, chart_dir: Path = CHART_DIR, jobs_dir: Path = 
         return out
     files = {jobs_dir / f"{i.name}.yaml": job_text(i, chart_dir, jobs_dir) for i in infos}
     out += _write_or_check(files, check)
-    for p in stale_generated(jobs_dir, set(files) | {jobs_dir / "values.yaml"}, "*.yaml"):
-        if check:
-            out.append(f"{p} is stale (its stage is no longer registered)")
-        else:
-            p.unlink()
-            out.append(f"removed {p}")
+    out += _prune(stale_generated(jobs_dir, set(files) | {jobs_dir / "values.yaml"}, "*.yaml"), check,
+                  "its stage is no longer registered")
     return out
 
 
