@@ -8,7 +8,12 @@ that fits sessions into a budget (rank's pre-filter, chat's context, prepare-rl'
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
+
+# How the chosen sessions are listed in a ranker's prompt (their local ids are positions in this list):
+# chronological (MEMSIFTER.md §2, the original) or in the first stage's order, most similar first (a
+# re-ranker that sees the retriever's order, as RankGPT-style re-rankers list candidates).
+HistoryOrder = Literal["chronological", "first_stage"]
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
@@ -81,3 +86,17 @@ def fill_budget(order: Iterable[int], costs: Sequence[int], budget: int, *,
         taken.add(i)
         used += costs[i]
     return chosen
+
+
+def shown_order(chosen: Iterable[int], order: Sequence[int], how: str) -> list[int]:
+    """The chosen haystack indices in the order a ranker's prompt lists them (``HistoryOrder``):
+    ascending (chronological) or by position in ``order`` (the first stage's, most similar first;
+    indices missing from ``order`` go last, chronologically). Never the order they were taken in:
+    prepare-rl takes the gold sessions first, and listing them first would leak the answer."""
+    if how == "chronological":
+        return sorted(chosen)
+    if how != "first_stage":
+        raise ValueError(f"history order {how!r}: expected chronological or first_stage")
+    rank = {i: r for r, i in enumerate(dict.fromkeys(order))}
+    return sorted(chosen, key=lambda i: (rank.get(i, len(rank)), i))
+

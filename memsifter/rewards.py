@@ -213,22 +213,31 @@ def _session_fields(extra_info: dict) -> tuple[list[str], list[str | None] | Non
     return texts, dates
 
 
+def tier_prompts(local_ids: Sequence[int], tiers: Sequence[int], extra_info: dict,
+                 template: str | None = None) -> list[list[dict]]:
+    """The working LLM's prompt for each tier: the top-t sessions of the ranking, shown
+    chronologically: by haystack position (``haystack_index``: rows of ``history_order: first_stage``
+    list sessions most similar first), else by local id (chronological rows)."""
+    texts, dates = _session_fields(extra_info)
+    where = list(extra_info.get("haystack_index") or []) or list(range(len(texts)))
+    out = []
+    for t in tiers:
+        chosen = sorted(local_ids[:t], key=lambda i: where[i])
+        out.append(answer_messages(str(extra_info.get("question") or ""), extra_info.get("question_date"),
+                                   [texts[i] for i in chosen],
+                                   [dates[i] for i in chosen] if dates is not None else None, template))
+    return out
+
+
 async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
                       settings: RewardSettings) -> dict:
     """Tier scores and the combined reward for one parsed ranking (``local_ids`` cut to k)."""
-    texts, dates = _session_fields(extra_info)
+    texts, _ = _session_fields(extra_info)
     if len(texts) < max(local_ids, default=-1) + 1:
         raise ValueError(f"extra_info has {len(texts)} sessions; ranking refers to id {max(local_ids)}")
-    question = str(extra_info.get("question") or "")
     gold_answer = str(extra_info.get("answer") or "")
-    qdate = extra_info.get("question_date")
     ts = tiers_for(k)
-    template = chat_template(settings.answer_prompt)
-    batch = []
-    for t in ts:
-        chosen = sorted(local_ids[:t])  # chronological: local ids follow the haystack order
-        batch.append(answer_messages(question, qdate, [texts[i] for i in chosen],
-                                     [dates[i] for i in chosen] if dates is not None else None, template))
+    batch = tier_prompts(local_ids, ts, extra_info, chat_template(settings.answer_prompt))
     scorer = _scorer(settings)
     replies = await asyncio.gather(*(scorer.ask(m) for m in batch))
     scores = [token_f1(extract_answer(text), gold_answer) if ok else 0.0 for text, ok in replies]

@@ -122,6 +122,41 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
         assert len(shown) < len(q.haystack_session_ids)
 
 
+def test_history_order_first_stage_never_lists_gold_first_by_construction(tmp_path, synth_local, tiny_model_dir):
+    """Gold sessions are taken first (always shown), but a first_stage row lists sessions by the first
+    stage's order, not by when they were taken: the list must not give the answer away."""
+    from memsifter.context import shown_order
+
+    assert shown_order([5, 1, 3], [3, 9, 5, 1], "first_stage") == [3, 5, 1]
+    assert shown_order([5, 1, 3], [3, 9], "first_stage") == [3, 1, 5]  # unranked last, chronologically
+    assert shown_order([5, 1, 3], [3, 9, 5, 1], "chronological") == [1, 3, 5]
+    with pytest.raises(ValueError, match="history order"):
+        shown_order([1], [1], "random")
+    ds = read_dataset(synth_local)
+    rows, sims_order = [], {}
+    for q in ds.questions:
+        others = [s for s in q.haystack_session_ids if s not in q.gold_session_ids]
+        order = others[::-1] + q.gold_session_ids  # gold last in the first stage's order
+        sims_order[q.question_id] = order
+        rows.append({"question_id": q.question_id, "ranked_session_ids": order,
+                     "scores": [1.0 - i / 100 for i in range(len(order))], "method": "embed:dense", "status": "ok"})
+    sims = str(tmp_path / "sims.parquet")
+    pq.write_table(rankings.rankings_table(rows), sims)
+    out = str(tmp_path / "fs")
+    get_stage("prepare-rl").run({"output": out, "datasets": [synth_local], "tokenizer": tiny_model_dir,
+                                 "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "similarities": [sims],
+                                 "history_order": "first_stage"})
+    for r in read_rows(out):
+        ei = r["extra_info"]
+        q = ds.question(ei["question_id"])
+        assert ei["session_ids"] == sims_order[q.question_id]  # the whole haystack fits: in first-stage order
+        assert ei["first_stage_local"] == list(range(ei["n_sessions"]))
+        assert ei["gold_local"] == [ei["n_sessions"] - 1]  # gold listed last, where the first stage put it
+        assert [q.haystack_session_ids[i] for i in ei["haystack_index"]] == ei["session_ids"]
+        content = r["prompt"][0]["content"]
+        assert content.index(ei["sessions"][0]) < content.index(ei["sessions"][-1])
+
+
 def test_anchor_curriculum_prefers_dcg_near_0_2(tmp_path, synth_local, tiny_model_dir):
     ds = read_dataset(synth_local)
     # previous ranker: gold at rank 10 (DCG 0.289, priority 0.911), gold outside the top 10

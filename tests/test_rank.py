@@ -71,6 +71,28 @@ def test_prefilter_budget_order_and_cache(synth_data, tiny_model_dir):
     assert p0.id_map == [] and "no session fits" in p0.skipped
 
 
+def test_history_order_first_stage_lists_the_most_similar_first(synth_data, tiny_model_dir):
+    """history_order first_stage: the same sessions are shown, listed in the first stage's order, and
+    local ids map back through that list (what a ranker trained on such rows is served with)."""
+    data, emb, ds = synth_data
+    q = ds.questions[1]
+    counter = TokenCounter(load_tokenizer(tiny_model_dir))
+    template = default_prompt("ranker.txt")
+    sim = list(reversed(q.haystack_session_ids))
+    sim = sim[2:] + sim[:2]  # neither chronological nor its reverse
+    row = {"ranked_session_ids": sim}
+    kw = dict(output="x", input=data, embeddings=emb, model=tiny_model_dir, context_limit=20000,
+              vllm={"max_model_len": 40000})
+    chrono = build_prompt(RankConfig(**kw), ds, q, row, counter, template)
+    first = build_prompt(RankConfig(**kw, history_order="first_stage"), ds, q, row, counter, template)
+    assert set(first.id_map) == set(chrono.id_map) == set(q.haystack_session_ids)
+    assert chrono.id_map == q.haystack_session_ids and first.id_map == sim
+    content = first.messages[0]["content"]
+    at = [content.index(render_session(ds.sessions[s].turns)) for s in first.id_map]
+    assert at == sorted(at)  # listed in that order, session0 = the most similar
+    assert rankings.to_original([0, 1], first.id_map) == sim[:2]
+
+
 def test_prompt_file_is_replaceable(synth_data, tiny_model_dir, tmp_path):
     data, emb, ds = synth_data
     bad = tmp_path / "bad.txt"

@@ -276,3 +276,27 @@ def test_replacement_answer_prompt(fake_llm, tmp_path):
                        **_kw(fake_llm.url, tmp_path, answer_prompt=str(tpl)))
     assert all(q["messages"][0]["content"].startswith("MEMORY:\n") for q in fake_llm.requests)
     assert "Q (2023/05/01): What is the name of my dog?" in fake_llm.requests[0]["messages"][0]["content"]
+
+
+def test_tier_prompts_are_chronological_whatever_the_rows_listing():
+    """A history_order first_stage row lists sessions most similar first; the working LLM must still
+    read the chosen ones chronologically (haystack_index), exactly as for the chronological row."""
+    from memsifter.rewards import tier_prompts
+
+    texts = [f"<user0>session number {i} about topic {i}</user>\n" for i in range(5)]
+    dates = [f"2023/0{i + 1}/01" for i in range(5)]
+    chrono = {"question": "Which topic?", "question_date": "2023/09/01", "answer": "3",
+              "sessions": texts, "dates": dates}
+    listing = [3, 0, 4, 1, 2]  # haystack position of each listed session (the first stage's order)
+    listed = {**chrono, "sessions": [texts[i] for i in listing], "dates": [dates[i] for i in listing],
+              "haystack_index": listing}
+    ranking_listed = [2, 0, 4, 1]  # local ids of the listed row: haystack 4, 3, 2, 0
+    ranking_chrono = [listing[i] for i in ranking_listed]
+    tiers = tiers_for(4)
+    a = tier_prompts(ranking_listed, tiers, listed)
+    b = tier_prompts(ranking_chrono, tiers, chrono)
+    assert a == b
+    top2 = a[tiers.index(2)][0]["content"]
+    assert top2.index("session number 3") < top2.index("session number 4")  # chronological, not rank order
+    # without haystack_index the local ids are taken as chronological (the default rows)
+    assert tier_prompts(ranking_listed, tiers, {k: v for k, v in listed.items() if k != "haystack_index"}) != b

@@ -11,7 +11,7 @@ Everything through the platform's stages (`memsifter run ...`), on the real trai
 Each part is imported under its own dataset name (``lme_train``, ``locomo_train``, ``lme_heldout``,
 ``locomo_heldout``), ranked by the default first stage (``embed``: BM25 cascade with all-MiniLM-L6-v2),
 and ``prepare-rl`` builds the verl rows for the SmolLM2 ranker: the direct (ids-only) prompt, each
-session condensed to ``--session-tokens``, a ``--history-tokens`` history budget (so a prompt is about
+session condensed to ``SESSION_TOKENS``, sessions listed in ``HISTORY_ORDER``, a ``HISTORY_TOKENS`` history budget (so a prompt is about
 2k tokens, well inside the model's 8,192), split ``train`` from the train part and split ``test`` (verl's
 validation) from the held-out part.
 
@@ -35,6 +35,10 @@ SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 SESSION_TOKENS = 192
 HISTORY_TOKENS = 1600
 CONTEXT_LIMIT = 1900  # rank stage: template + history budget of the same size
+# Sessions listed most similar first (the first stage's order), so the ranker re-ranks a list that
+# already carries the retriever's judgement; with chronological lists (the original's), the SFT'd and
+# DAPO-trained 135M rankers of 2026-11-24 machines 1-2 ranked no better than a random order.
+HISTORY_ORDER = "first_stage"
 
 
 def cli(args: list[str], log: str) -> None:
@@ -104,7 +108,7 @@ def main() -> int:
               "test": {"lme_heldout": a.val_per_dataset, "locomo_heldout": a.val_per_dataset}}
     args = ["run", "prepare-rl", "--output", os.path.join(a.out, "rl"), "--tokenizer", "smollm2-135m-instruct",
             "--prompt-style", "direct", "--session-tokens", str(SESSION_TOKENS),
-            "--history-budget-tokens", str(HISTORY_TOKENS), "--max-prompt-tokens", "2600", "--seed", str(a.seed),
+            "--history-budget-tokens", str(HISTORY_TOKENS), "--history-order", HISTORY_ORDER, "--max-prompt-tokens", "2600", "--seed", str(a.seed),
             "--set", "recipe=" + json.dumps(recipe)]
     args += ["--set", "datasets=" + json.dumps(data), "--set", "similarities=" + json.dumps([d + "-embed" for d in data])]
     cli(args, log)

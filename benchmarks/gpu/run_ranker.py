@@ -46,7 +46,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare_ranker import CONTEXT_LIMIT, SESSION_TOKENS  # noqa: E402
+from prepare_ranker import CONTEXT_LIMIT, HISTORY_ORDER, SESSION_TOKENS  # noqa: E402
 
 WORK = os.environ.get("MEMSIFTER_RANKER_WORK", "/root/gpu-ranker")
 DATA = os.path.join(ROOT, ".gpu", "ranker")
@@ -60,7 +60,7 @@ W_PORT, T_PORT = 8011, 8012
 # Training settings (chosen in the closing note of issue 17; kept in results/configs/)
 SFT = {"target": "gold_first", "lora_rank": 16, "lora_alpha": 32, "lr": 2e-4, "epochs": 2, "batch_tokens": 32768,
        "eval_generate": 0}  # greedy HF generate ran minutes on the GPU; the rank stage measures format and NDCG
-DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 2e-5, "lr_warmup_steps": 0, "weight_decay": 0.0,
+DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 5e-5, "lr_warmup_steps": 0, "weight_decay": 0.0,
         "max_prompt_length": 2600, "max_response_length": 64, "overlong_buffer_len": 16,
         "rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32, "ppo_mini_batch_size": 16,
         "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1, "param_offload": False,
@@ -141,7 +141,7 @@ def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structur
     cfg = config(f"rank-{tag}-{ds}", {
         "input": f"{DATA}/data/{ds}", "embeddings": f"{DATA}/data/{ds}-embed", "output": out,
         "model": model_ref, "tokenizer": BASE, "prompt_style": "direct", "context_limit": CONTEXT_LIMIT,
-        "session_tokens": SESSION_TOKENS, "temperature": 0.0, "constrained_output": structured,
+        "session_tokens": SESSION_TOKENS, "history_order": HISTORY_ORDER, "temperature": 0.0, "constrained_output": structured,
         "answer_prefix": "auto" if structured else "", "engine": "endpoint",
         "endpoint": {"base_url": url, "model": served_name, "api_key_env": None, "concurrency": 64}})
     cli(f"rank-{tag}-{ds}", ["run", "rank", "--config", cfg, "-q"])
@@ -194,7 +194,8 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     from memsifter import storage
 
     out = f"s3://memsifter/ranker/train-{kind}"
-    model, dapo = BASE, {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2)}
+    model, dapo = BASE, {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2),
+                         "test_freq": max(1, steps // 2)}
     if a.full:  # every weight, from the sft adapter merged onto the base (no LoRA weight sync)
         from memsifter import models
 

@@ -18,7 +18,8 @@ tokenizer: every gold session is always included, then the other sessions in sim
 while they fit (sessions that do not fit are skipped, smaller ones may still fit). Similarity order
 comes from ``similarities`` (embed output), else from the previous rankings' order, else the
 haystack's own order (oldest first; documented fallback, recorded per row as ``order_source``). The
-chosen sessions are shown in chronological order with local ids (MEMSIFTER.md §2). A row whose
+chosen sessions are shown in chronological order with local ids (MEMSIFTER.md §2), or most similar
+first with ``history_order: first_stage`` (never in the order taken: gold is taken first). A row whose
 whole prompt would exceed ``max_prompt_tokens`` is skipped (verl would drop it) and the next
 candidate is taken instead; counts are in the manifest.
 
@@ -27,7 +28,8 @@ Row (verl parquet): ``data_source`` = ``memsifter_{dataset}``, ``prompt`` = chat
 ``extra_info`` with what ``memsifter.rewards`` needs: question, question date, gold answer, dataset,
 the rendered sessions in prompt order with their dates and original ids, the local gold ids, and the
 local ids in first-stage order (``first_stage_local``: the warm-up SFT's targets, the first stage as a
-baseline). ``prompt_style: direct`` and ``session_tokens`` build the prompt a small-context ranker is
+baseline) and each shown session's haystack position (``haystack_index``: the task reward shows the
+working LLM its sessions chronologically). ``prompt_style: direct`` and ``session_tokens`` build the prompt a small-context ranker is
 served with by the rank stage (ids only; each session condensed towards the question).
 
 Output: ``train_00000.parquet`` … (train rows shuffled with the seed, split evenly into files of at
@@ -49,7 +51,7 @@ import yaml
 from pydantic import Field, field_validator
 
 from .. import rankings, storage
-from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..context import HistoryOrder, TokenCounter, fill_budget, load_tokenizer, shown_order
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
 from ..metrics import dcg_over_gold
@@ -71,6 +73,7 @@ EXTRA_INFO = pa.struct([
     ("session_ids", pa.list_(pa.string())), ("gold_local", pa.list_(pa.int64())),
     ("n_sessions", pa.int64()), ("prompt_tokens", pa.int64()), ("anchor_dcg10", pa.float64()),
     ("order_source", pa.string()), ("first_stage_local", pa.list_(pa.int64())),
+    ("haystack_index", pa.list_(pa.int64())),
 ])
 ROW_SCHEMA = pa.schema([
     ("data_source", pa.string()), ("prompt", pa.list_(TURN)), ("ability", pa.string()),
@@ -132,6 +135,10 @@ class PrepareRLConfig(StageConfig):
     shard_rows: int = Field(2000, gt=0, description="train rows per parquet file at most")
     ability: str = "memory_ranking"
     include_dates: bool = Field(True, description="show session dates in the history when known")
+    history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed (local "
+                                        "ids follow this list): chronological (MEMSIFTER.md §2) or first_stage "
+                                        "(the first stage's order, most similar first); the rank stage must use "
+                                        "the same")
     batch_size: int = runtime_field(64, "rows built at once")
 
     @field_validator("recipe", mode="before")
@@ -237,7 +244,8 @@ class Builder:
         return order + [i for i in range(len(hay)) if i not in seen], source
 
     def select(self, q: Question) -> tuple[list[int], str, int]:
-        """Haystack indices shown (chronological), the order source, estimated prompt tokens."""
+        """Haystack indices shown (in the prompt's order, ``history_order``), the order source,
+        estimated prompt tokens."""
         hay = q.haystack_session_ids
         dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
         texts = [self.text(s, q) for s in hay]
@@ -247,7 +255,8 @@ class Builder:
         pos = {s: i for i, s in enumerate(hay)}
         order, source = self.order(q)
         gold = [pos[g] for g in q.gold_session_ids if g in pos]
-        chosen = sorted(fill_budget(order, costs, self.config.history_budget_tokens, required=gold))
+        chosen = shown_order(fill_budget(order, costs, self.config.history_budget_tokens, required=gold), order,
+                             self.config.history_order)
         return chosen, source, self._empty(q) + sum(costs[i] for i in chosen)
 
     def row(self, q: Question, chosen: list[int], source: str, tokens: int, split: str, index: int,
@@ -271,7 +280,7 @@ class Builder:
                 "question": q.question, "question_date": q.question_date, "answer": q.answer,
                 "sessions": texts, "dates": dates, "session_ids": hay, "gold_local": gold_local,
                 "n_sessions": len(hay), "prompt_tokens": tokens, "anchor_dcg10": dcg10,
-                "order_source": source, "first_stage_local": first_stage,
+                "order_source": source, "first_stage_local": first_stage, "haystack_index": list(chosen),
             },
         }
 

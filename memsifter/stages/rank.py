@@ -7,7 +7,8 @@ Per question:
    fit (the original stops at the first that does not: ``stop_at_first_overflow``). Token counts
    of a session depend only on its text and are cached (:class:`memsifter.context.TokenCounter`).
    The final prompt is counted exactly and trimmed if the per-session estimate was short.
-2. The chosen sessions go back into chronological order and are rendered (§2) into the prompt
+2. The chosen sessions go back into chronological order (``history_order: first_stage`` lists them
+   most similar first instead) and are rendered (§2) into the prompt
    template (a file with ``{history}`` and ``{current}`` slots). ``prompt_style: auto``: MemSifter's
    thinking prompt (``prompts/ranker.txt``) when the ranker's tokenizer knows ``<think>``, else the
    direct ids-only prompt (``prompts/ranker_direct.txt``) with a ``<ranking>`` answer prefill.
@@ -48,7 +49,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import faults, models, rankings, storage
-from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..context import HistoryOrder, TokenCounter, fill_budget, load_tokenizer, shown_order
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
@@ -106,6 +107,10 @@ class RankConfig(StageConfig):
     session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
                                        "a longer one keeps the turns sharing the most words with the question, in "
                                        "order (so a small-context ranker sees more sessions); default: whole")
+    history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed "
+                                        "(their local ids follow this list): chronological (the original, "
+                                        "MEMSIFTER.md §2) or first_stage (most similar first: a re-ranker that "
+                                        "sees the first stage's order); use what the ranker was trained with")
     stop_at_first_overflow: bool = Field(True, description="pre-filter stops at the first session that "
                                          "does not fit (the original); false: keep trying smaller ones")
     top_k: int = Field(10, ge=1, description="ids the ranker is asked for")
@@ -254,8 +259,10 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
                                    + "</session>\n" for d in dates])
     costs = [c + o for c, o in zip(counts, overhead)]
 
+    order_idx = [pos[s] for s in order]
+
     def messages(chosen: list[int]) -> list[dict]:
-        idx = sorted(chosen)  # chronological
+        idx = shown_order(chosen, order_idx, config.history_order)
         hist = render_history_texts([texts[i] for i in idx], [dates[i] for i in idx])
         msgs = [{"role": "user", "content": fill(template, history=hist, current=q.question)}]
         if config.answer_prefix not in ("", "auto"):
@@ -278,7 +285,7 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
         chosen = chosen[:-1]
         msgs = messages(chosen)
         n_tok = counter.chat_prompt_tokens(msgs)
-    id_map = [hay[i] for i in sorted(chosen)]
+    id_map = [hay[i] for i in shown_order(chosen, order_idx, config.history_order)]
     skipped = None
     if not chosen:
         first = pos[order[0]] if order else None
