@@ -49,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare_ranker import CONTEXT_LIMIT, HISTORY_ORDER, SESSION_TOKENS  # noqa: E402
 
 WORK = os.environ.get("MEMSIFTER_RANKER_WORK", "/root/gpu-ranker")
-DATA = os.path.join(ROOT, ".gpu", "ranker")
+# what the GPU run reads (carried, <= 64 MiB): the held-out datasets and their first stage, the RL rows
+DATA = os.path.join(ROOT, os.environ.get("MEMSIFTER_RANKER_DATA", os.path.join(".gpu", "ranker")))
 STATE = os.path.join(ROOT, ".gpu", "ranker-state")  # adapters carried from an earlier machine
 RUNS = os.path.join(WORK, "runs")
 RES = os.path.join(WORK, "results")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import re
@@ -34,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / ".gpu"
 LOCK = Path(__file__).with_name("wheels.lock")
-PIECE = 50 * 1024 * 1024
+# a call carries <= 64 MiB with the checkout (~18 MB since the shipped adapter): 40 MiB pieces
+PIECE = 40 * 1024 * 1024
 BUILT: set[str] = set()  # packages built into wheels here from an sdist (lock() marks them built_here)
 
 # What the runs import directly; versions pinned.
@@ -233,21 +235,8 @@ def build() -> None:
     tar = WORK / "bundle.tar"
     with tarfile.open(tar, "w") as t:
         t.add(bundle, arcname="bundle")
-    for old in WORK.glob("p[0-9][0-9]"):
-        shutil.rmtree(old)
-    data = tar.read_bytes()
-    total = hashlib.sha256(data).hexdigest()
-    pieces = [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
-    for n, chunk in enumerate(pieces):
-        d = WORK / f"p{n:02d}"
-        d.mkdir()
-        (d / "piece").write_bytes(chunk)
-        # every piece says what it is and what the whole is: a call can check what arrived
-        (d / "piece.json").write_text(json.dumps({"index": n, "count": len(pieces), "bytes": len(chunk),
-                                                  "sha256": hashlib.sha256(chunk).hexdigest(),
-                                                  "bundle_sha256": total, "bundle_bytes": len(data)}))
-    print(f"bundle {len(data) / 2**20:.1f} MiB in {len(pieces)} pieces: "
-          + " ".join(f".gpu/p{i:02d}" for i in range(len(pieces))))
+    names = split(tar.read_bytes(), "p")
+    print(f"bundle {tar.stat().st_size / 2**20:.1f} MiB in {len(names)} pieces: " + " ".join(names))
 
 
 def split(data: bytes, prefix: str) -> list[str]:
@@ -283,10 +272,27 @@ def extra(specs: list[str]) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["lock", "build", "extra"])
+    ap.add_argument("action", choices=["lock", "build", "extra", "resplit", "join"])
     ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs")
     a = ap.parse_args()
     if a.action == "extra":
         extra(a.specs)
+    elif a.action == "join":  # on the machine: pieces <prefix>NN staged by recv.sh -> extracted into DEST
+        prefix, dest = a.specs
+        stage_dir = Path(os.environ.get("MEMSIFTER_GPU_STAGE", "/root/gpu-stage"))
+        metas = sorted(stage_dir.glob(f"{prefix}[0-9][0-9].json"))
+        info = [json.loads(m.read_text()) for m in metas]
+        if not info or len(info) != info[0]["count"]:
+            sys.exit(f"join {prefix}: {len(info)} of {info[0]['count'] if info else '?'} pieces staged")
+        data = b"".join((stage_dir / m.name[:-5]).read_bytes() for m in metas)
+        if hashlib.sha256(data).hexdigest() != info[0]["bundle_sha256"]:
+            sys.exit(f"join {prefix}: sha256 of the joined pieces differs from the recorded one")
+        with tarfile.open(fileobj=io.BytesIO(data)) as t:
+            t.extractall(dest, filter="data")
+        print(f"join {prefix}: {len(data)} bytes -> {dest}")
+    elif a.action == "resplit":  # the packs already built, in pieces of today's PIECE size
+        for tar, prefix in ((WORK / "bundle.tar", "p"), (WORK / "extra.tar", "x")):
+            if tar.exists():
+                print(tar.name, split(tar.read_bytes(), prefix))
     else:
         lock() if a.action == "lock" else build()
