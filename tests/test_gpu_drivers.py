@@ -107,3 +107,46 @@ def test_full_inputs_have_ten_thousand_real_sessions(tmp_path):
     assert len(ds.sessions) == raw["distinct_sessions"] and len(ds.questions) == 348
     assert prepare_inputs.dir_bytes(str(out)) < prepare_inputs.CARRY_LIMIT - 8 * 2**20  # room for the rest
     assert os.path.exists(out / "_SUCCESS")
+
+
+def test_data_pieces_split_and_join_round_trip(tmp_path, monkeypatch):
+    """Inputs over one call's carry travel as pieces (stage.split), recv.sh stages them and
+    ``stage.py join`` rebuilds the folder; a damaged piece is refused."""
+    import io
+    import shutil
+    import tarfile
+
+    stage = importlib.import_module("stage")
+    src = tmp_path / "full"
+    src.mkdir()
+    (src / "sessions.parquet").write_bytes(os.urandom(3 * 1024 * 1024 + 17))
+    (src / "_SUCCESS").write_text("{}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        t.add(src, arcname="full")
+    monkeypatch.setattr(stage, "WORK", tmp_path / "work")
+    monkeypatch.setattr(stage, "PIECE", 1024 * 1024)
+    names = stage.split(buf.getvalue(), "y")
+    assert len(names) == 4 and all(json.loads((tmp_path / "work" / n.split("/")[-1] / "piece.json").read_text())
+                                   ["bytes"] <= 1024 * 1024 for n in names)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for n in names:  # what recv.sh does on the machine
+        d = tmp_path / "work" / n.split("/")[-1]
+        shutil.copy(d / "piece", staged / d.name)
+        shutil.copy(d / "piece.json", staged / f"{d.name}.json")
+    env = {**os.environ, "MEMSIFTER_GPU_STAGE": str(staged)}
+    script = str(REPO / "benchmarks" / "gpu" / "stage.py")
+    r = subprocess.run([sys.executable, script, "join", "y", str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "full" / "sessions.parquet").read_bytes() == (src / "sessions.parquet").read_bytes()
+    piece = (staged / "y01").read_bytes()
+    (staged / "y01").write_bytes(bytes([piece[0] ^ 0xFF]) + piece[1:])
+    r = subprocess.run([sys.executable, script, "join", "y", str(tmp_path / "out2")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "sha256" in r.stderr
+    (staged / "y03.json").unlink()
+    r = subprocess.run([sys.executable, script, "join", "y", str(tmp_path / "out3")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "3 of 4 pieces" in r.stderr
