@@ -150,3 +150,26 @@ def test_data_pieces_split_and_join_round_trip(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, script, "join", "y", str(tmp_path / "out3")], env=env,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "3 of 4 pieces" in r.stderr
+
+
+def test_ranker_test_datasets_are_named_and_prepared_once(tmp_path):
+    """run_ranker.py --test FORMAT:FILE: the dataset name, a clear error for a bad spec, and import +
+    first stage run only while the first stage is not published (the CPU prepares, the GPU reuses)."""
+    prepare_ranker = importlib.import_module("prepare_ranker")
+    assert prepare_ranker.test_name("locomo:/data/locomo-10.json.gz") == ("locomo", "/data/locomo-10.json.gz",
+                                                                          "test_locomo_10")
+    with pytest.raises(SystemExit, match="FORMAT:FILE"):
+        prepare_ranker.test_name("/data/locomo10.json")
+    calls = []
+
+    def run(args, name):
+        calls.append(name)
+        if args[1] == "embed":  # what a published first stage leaves
+            out = args[args.index("--output") + 1]
+            os.makedirs(out)
+            open(os.path.join(out, "_SUCCESS"), "w").close()
+
+    assert prepare_ranker.add_test("longmemeval:/x/lme_test.json", str(tmp_path), run) == "test_lme_test"
+    assert calls == ["import-test_lme_test", "embed-test_lme_test"]
+    prepare_ranker.add_test("longmemeval:/x/lme_test.json", str(tmp_path), run)
+    assert calls == ["import-test_lme_test", "embed-test_lme_test"]  # published: nothing ran again

