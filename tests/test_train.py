@@ -405,3 +405,22 @@ def test_training_metrics_replayed_from_a_recorded_verl_log(tmp_path):
     assert "timing_s/step" in summ and "response_length/mean" in summ
     assert storage.read_bytes(str(tmp_path / "train" / "training_curves.png"))[:4] == b"\x89PNG"
     assert len(trainmetrics.read_jsonl(storage.read_text(str(tmp_path / "train" / "metrics.jsonl")))) == 3
+
+
+def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
+    """dapo.fast_logprobs (default on) sets VERL_USE_EXTERNAL_MODULES in every Ray worker of the run, so that
+    `import verl` installs memsifter.verl_patches there (tests/test_verl_patches.py); a user's own modules stay."""
+    from memsifter import verl_patches
+
+    key = "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES"
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+    on = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
+    assert on[key] == f"'{verl_patches.MODULE}'"
+    off = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data,
+                                                                    dapo={"fast_logprobs": False})))
+    assert key not in off
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_models")
+    kept = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
+    assert kept[key] == f"'my_models,{verl_patches.MODULE}'"
+    assert verl_patches.external_modules(f"a,{verl_patches.MODULE}") == f"a,{verl_patches.MODULE}"

@@ -187,12 +187,23 @@ def phase_sft(a) -> None:
         shutil.copy(os.path.join(out, f), os.path.join(RES, f"sft_{f}" if not f.startswith("sft") else f))
 
 
+def dapo_setting(spec: str) -> tuple[str, object]:
+    """``--dapo KEY=VALUE`` (VALUE read as YAML: numbers, true/false) -> (key, value) of the train config's dapo."""
+    import yaml
+
+    key, sep, value = spec.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--dapo {spec!r}: expected KEY=VALUE, e.g. fast_logprobs=false")
+    return key, yaml.safe_load(value)
+
+
 def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     from memsifter import storage
 
+    kind = kind + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
     out = f"s3://memsifter/ranker/train-{kind}"
     model, dapo = BASE, {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2),
-                         "test_freq": max(1, steps // 2)}
+                         "test_freq": max(1, steps // 2), **dict(dapo_setting(x) for x in a.dapo or [])}
     if a.full:  # every weight, from the sft adapter merged onto the base (no LoRA weight sync)
         from memsifter import models
 
@@ -208,7 +219,8 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
         "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True",
                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
                             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
-                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768"]})
+                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
+                            *(a.train_extra or [])]})
     # the curves while it runs: the stage keeps verl's metric lines under <output>/_work/metrics.jsonl
     stop = {"done": False}
 
@@ -431,6 +443,10 @@ def main() -> int:
     ap.add_argument("--test", action="append", help="FORMAT:FILE of another dataset to evaluate on")
     ap.add_argument("--full", action="store_true", help="DAPO of every weight from the merged sft model (no LoRA)")
     ap.add_argument("--full-lr", type=float, default=5e-6)
+    ap.add_argument("--train-extra", action="append", metavar="OVERRIDE",
+                    help="a verl override added to the train phases' extra_overrides (e.g. a profiler setting)")
+    ap.add_argument("--dapo", action="append", metavar="KEY=VALUE", help="a dapo setting of the train phases")
+    ap.add_argument("--tag", default="", help="suffix of the train phases' outputs (train-dcg<TAG>)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--max-s", type=float, default=540)
     a = ap.parse_args()
@@ -438,6 +454,8 @@ def main() -> int:
     if a.action == "start":
         args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--dcg-steps", str(a.dcg_steps),
                 "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
+        args += sum((["--train-extra", o] for o in a.train_extra or []), []) + (["--tag", a.tag] if a.tag else [])
+        args += sum((["--dapo", o] for o in a.dapo or []), [])
         with open(os.path.join(RES, "driver.log"), "ab") as f:
             p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")

@@ -105,6 +105,8 @@ class DapoSettings(BaseModel):
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="actor/ref attention (auto: flash_attention_2 where the flash-attn package is "
         "installed, else sdpa with padded batches; verl's default, flash_attention_2, fails to load without it)")
+    fast_logprobs: bool = Field(True, description="compute the actor's token log-probs in blocks instead of "
+                                "verl's row-by-row fallback (used without flash-attn; memsifter.verl_patches)")
     rollout_name: str = "vllm"
     rollout_mode: str = "async"
     rollout_temperature: float = 1.0
@@ -373,6 +375,10 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     env = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
     env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
+    if d.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
+        from memsifter import verl_patches
+
+        env["VERL_USE_EXTERNAL_MODULES"] = verl_patches.external_modules(os.environ.get("VERL_USE_EXTERNAL_MODULES"))
     added += [(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v) for k, v in sorted(env.items())]
     out += [f"+{k}={_q(v)}" for k, v in added]
     # A user's own override of the same key in extra_overrides (the workaround before this setting

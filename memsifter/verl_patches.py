@@ -1,0 +1,69 @@
+"""Speed fixes for verl 0.9.1, imported into every process of a train run (``VERL_USE_EXTERNAL_MODULES``).
+
+verl computes the log-probabilities of the sampled tokens with flash-attn's Triton cross-entropy when
+the ``flash-attn`` package is importable, and otherwise with ``logprobs_from_logits_v2``: a Python loop
+over the **rows** of a ``(tokens, vocab)`` matrix. Its engine workers call it on every position of a
+packed micro-batch, so at ~30k tokens a micro-batch that is ~30k tiny softmaxes forward and again
+backward. On the H100 (``benchmarks/gpu/results/2026-11-24-h100-m8``) the actor's forward and backward
+of a whole DAPO step took ~1 s and ~3 s, verl's ``old_log_prob`` and ``update_actor`` phases 14–18 s and
+42–48 s; the GPU sat idle while the loop launched kernels.
+
+:func:`logprobs_rows` computes the same values over blocks of rows (``block_rows``), so each block is a
+few large kernels; it keeps the fallback's numerics (``log_softmax`` in the input dtype for 16-bit
+logits, ``x - logsumexp(x)`` for float32/64) and its memory: autograd keeps the same per-row tensors,
+only grouped. The train stage turns it on with ``dapo.fast_logprobs`` (default on); the pods' image
+normally carries no flash-attn (it needs a CUDA build), so the fallback is the path they run.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+MODULE = __name__
+BLOCK_ELEMENTS = 1 << 26  # ~64M logits per block: 256 MiB in float32, 128 MiB in bfloat16
+
+
+def logprobs_rows(logits, labels):
+    """Log-probability of ``labels`` under ``logits`` (``(..., vocab)``), as verl's row loop, in blocks."""
+    import torch
+    import torch.nn.functional as F
+
+    vocab = logits.shape[-1]
+    flat, lab = logits.reshape(-1, vocab), labels.reshape(-1)
+    rows = flat.shape[0]
+    block = max(1, BLOCK_ELEMENTS // max(1, vocab))
+    out = []
+    for start in range(0, rows, block):
+        x, y = flat[start:start + block], lab[start:start + block].unsqueeze(-1)
+        if x.dtype in (torch.float32, torch.float64):
+            out.append(torch.gather(x, -1, y).squeeze(-1) - torch.logsumexp(x, dim=-1))
+        else:  # as verl: logsumexp is unstable in 16 bits, log_softmax is not
+            out.append(F.log_softmax(x, dim=-1).gather(-1, y).squeeze(-1))
+    if not out:
+        return flat.new_zeros(labels.shape)
+    return torch.cat(out).reshape(labels.shape)
+
+
+def install() -> bool:
+    """Point verl's fallback at :func:`logprobs_rows`; False (nothing changed) without verl."""
+    try:
+        from verl.utils import torch_functional as vf
+    except ImportError:
+        return False
+    if getattr(vf, "logprobs_from_logits_v2", None) is not logprobs_rows:
+        vf._memsifter_original_logprobs_v2 = vf.logprobs_from_logits_v2
+        vf.logprobs_from_logits_v2 = logprobs_rows  # looked up by name at each call of logprobs_from_logits
+        log.info("memsifter: verl's row-by-row log-prob fallback replaced by blocks of %d logits", BLOCK_ELEMENTS)
+    return True
+
+
+def external_modules(existing: str | None) -> str:
+    """The ``VERL_USE_EXTERNAL_MODULES`` value with this module added (a user's own modules kept)."""
+    mods = [m for m in (existing or "").split(",") if m.strip()]
+    return ",".join(mods + ([MODULE] if MODULE not in mods else []))
+
+
+if "verl" in sys.modules:  # imported by `import verl` (VERL_USE_EXTERNAL_MODULES); the train stage only reads MODULE
+    install()
