@@ -182,3 +182,17 @@ def test_ranker_dapo_settings_parse_as_yaml():
     assert run_ranker.dapo_setting("rollout_n=4") == ("rollout_n", 4)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         run_ranker.dapo_setting("fast_logprobs")
+
+
+def test_dapo_ab_table_ratios(tmp_path):
+    """dapo_ab.py: medians over training steps only (validation-only rows skipped), times as baseline/run."""
+    dapo_ab = importlib.import_module("dapo_ab")
+    base, run = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base.write_text("\n".join(json.dumps(r) for r in [{"val-core/x": 0.8}, {"timing_s/step": 60.0, "perf/throughput": 1000.0},
+                                                        {"timing_s/step": 70.0, "perf/throughput": 900.0},
+                                                        {"timing_s/step": 66.0, "perf/throughput": 950.0}]))
+    run.write_text("\n".join(json.dumps(r) for r in [{"timing_s/step": 22.0, "perf/throughput": 2850.0}]))
+    text = dapo_ab.table(dapo_ab.steps(str(base)), dapo_ab.steps(str(run)), ("a", "b"))
+    assert "| step s | 66.0 (60.0–70.0) | 22.0 (22.0–22.0) | 3.00x faster |" in text
+    assert "| tokens/s (whole step) | 950.0 (900.0–1,000.0) | 2,850.0 (2,850.0–2,850.0) | 3.00x |" in text
+    assert "(3 steps)" in text and "(1 steps)" in text
