@@ -19,7 +19,8 @@ cores, so the answers run on ``--answers`` questions (default 10) × 5 contexts 
 tokens (each session shown by its ≤ 384 tokens closest to the question), and the ranker sees 1,536
 tokens of sessions (≤ 192 each), with structured outputs (an untrained 135M model rarely closes a
 ``<ranking>`` on its own: ``benchmarks/README.md``); the trained adapter writes its rankings freely (no
-structured outputs), with the prompt it was trained with (``prompt_style: direct``). Its training data
+structured outputs), with the prompt it was trained with (``prompt_style: direct``, sessions listed in
+first-stage order: ``history_order: first_stage``). Its training data
 included LoCoMo conv-26, the demo's LoCoMo questions: its held-out figures are in its model card. ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
 ``memsifter/configs/demo.yaml``.
@@ -41,7 +42,7 @@ from typing import Callable
 from . import storage
 
 MODEL = "smollm2-135m-instruct"
-TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft stage)
+TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft + DAPO dcg)
 TRAINED_STAGE = "rank-trained"              # where its rankings go: <run>/rank-trained
 
 BANNER = """\
@@ -49,7 +50,7 @@ BANNER = """\
  memsifter demo — offline, real data, real models on the CPU:
    first stage  BM25 views + an all-MiniLM-L6-v2 cascade (plain dense shown for comparison)
    ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs), and beside it
-                smollm2-135m-memsifter-ranker: its LoRA adapter TRAINED by this platform (sft stage,
+                smollm2-135m-memsifter-ranker: its LoRA adapter TRAINED by this platform (sft + DAPO,
                 LongMemEval_S/LoCoMo training data incl. the demo's conv-26; free generation)
    working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
 ============================================================================================"""
@@ -163,7 +164,7 @@ def trained_rank_config(rank_cfg: dict, run: str) -> dict:
     the base, free generation with the prompt it was trained with, published at ``<run>/rank-trained``."""
     cfg = copy.deepcopy(rank_cfg)
     cfg.update(model=TRAINED, tokenizer=MODEL, prompt_style="direct", answer_prefix="", constrained_output=False,
-               output=storage.join(run.rstrip("/"), TRAINED_STAGE))
+               history_order="first_stage", output=storage.join(run.rstrip("/"), TRAINED_STAGE))
     if cfg.get("engine", "endpoint") == "endpoint":
         cfg.setdefault("endpoint", {})["model"] = TRAINED   # the name the demo's second server serves it by
     return cfg

