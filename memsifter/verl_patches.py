@@ -47,12 +47,17 @@ def logprobs_rows(logits, labels):
 
 
 def install() -> bool:
-    """Point verl's fallback at :func:`logprobs_rows`; False (nothing changed) without verl."""
+    """Point verl's fallback at :func:`logprobs_rows`; False (nothing changed) without verl or without that
+    function (a verl release that renamed it: the run goes on with verl's own code)."""
     try:
         from verl.utils import torch_functional as vf
     except ImportError:
         return False
-    if getattr(vf, "logprobs_from_logits_v2", None) is not logprobs_rows:
+    if not callable(getattr(vf, "logprobs_from_logits_v2", None)):  # another verl: leave it as it is
+        log.warning("memsifter: verl %s has no logprobs_from_logits_v2; dapo.fast_logprobs changes nothing",
+                    getattr(sys.modules.get("verl"), "__version__", "?"))
+        return False
+    if vf.logprobs_from_logits_v2 is not logprobs_rows:
         vf._memsifter_original_logprobs_v2 = vf.logprobs_from_logits_v2
         vf.logprobs_from_logits_v2 = logprobs_rows  # looked up by name at each call of logprobs_from_logits
         log.info("memsifter: verl's row-by-row log-prob fallback replaced by blocks of %d logits", BLOCK_ELEMENTS)
