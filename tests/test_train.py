@@ -190,7 +190,7 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     out = storage.join(s3_root, "train")
     seen = []
 
-    def fake_verl(overrides, sink=None):
+    def fake_verl(overrides, sink=None, guard=None):
         ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
         local = ov["trainer.default_local_dir"].strip("'")
         files = [f.strip("'") for f in ov["data.train_files"].strip("[]").split(",")]
@@ -424,3 +424,96 @@ def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
     kept = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
     assert kept[key] == f"'my_models,{verl_patches.MODULE}'"
     assert verl_patches.external_modules(f"a,{verl_patches.MODULE}") == f"a,{verl_patches.MODULE}"
+
+
+M10_LOG = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "results", "2026-11-24-h100-m10",
+                       "logs", "train-dcg.log")
+
+
+def _recorded_steps() -> list[dict]:
+    from memsifter import trainmetrics
+
+    lines = open(M10_LOG, errors="replace").read().splitlines()
+    return [r for r in map(trainmetrics.parse_line, lines) if r]
+
+
+def test_collapse_guard_on_the_recorded_collapsing_run():
+    """The H100 run of 2026-11-24 (machine 10; LoRA lr 2e-4, 16 prompts x 8 samples, gen batch 32)
+    collapsed: verl's V1 trainer ignores max_num_gen_batches, and the 8th step's dynamic sampling went
+    through 3,561 discarded groups (306 s). The guard stops at the first step over 10 x 32 prompts."""
+    recs = _recorded_steps()
+    assert [r["step"] for r in recs] == list(range(0, 9))  # step 0: validation before training
+    d = train.DapoSettings(rollout_n=8, train_batch_size=16, gen_batch_size=32)
+    check = train.collapse_guard(d)
+    verdicts = [check(r) for r in recs]
+    assert verdicts[:6] == [None] * 6  # 2 … 192 discarded groups: under 320 - 16
+    assert verdicts[6] and verdicts[6].startswith("step 6: dynamic sampling discarded 501 prompt groups")
+    assert "10 x 32 = 320" in verdicts[6] and "actor/entropy 0.056" in verdicts[6]
+    # the bound follows the settings; 0 or no dynamic sampling turns it off
+    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 200}))(recs[-1]) is None
+    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 2}))(recs[4])  # 55 + 16 > 64
+    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 0})) is None
+    assert train.collapse_guard(d.model_copy(update={"filter_groups": False})) is None
+    with pytest.raises(Exception):
+        train.DapoSettings(max_num_gen_batches=-1)
+
+
+def test_run_verl_stops_a_collapsing_child_and_keeps_its_metrics(tmp_path):
+    """A real child process replays the recorded run's output line by line and would then hang: the
+    guard stops it with SIGINT after step 6's line (the child's handler prints and exits 130, as a
+    Python driver interrupted by Ctrl-C does), the metrics of steps 1-6 are kept, and the reason is
+    returned instead of an error for the non-zero exit."""
+    from memsifter import trainmetrics
+
+    lines = [ln for ln in open(M10_LOG, errors="replace").read().splitlines() if trainmetrics.parse_line(ln)]
+    feed = tmp_path / "lines.txt"
+    feed.write_text("\n".join(lines) + "\n")
+    script = ("import signal,sys,time\n"
+              "def bye(*a):\n    print('interrupted: shutting down ray'); sys.stdout.flush(); sys.exit(130)\n"
+              "signal.signal(signal.SIGINT, bye)\n"
+              f"for ln in open({str(feed)!r}):\n    print(ln, end=''); sys.stdout.flush(); time.sleep(0.05)\n"
+              "time.sleep(30)\n")
+    sink = trainmetrics.MetricsSink(str(tmp_path / "metrics.jsonl"), flush_every_s=0)
+    d = train.DapoSettings(rollout_n=8, train_batch_size=16, gen_batch_size=32)
+    import time as _t
+
+    t0 = _t.time()
+    reason = train._run_verl([], sink, train.collapse_guard(d), cmd=[sys.executable, "-c", script])
+    assert _t.time() - t0 < 25, "stopped by SIGINT, not by the 30 s sleep or the kill timer"
+    assert reason and reason.startswith("step 6:")
+    assert [r["step"] for r in sink.sorted()] == [0, 1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in trainmetrics.read_jsonl((tmp_path / "metrics.jsonl").read_text())] == list(range(7))
+    # without a guard the same child's failure is an error, as before
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        train._run_verl([], None, None, cmd=[sys.executable, "-c", "import sys; print('step:1 - a:1'); sys.exit(3)"])
+
+
+def test_train_stage_reports_a_collapse_stop_and_publishes(s3_env, s3_root, tmp_path, monkeypatch):
+    """The stage publishes after a guard stop (the checkpoints so far are the run's result) and says
+    why and where it stopped in the report. verl is replaced by a stand-in (no GPU here) that saves a
+    step like verl, then feeds the recorded run's metric lines through the stage's guard."""
+    data = fake_prepare_rl(storage.join(s3_root, "rl"))
+    out = storage.join(s3_root, "train-stopped")
+
+    def fake_verl(overrides, sink=None, guard=None):
+        ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
+        local = ov["trainer.default_local_dir"].strip("'")
+        monkeypatch.setenv(train.ENV_CHECKPOINT_URI,
+                           ov["ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI"].strip("'"))
+        d = write_fake_step(local, 4)
+        S3CheckpointCallback().on_save(global_step=4, checkpoint_dir=d)
+        for rec in _recorded_steps():
+            sink.feed("step:%d - %s" % (rec["step"], " - ".join(f"{k}:{v}" for k, v in rec.items() if k != "step")))
+            if (why := guard(rec)):
+                return why
+        return None
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(train, "_run_verl", fake_verl)
+    monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
+    m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"),
+                   "dapo": {"rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32}})
+    stop = m["stats"]["stopped_early"]
+    assert stop["reason"].startswith("step 6:") and stop["last_complete_step"] == 4
+    assert m["stats"]["complete_steps"] == [4] and m["stats"]["metrics"]["steps"] == 7  # with step 0
+    assert storage.exists(storage.join(out, "_SUCCESS"))

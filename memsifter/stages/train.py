@@ -32,7 +32,8 @@ and the Ray job's ``runtime_env.env_vars``).
 Notes on verl 0.9.1 (V1 trainer): dynamic sampling is ``algorithm.filter_groups`` with the reward
 function's ``acc`` metric; the V1 replay buffer bounds over-generation with
 ``max_inflight_gen_batches`` (= gen batch / train batch = 32/16 = 2) and logs that it ignores
-``max_num_gen_batches`` (still set to 10 for the record). The overlong penalty is
+``max_num_gen_batches``; the stage enforces that bound itself (:func:`collapse_guard`: training stops
+after a step that needed more prompts, checkpoints kept, ``stopped_early`` in the report). The overlong penalty is
 ``reward.reward_kwargs.overlong_buffer_cfg`` read by the ``dapo`` reward manager.
 """
 
@@ -44,9 +45,12 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -79,7 +83,12 @@ class DapoSettings(BaseModel):
     loss_agg_mode: str = "token-mean"
     filter_groups: bool = Field(True, description="dynamic sampling: drop groups with zero score variance")
     filter_metric: str = "acc"
-    max_num_gen_batches: int = 10
+    max_num_gen_batches: int = Field(10, ge=0, description=(
+        "collapse guard: a step whose dynamic sampling went through more prompts than max_num_gen_batches x "
+        "gen_batch_size (discarded zero-variance groups + train_batch_size) stops training there, keeping "
+        "every checkpoint: the policy's samples agree on almost every prompt, and each further step costs "
+        "more generation for no gradient. verl 0.9.1's V1 trainer ignores this setting, so the stage enforces "
+        "it from verl's per-step metrics; 0: no limit"))
     overlong_buffer: bool = True
     overlong_buffer_len: int = 4096
     overlong_penalty_factor: float = 1.0
@@ -653,27 +662,82 @@ def sync_checkpoint(local_step_dir: str, ckpt_uri: str, step: int) -> dict:
 
 
 # --------------------------------------------------------------------------- the stage
-def _run_verl(overrides: list[str], sink: Any = None) -> None:
+EVICTED_KEY = "training/filter_groups/evicted_samples"  # verl V1: DAPO-filtered groups (prompts) per step
+
+
+def collapse_guard(d: DapoSettings) -> Callable[[dict], str | None] | None:
+    """The bound verl's V1 trainer does not apply (``max_num_gen_batches``): given one step's metrics,
+    the reason to stop when dynamic sampling went through more than ``max_num_gen_batches x
+    gen_batch_size`` prompts to fill the step's ``train_batch_size`` groups, else None.
+
+    When almost every prompt's samples score the same, the policy has collapsed (measured on an H100,
+    2026-11-24 machine 10: LoRA lr 2e-4, discarded groups per step 2, 4, 32, 55, 192, 501, 706, 3,561
+    while the token entropy fell 0.18 -> 0.04 and the step grew from 21 s to 306 s)."""
+    if not d.filter_groups or d.max_num_gen_batches <= 0:
+        return None
+    limit = d.max_num_gen_batches * d.gen_batch_size
+
+    def check(rec: dict) -> str | None:
+        evicted = rec.get(EVICTED_KEY)
+        if evicted is None or evicted + d.train_batch_size <= limit:
+            return None
+        entropy = rec.get("actor/entropy")
+        return (f"step {rec['step']}: dynamic sampling discarded {int(evicted)} prompt groups whose "
+                f"{d.rollout_n} samples all scored the same to fill {d.train_batch_size}, more than "
+                f"max_num_gen_batches x gen_batch_size = {d.max_num_gen_batches} x {d.gen_batch_size} = {limit} "
+                f"prompts: the policy has collapsed"
+                + (f" (actor/entropy {entropy:.3f})" if entropy is not None else "")
+                + ". Training stops here; the checkpoints saved so far are kept. To go on: lower dapo.lr, "
+                  "raise dapo.entropy_coeff, or set dapo.max_num_gen_batches=0 (no limit)")
+    return check
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> threading.Timer:
+    """SIGINT (verl's driver shuts its Ray workers down on the way out), SIGKILL after ``grace_s``;
+    the caller keeps reading the output meanwhile so the child never blocks on a full pipe."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    timer = threading.Timer(grace_s, lambda: proc.poll() is None and proc.kill())
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _run_verl(overrides: list[str], sink: Any = None, guard: Callable[[dict], str | None] | None = None,
+              cmd: list[str] | None = None) -> str | None:
     """verl ``main_ppo`` in a child process; its output is echoed line by line and every per-step
-    metric line goes to ``sink`` (:class:`memsifter.trainmetrics.MetricsSink`)."""
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    metric line goes to ``sink`` (:class:`memsifter.trainmetrics.MetricsSink`). ``guard`` sees each
+    step's metrics; when it gives a reason, verl is stopped after that step and the reason returned
+    (None: verl ran to its end). ``cmd`` replaces verl's command line (tests)."""
+    from ..trainmetrics import parse_line
+
+    cmd = cmd or [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log.info("starting verl: %s", " ".join(shlex.quote(c) for c in cmd))
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", bufsize=1)
+    stopped: str | None = None
+    timer = None
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             sys.stdout.write(line)
-            if sink is not None:
-                sink.feed(line)
+            if stopped:
+                continue  # verl is shutting down: echo, nothing more counts
+            rec = sink.feed(line) if sink is not None else (parse_line(line) if guard else None)
+            if rec and guard and (stopped := guard(rec)):
+                log.error("collapse guard: %s", stopped)
+                timer = _stop(proc)
         rc = proc.wait()
     finally:
+        if timer is not None:
+            timer.cancel()
         if proc.poll() is None:
             proc.kill()
         if sink is not None:
             sink.flush()
-    if rc != 0:
+    if rc != 0 and stopped is None:
         raise RuntimeError(f"verl main_ppo exited with status {rc}")
+    return stopped
 
 
 def publish_metrics(out: storage.Publication, sink: Any, title: str) -> dict:
@@ -731,11 +795,13 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
     # run continues the curves)
     sink = MetricsSink(storage.join(out.work, "metrics.jsonl"))
-    _run_verl(overrides, sink)
+    stopped = _run_verl(overrides, sink, collapse_guard(config.dapo))
     steps = complete_steps(ckpt_uri)
     out.write_text("verl_config.yaml", composed)
     out.write_text("overrides.txt", "\n".join(overrides) + "\n")
     out.write_json("checkpoints.json", {"uri": ckpt_uri, "steps": steps})
     metrics = publish_metrics(out, sink, f"{config.experiment_name}: {config.model}, reward {config.reward.mode}")
     return {"checkpoint_uri": ckpt_uri, "complete_steps": steps, "resumed_from": resume, "nodes": len(staged),
-            "placement": placement_request(config), "metrics": metrics}
+            "placement": placement_request(config), "metrics": metrics,
+            **({"stopped_early": {"reason": stopped, "last_complete_step": steps[-1] if steps else None}}
+               if stopped else {})}
