@@ -36,6 +36,9 @@ PANELS = (
     ("response length (tokens)", ("response_length/mean",)),
     ("step time (s)", ("timing_s/step",)),
     ("rollout tokens/s", ("perf/throughput",)),
+    # collapse: the token entropy falls and dynamic sampling discards ever more zero-variance groups
+    ("actor token entropy", ("actor/entropy",)),
+    ("groups discarded by dynamic sampling", ("training/filter_groups/evicted_samples",)),
 )
 
 
