@@ -209,6 +209,7 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
 
         model, init = models.resolve(init), None
         dapo.update(lora_rank=0, lr=a.full_lr, test_freq=max(1, steps // 2), save_freq=steps)
+    actor_tokens = 16384 if float(dapo.get("entropy_coeff") or 0) > 0 else 32768
     cfg = config(f"train-{kind}", {
         "output": out, "data": f"{DATA}/rl", "model": model, "init_adapter": init, "nnodes": 1,
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
@@ -217,7 +218,9 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
         # micro-batches of up to 32k tokens (the stage's default, one max-length sequence, is for 130k
         # prompts; with 2.6k-token rows it ran one row per forward)
         "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True",
-                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
+                            # an entropy bonus adds ~12 GiB to a 32k-token micro-batch's peak (36.3 -> 48.1
+                            # GiB, entropy_memory.py on machine 12; machine 11 ran out of memory): halve it
+                            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor_tokens}",
                             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
                             *(a.train_extra or [])]})

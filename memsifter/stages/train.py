@@ -111,10 +111,6 @@ class DapoSettings(BaseModel):
     lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (alpha / rank scales the update)")
     lora_target_modules: str | list[str] = Field("all-linear", description="modules given LoRA adapters")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus of the actor loss (DAPO: 0)")
-    entropy_checkpointing: bool = Field(True, description=(
-        "recompute the entropy's full-vocabulary softmax in the backward pass instead of keeping it (tokens x "
-        "vocabulary float32 per micro-batch); it costs nothing unless entropy_coeff > 0, and an H100 run with "
-        "entropy_coeff 0.01 and 32k-token micro-batches ran out of memory without it"))
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="actor/ref attention (auto: flash_attention_2 where the flash-attn package is "
         "installed, else sdpa with padded batches; verl's default, flash_attention_2, fails to load without it)")
@@ -329,8 +325,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
         ("actor_rollout_ref.model.lora_adapter_path", adapter_local(config)),
         # actor: clipped surrogate, token-mean loss, optimiser
         (f"{a}.use_kl_loss", d.use_kl), (f"{a}.kl_loss_coef", 0.0 if not d.use_kl else 0.001),
-        (f"{a}.entropy_coeff", d.entropy_coeff), (f"{a}.entropy_checkpointing", d.entropy_checkpointing),
-        (f"{a}.clip_ratio_low", d.clip_ratio_low),
+        (f"{a}.entropy_coeff", d.entropy_coeff), (f"{a}.clip_ratio_low", d.clip_ratio_low),
         (f"{a}.clip_ratio_high", d.clip_ratio_high), (f"{a}.clip_ratio_c", d.clip_ratio_c),
         (f"{a}.loss_agg_mode", d.loss_agg_mode),
         (f"{a}.optim.lr", d.lr), (f"{a}.optim.weight_decay", d.weight_decay),
