@@ -81,6 +81,42 @@ def test_runs_accumulate_per_workload(tmp_path):
     assert run_rank.load_runs(str(tmp_path / "none.jsonl"), k1) == []
 
 
+def _rank_doc(name, busy, hf_full, peak, workload="lme", device="NVIDIA H100 80GB HBM3"):
+    args = {"workload": workload, "questions": 4, "history_tokens": 131072, "max_tokens": 256, "tiny": False,
+            "work": "/nonexistent"}
+    run = {"name": name, "rc": 0, "gen_s": busy + 170.0, "busy_s": busy, "status": {"ok": 0, "fallback": 4},
+           "tokens": {"prompt_tokens": 4 * 114000, "generated_tokens": 1024}, "prompt_lengths": [114000] * 4}
+    hf = {"name": "hf-generate", "prompts": 2, "batch": 1, "prompt_tokens": 228000, "prompt_lengths": [114000] * 2,
+          "full_s": hf_full, "prefill_s": 18.0, "gpu_mib_torch_peak": 30000.0}
+    return {"results": [run], "hf": hf, "args": args, "peak": {"peak": peak, "device": device}}
+
+
+def test_combine_pools_runs_of_two_machines_into_one_table(tmp_path):
+    """--combine: ours measured on one machine and the original's settings on the next (a 64-prompt
+    LongMemEval run each fills a machine): one table, both HF samples as one row with their spread, the
+    stricter roofline (the higher peak), and a refusal to pool different workloads or devices."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_rank_doc("ours", 40.0, 60.0, 780e12)))
+    b.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12)))
+    args, results, hf, peak, mcfg = run_rank.combine([str(a), str(b)])
+    assert [r["name"] for r in results] == ["ours", "original"] and peak == 790e12
+    assert hf["full_s_spread"] == {"n": 2, "median": 65.0, "min": 60.0, "max": 70.0}
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_rank.py"), "--combine", str(a), str(b),
+                    "--out", str(out)], check=True, capture_output=True, cwd=REPO)
+    text = (out / "rank.md").read_text()
+    assert "ours vs original engine settings: 1.25x" in text  # 4/40 over 4/50 prompts/s
+    assert "65.0 (60.0-70.0)" in text and "at the measured peak 790.00 TFLOP/s" in text
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12, workload="locomo")))
+    with pytest.raises(SystemExit, match="different workloads"):
+        run_rank.combine([str(a), str(c)])
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12, device="NVIDIA H200")))
+    with pytest.raises(SystemExit, match="different devices"):
+        run_rank.combine([str(a), str(d)])
+
+
 def test_count_lme_sessions_dedupes_by_id(tmp_path):
     items = [{"haystack_session_ids": ["a", "b", "c"]}, {"haystack_session_ids": ["b", "d"]}]
     f = tmp_path / "x.json.gz"

