@@ -117,6 +117,22 @@ def test_combine_pools_runs_of_two_machines_into_one_table(tmp_path):
         run_rank.combine([str(a), str(d)])
 
 
+def test_chunk_runs_name_their_prefill_chunk(tmp_path):
+    assert run_rank.chunk_tokens("chunk16384") == 16384
+    with pytest.raises(SystemExit, match="chunkN"):
+        run_rank.chunk_tokens("chunkbig")
+    with pytest.raises(SystemExit, match="under 256"):
+        run_rank.chunk_tokens("chunk8")
+    a = tmp_path / "a.json"
+    doc = _rank_doc("ours", 40.0, 60.0, 780e12)
+    doc["results"].append({**doc["results"][0], "name": "ours-chunk16384", "busy_s": 32.0})
+    a.write_text(json.dumps(doc))
+    args, results, hf, peak, mcfg = run_rank.combine([str(a)])
+    import types
+    text = run_rank.table(types.SimpleNamespace(**args), results, hf, peak, mcfg)
+    assert "ours-chunk16384 vs ours (vLLM's default chunk): 1.25x" in text
+
+
 def test_count_lme_sessions_dedupes_by_id(tmp_path):
     items = [{"haystack_session_ids": ["a", "b", "c"]}, {"haystack_session_ids": ["b", "d"]}]
     f = tmp_path / "x.json.gz"

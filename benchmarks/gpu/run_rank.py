@@ -305,6 +305,17 @@ def spawn(target, args: tuple, timeout: float | None = None) -> int | None:
     return p.exitcode
 
 
+def chunk_tokens(run: str) -> int:
+    """``chunk16384`` -> 16384: the prefill chunk of an ``ours`` variant (a clear error for anything else)."""
+    try:
+        n = int(run[len("chunk"):])
+    except ValueError:
+        raise SystemExit(f"--runs {run}: want chunkN with N the prefill chunk in tokens, e.g. chunk16384") from None
+    if n < 256:
+        raise SystemExit(f"--runs {run}: a prefill chunk under 256 tokens is not a setting to measure")
+    return n
+
+
 def workload_key(a) -> dict:
     return {"workload": a.workload, "prompts": a.questions, "history_tokens": a.history_tokens,
             "max_tokens": a.max_tokens, "tiny": a.tiny}
@@ -412,7 +423,9 @@ def main() -> None:
     ap.add_argument("--original-repeats", type=int, default=None,
                     help="repeats of the original's settings (default: --repeats; one sequence at a time makes a "
                          "256-prompt run ~10 minutes on an H100)")
-    ap.add_argument("--runs", default="ours,hf,original", help="any of ours,prefill,original,ok,hf (in this order)")
+    ap.add_argument("--runs", default="ours,hf,original",
+                    help="any of ours,prefill,original,ok,hf,chunkN (in this order); chunkN = ours with vLLM's "
+                         "max_num_batched_tokens=N (the prefill chunk; the stage leaves it to vLLM)")
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting/kill runs after this many seconds")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile/CUDA graphs (faster start)")
     ap.add_argument("--combine", nargs="+", metavar="RANK_JSON",
@@ -454,6 +467,11 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     runs = a.runs.split(",")
+    for r in runs:  # before the model is built: a typo costs nothing
+        if r.startswith("chunk"):
+            chunk_tokens(r)
+        elif r not in ("ours", "prefill", "original", "ok", "hf"):
+            raise SystemExit(f"--runs: unknown run {r!r} (ours, prefill, original, ok, hf, chunkN)")
     from memsifter.data.model import read_dataset
     from memsifter.tiny import QWEN3_4B, build_random_model, build_tiny_model
 
@@ -519,6 +537,9 @@ def main() -> None:
                 record(rank_run("ours-prefill", a, model, {**speed, "max_tokens": 1}, {"batch_size": a.questions}))
             elif r == "original":
                 record(rank_run("original", a, model, speed, original))
+            elif r.startswith("chunk"):
+                record(rank_run(f"ours-{r}", a, model, speed,
+                                {"batch_size": a.questions, "max_num_batched_tokens": chunk_tokens(r)}))
             elif r == "ok":
                 record(rank_run("ok-path", a, model, {"constrained_output": True, "max_tokens": 64, **sub},
                                 {"batch_size": a.questions}))
@@ -635,6 +656,10 @@ def table(a, results: list[dict], hf: dict | None, peak: float, mcfg: dict) -> s
         lines.append(f"ours vs original engine settings: {o['prompts_s'] / g['prompts_s']:.2f}x prompts/s "
                      f"(median engine busy time; pipeline incl. start: "
                      f"{(o['prompts'] / o['pipeline']['median']) / (g['prompts'] / g['pipeline']['median']):.2f}x)")
+    for name in ok:
+        if name.startswith("ours-chunk") and "ours" in ok:
+            lines.append(f"{name} vs ours (vLLM's default chunk): {ok[name]['prompts_s'] / ok['ours']['prompts_s']:.2f}x "
+                         f"prompts/s (median engine busy time)")
     if "ours" in ok and hf:
         lines.append(f"ours vs HF generate (engine busy time per prompt; HF from its first {hf['prompts']} prompt(s), "
                      f"batch {hf.get('batch', 1)}): {ok['ours']['prompts_s'] / (hf['prompts'] / hf['full_s']):.2f}x prompts/s")
