@@ -105,7 +105,11 @@ def test_combine_pools_runs_of_two_machines_into_one_table(tmp_path):
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_rank.py"), "--combine", str(a), str(b),
                     "--out", str(out)], check=True, capture_output=True, cwd=REPO)
     text = (out / "rank.md").read_text()
-    assert "ours vs original engine settings: 1.25x" in text  # 4/40 over 4/50 prompts/s
+    assert "ours vs original engine settings: 1.25x" in text
+    before = a.read_text()
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_rank.py"), "--combine", str(a), str(b),
+                        "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode != 0 and "would overwrite" in r.stderr and a.read_text() == before  # 4/40 over 4/50 prompts/s
     assert "65.0 (60.0-70.0)" in text and "at the measured peak 790.00 TFLOP/s" in text
     c = tmp_path / "c.json"
     c.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12, workload="locomo")))
@@ -115,6 +119,12 @@ def test_combine_pools_runs_of_two_machines_into_one_table(tmp_path):
     d.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12, device="NVIDIA H200")))
     with pytest.raises(SystemExit, match="different devices"):
         run_rank.combine([str(a), str(d)])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": [{"rc": 0}], "args": {}, "peak": {}}))
+    with pytest.raises(SystemExit, match=r"bad.json: results\[0\]: field 'name' missing"):
+        run_rank.combine([str(a), str(bad)])
+    with pytest.raises(SystemExit, match="missing.json: not a readable rank.json"):
+        run_rank.combine([str(tmp_path / "missing.json")])
 
 
 def test_chunk_runs_name_their_prefill_chunk(tmp_path):

@@ -374,8 +374,18 @@ def combine(paths: list[str]) -> tuple[dict, list[dict], dict | None, float, dic
     workloads or devices."""
     docs = []
     for p in paths:
-        with open(p) as f:
-            docs.append(json.load(f))
+        try:
+            with open(p) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--combine: {p}: not a readable rank.json ({e})") from None
+        for field in ("results", "args", "peak"):
+            if field not in d:
+                raise SystemExit(f"--combine: {p}: field {field!r} missing (not a run_rank.py rank.json)")
+        for i, r in enumerate(d["results"]):
+            if "name" not in r:
+                raise SystemExit(f"--combine: {p}: results[{i}]: field 'name' missing")
+        docs.append(d)
     keys = {(d["args"]["workload"], d["args"]["questions"], d["args"]["history_tokens"], d["args"]["max_tokens"],
              bool(d["args"].get("tiny"))) for d in docs}
     if len(keys) != 1:
@@ -441,6 +451,10 @@ def main() -> None:
     if a.combine:
         import types
 
+        target = os.path.realpath(os.path.join(a.out, "rank.json"))
+        if target in {os.path.realpath(p) for p in a.combine}:
+            raise SystemExit(f"--combine: --out {a.out} would overwrite one of the files it combines; "
+                             "give the pooled table its own folder")
         args, results, hf, peak, mcfg = combine(a.combine)
         os.makedirs(a.out, exist_ok=True)
         text = table(types.SimpleNamespace(**args), results, hf, peak, mcfg)
