@@ -106,10 +106,14 @@ def test_combine_pools_runs_of_two_machines_into_one_table(tmp_path):
                     "--out", str(out)], check=True, capture_output=True, cwd=REPO)
     text = (out / "rank.md").read_text()
     assert "ours vs original engine settings: 1.25x" in text
+    m13 = tmp_path / "m13"
+    m13.mkdir()
+    (m13 / "rank.json").write_text(a.read_text())
     before = a.read_text()
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_rank.py"), "--combine", str(a), str(b),
-                        "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode != 0 and "would overwrite" in r.stderr and a.read_text() == before  # 4/40 over 4/50 prompts/s
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_rank.py"), "--combine",
+                        str(m13 / "rank.json"), str(b), "--out", str(m13)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode != 0 and "would overwrite" in r.stderr
+    assert (m13 / "rank.json").read_text() == before and not (m13 / "rank.md").exists()  # 4/40 over 4/50 prompts/s
     assert "65.0 (60.0-70.0)" in text and "at the measured peak 790.00 TFLOP/s" in text
     c = tmp_path / "c.json"
     c.write_text(json.dumps(_rank_doc("original", 50.0, 70.0, 790e12, workload="locomo")))
