@@ -262,3 +262,46 @@ def test_dapo_ab_table_ratios(tmp_path):
     assert "| step s | 66.0 (60.0–70.0) | 22.0 (22.0–22.0) | 3.00x faster |" in text
     assert "| tokens/s (whole step) | 950.0 (900.0–1,000.0) | 2,850.0 (2,850.0–2,850.0) | 3.00x |" in text
     assert "(3 steps)" in text and "(1 steps)" in text
+
+
+def test_collapse_compare_finds_the_guard_stop_from_the_runs_config(tmp_path):
+    """collapse_compare.py: the stop step comes from the train stage's collapse_guard with the run's own
+    dapo settings (configs/train-<kind>.yaml beside the metrics), not a copy of the bound."""
+    cc = importlib.import_module("collapse_compare")
+    yaml = pytest.importorskip("yaml")
+    run = tmp_path / "m1"
+    (run / "configs").mkdir(parents=True)
+    # bound: 4 x 8 - 4 = 28 discarded groups
+    (run / "configs" / "train-dcg_x.yaml").write_text(yaml.safe_dump(
+        {"dapo": {"lr": 5e-5, "max_num_gen_batches": 4, "gen_batch_size": 8, "train_batch_size": 4}}))
+    rows = [{"step": 0, "val-aux/memsifter_a/ndcg10/mean@1": 0.9},
+            {"step": 1, "training/filter_groups/evicted_samples": 3, "actor/entropy": 0.2, "critic/score/mean": 0.5},
+            {"step": 2, "training/filter_groups/evicted_samples": 28, "actor/entropy": 0.1},  # = bound: goes on
+            {"step": 3, "training/filter_groups/evicted_samples": 29, "actor/entropy": 0.05}]
+    (run / "train_dcg_x_metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    other = tmp_path / "train_y_metrics.jsonl"  # no config beside it: the stage's defaults (10 x 32 - 16 = 304)
+    other.write_text(json.dumps({"step": 1, "training/filter_groups/evicted_samples": 29}) + "\n")
+    out = tmp_path / "out"
+    assert cc.main([f"small={run / 'train_dcg_x_metrics.jsonl'}", f"defaults={other}", "--out", str(out)]) == 0
+    text = (out / "collapse.md").read_text()
+    assert "| 3 | **29 / 0.050 / - / -: guard stop** | - |" in text
+    assert "| 2 | 28 / 0.100 / - / - | - |" in text
+    assert "| 1 | 3 / 0.200 / 0.500 / - | 29 / - / - / - |" in text
+    assert "past 28 discarded groups (4 x 8 - 4); stopped at step 3; greedy validation NDCG@10" in text
+    assert "past 304 discarded groups (10 x 32 - 16); no guard stop" in text
+    data = json.loads((out / "collapse.json").read_text())
+    assert [d["guard_stop_step"] for d in data] == [3, None]
+    assert (out / "collapse.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_collapse_compare_names_the_file_and_line_of_bad_metrics(tmp_path):
+    cc = importlib.import_module("collapse_compare")
+    bad = tmp_path / "train_z_metrics.jsonl"
+    bad.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": "two"}) + "\n")
+    with pytest.raises(SystemExit, match=r"train_z_metrics.jsonl: line 2: field 'step'"):
+        cc.read_run(f"z={bad}")
+    bad.write_text("{not json\n")
+    with pytest.raises(SystemExit, match=r"line 1: not JSON"):
+        cc.read_run(f"z={bad}")
+    with pytest.raises(SystemExit, match="LABEL=METRICS_JSONL"):
+        cc.read_run(str(bad))
