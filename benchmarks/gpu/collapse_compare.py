@@ -25,7 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-EVICTED = "training/filter_groups/evicted_samples"
+from memsifter.stages.train import EVICTED_KEY as EVICTED  # one name for verl's metric
+
 COLS = (("discarded", EVICTED, "{:.0f}"), ("entropy", "actor/entropy", "{:.3f}"),
         ("reward", "critic/score/mean", "{:.3f}"), ("step s", "timing_s/step", "{:.0f}"))
 
