@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         server = None
         trained: BackgroundServer | bool | None = None
         if args.answers:
+            # transformers' lazy module is imported here, once, before any thread can race on it; the
+            # threads then build the model cache entries one at a time (models.build_once)
+            models._hf()
             m = models.lookup(MODEL)
             echo(f"[demo] {MODEL} ({m.upstream}, PyPI {m.package}, {m.licence}): converted once into "
                  f"{models.cache_root()} and served by vLLM on the CPU, starting in the background")

@@ -35,6 +35,8 @@ verify NAME``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -44,7 +46,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -141,22 +145,124 @@ def _version(package: str) -> str | None:
 
 
 def check_dir(path: str) -> list[str]:
-    """Problems of a materialized directory against its provenance (empty list: intact)."""
+    """Problems of a materialized directory against its provenance (empty list: intact). Every file
+    present is hashed, not only those the provenance lists: a file it does not name (or whose entry was
+    removed) is a problem too."""
     prov_path = os.path.join(path, PROVENANCE)
     try:
         with open(prov_path) as f:
             prov = json.load(f)
         files = prov["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{prov_path}: unreadable provenance ({e})"]
     bad = []
-    for rel, want in files.items():
+    for rel, want in sorted(files.items()):
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
             bad.append(f"{rel}: missing")
         elif sha256_file(p) != want:
             bad.append(f"{rel}: sha256 differs from {PROVENANCE}")
+    for rel in _files_under(path):
+        if rel != PROVENANCE and rel not in files:
+            bad.append(f"{rel}: present but not recorded in {PROVENANCE}")
     return bad
+
+
+def _files_under(path: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names)
+
+
+def _hash_files(path: str) -> dict[str, str]:
+    return {rel: sha256_file(os.path.join(path, rel)) for rel in _files_under(path)}
+
+
+# --------------------------------------------------------------------------- building a cache entry once
+# A cache entry (a converted GGUF, a merged adapter, a fetched s3 model) is built by exactly one thread of
+# one process at a time: a per-entry lock (a thread lock, then flock on ``<parent>/.<name>.lock``, which
+# holds across processes and pods sharing a cache volume), built in a temporary directory beside it and
+# renamed into place. Whoever waited on the lock finds the finished entry and reuses it; an intact entry
+# is never deleted or replaced. transformers' lazy module is not safe to import from two threads at once
+# ("cannot import name 'AutoModelForCausalLM'"): builders import it through :func:`_hf` under one lock.
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+_HF_IMPORT = threading.Lock()
+
+
+def _cache_dir(root: str) -> str:
+    """``root`` created if needed and checked writable; one line naming the setting otherwise."""
+    where = f"model cache {root} (MEMSIFTER_MODEL_CACHE or XDG_CACHE_HOME)"
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be created: {e.strerror or e}") from None
+    if not os.path.isdir(root):
+        raise ConfigError(f"{where} is not a directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable")
+    return root
+
+
+@contextlib.contextmanager
+def _entry_lock(dest: str) -> Iterator[None]:
+    parent = _cache_dir(os.path.dirname(dest))
+    with _THREAD_LOCKS_GUARD:
+        tlock = _THREAD_LOCKS.setdefault(dest, threading.Lock())
+    with tlock:
+        lock_path = os.path.join(parent, f".{os.path.basename(dest)}.lock")
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"model cache {parent}: cannot create the lock {lock_path}: {e.strerror or e} "
+                              "(MEMSIFTER_MODEL_CACHE)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+def build_once(dest: str, build: Callable[[str], None], provenance: dict,
+               check: Callable[[str], list[str]] = check_dir) -> str:
+    """``dest`` built by ``build(tmp_dir)`` exactly once across threads and processes, with
+    ``provenance`` plus the sha256 of every file written recorded in ``memsifter-model.json``.
+    An intact ``dest`` is returned as it is (before and after waiting for the lock); a damaged one is
+    moved aside and rebuilt while the lock is held."""
+    if os.path.isdir(dest) and not check(dest):
+        return dest
+    with _entry_lock(dest):
+        if os.path.isdir(dest):
+            problems = check(dest)
+            if not problems:
+                return dest  # another thread or process built it while we waited
+            log.warning("cached %s is damaged (%s); rebuilding it", dest, "; ".join(problems[:3]))
+            trash = tempfile.mkdtemp(prefix=f".trash-{os.path.basename(dest)}-", dir=os.path.dirname(dest))
+            os.rename(dest, os.path.join(trash, "old"))
+            shutil.rmtree(trash, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}-", dir=os.path.dirname(dest))
+        try:
+            t0 = time.time()
+            build(tmp)
+            prov = {**provenance, "seconds": round(time.time() - t0, 1), "files": _hash_files(tmp)}
+            with open(os.path.join(tmp, PROVENANCE), "w") as f:
+                json.dump(prov, f, indent=2)
+            os.rename(tmp, dest)
+            log.info("built %s in %.0fs", dest, time.time() - t0)
+            return dest
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _hf() -> tuple:
+    """torch, AutoModelForCausalLM, AutoTokenizer, imported by one thread at a time. A program that
+    starts threads which may build models calls it first, in its main thread (the demo does)."""
+    with _HF_IMPORT:
+        import torch
+        import transformers
+
+        return torch, transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
 
 def shipped_adapter(name: str) -> str | None:
@@ -190,45 +296,24 @@ def materialize(name: str, cache: str | None = None) -> str:
         return merged_adapter(src, cache)
     if not os.path.isfile(src):
         raise ConfigError(f"model '{m.name}': {src} is missing from the installed {m.package}")
-    root = cache or cache_root()
-    dest = os.path.join(root, f"{m.name}-{m.sha256[:12]}")
-    if os.path.isdir(dest):
-        problems = check_dir(dest)
-        if not problems:
-            return dest
-        log.warning("model %s: cached copy %s is damaged (%s); rebuilding it", m.name, dest, "; ".join(problems[:3]))
-        shutil.rmtree(dest, ignore_errors=True)
+    dest = gguf_dest(m, cache)
+    if os.path.isdir(dest) and not check_dir(dest):
+        return dest
     got = sha256_file(src)
     if got != m.sha256:
         raise ConfigError(f"model '{m.name}': {src} has sha256 {got}, expected {m.sha256} "
                           f"({m.package} {_version(m.package)}; reinstall it: {m.install})")
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{m.name}-", dir=root)
-    try:
-        t0 = time.time()
-        _convert_gguf(src_dir, m.file, tmp)
-        files = {}
-        for dirpath, _, names in os.walk(tmp):
-            for n in names:
-                p = os.path.join(dirpath, n)
-                files[os.path.relpath(p, tmp)] = sha256_file(p)
-        prov = {"name": m.name, "package": m.package, "package_version": _version(m.package),
-                "licence": m.licence, "upstream": m.upstream, "context": m.context,
-                "source_file": m.file, "source_sha256": got, "converted_with": {
-                    "transformers": _version("transformers"), "gguf": _version("gguf"), "torch": _version("torch")},
-                "dtype": "float32", "seconds": round(time.time() - t0, 1), "files": dict(sorted(files.items()))}
-        with open(os.path.join(tmp, PROVENANCE), "w") as f:
-            json.dump(prov, f, indent=2)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process finished first: keep its copy if it is intact
-            if check_dir(dest):
-                raise
-        log.info("model %s: materialized %s in %.0fs", m.name, dest, time.time() - t0)
-        return dest
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+    prov = {"name": m.name, "package": m.package, "package_version": _version(m.package),
+            "licence": m.licence, "upstream": m.upstream, "context": m.context,
+            "source_file": m.file, "source_sha256": got, "converted_with": {
+                "transformers": _version("transformers"), "gguf": _version("gguf"), "torch": _version("torch")},
+            "dtype": "float32"}
+    return build_once(dest, lambda tmp: _convert_gguf(src_dir, m.file, tmp), prov)
+
+
+def gguf_dest(m: PackagedModel, cache: str | None = None) -> str:
+    """Where a converted GGUF model lives in the cache (whether or not it is there yet)."""
+    return os.path.join(cache or cache_root(), f"{m.name}-{m.sha256[:12]}")
 
 
 def _convert_gguf(src_dir: str, file: str, out: str) -> None:
@@ -237,9 +322,7 @@ def _convert_gguf(src_dir: str, file: str, out: str) -> None:
         import gguf  # noqa: F401
     except ImportError as e:
         raise ConfigError("converting a GGUF model needs the PyPI package gguf (pip install gguf==0.19.0)") from e
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    torch, AutoModelForCausalLM, AutoTokenizer = _hf()
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=file)
     model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=file, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -280,10 +363,26 @@ def merged_adapter(adapter_dir: str, cache: str | None = None) -> str:
     base's tokenizer and chat template. Cached by the adapter's content under ``<cache>/merged/`` and
     built in a temporary directory renamed into place. This is how the rank stage, the chat stage's
     served model and the demo load base + adapter: vLLM and transformers see one ordinary model."""
-    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
-        cfg = json.load(f)
-    base_ref = cfg.get("base_model_name_or_path")
-    if not base_ref:
+    dest, cfg, digest = merged_dest(adapter_dir, cache)
+    if os.path.isdir(dest) and not check_dir(dest):
+        return dest
+    base_ref = cfg["base_model_name_or_path"]
+    base = resolve(base_ref)
+    if not os.path.isdir(str(base)):
+        raise ConfigError(f"adapter {adapter_dir}: its base {base_ref!r} is not a local model here")
+    prov = {"base": base_ref, "adapter": os.path.abspath(adapter_dir), "adapter_sha256": digest,
+            "lora": {k: cfg.get(k) for k in ("r", "lora_alpha", "target_modules")}}
+    return build_once(dest, lambda tmp: _merge_into(str(base), adapter_dir, tmp), prov)
+
+
+def merged_dest(adapter_dir: str, cache: str | None = None) -> tuple[str, dict, str]:
+    """Where an adapter merged onto its base lives in the cache, its adapter config and content digest."""
+    try:
+        with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"adapter {adapter_dir}: {ADAPTER_CONFIG} is unreadable ({e})") from None
+    if not isinstance(cfg, dict) or not cfg.get("base_model_name_or_path"):
         raise ConfigError(f"adapter {adapter_dir}: {ADAPTER_CONFIG} names no base_model_name_or_path")
     h = hashlib.sha256()
     for n in sorted(os.listdir(adapter_dir)):
@@ -293,43 +392,17 @@ def merged_adapter(adapter_dir: str, cache: str | None = None) -> str:
             h.update(sha256_file(p).encode())
     root = os.path.join(cache or cache_root(), "merged")
     dest = os.path.join(root, f"{os.path.basename(adapter_dir.rstrip('/'))[:40]}-{h.hexdigest()[:12]}")
-    if os.path.isdir(dest) and not check_dir(dest):
-        return dest
-    base = resolve(base_ref)
-    if not os.path.isdir(str(base)):
-        raise ConfigError(f"adapter {adapter_dir}: its base {base_ref!r} is not a local model here")
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return dest, cfg, h.hexdigest()
 
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".merge-", dir=root)
-    try:
-        t0 = time.time()
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-        model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-        files = {}
-        for dirpath, _, names in os.walk(tmp):
-            for n in names:
-                files[os.path.relpath(os.path.join(dirpath, n), tmp)] = sha256_file(os.path.join(dirpath, n))
-        with open(os.path.join(tmp, PROVENANCE), "w") as f:
-            json.dump({"base": base_ref, "adapter": os.path.abspath(adapter_dir), "adapter_sha256": h.hexdigest(),
-                       "lora": {k: cfg.get(k) for k in ("r", "lora_alpha", "target_modules")},
-                       "seconds": round(time.time() - t0, 1), "files": dict(sorted(files.items()))}, f, indent=2)
-        if os.path.isdir(dest):
-            shutil.rmtree(dest, ignore_errors=True)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if check_dir(dest):
-                raise
-        log.info("adapter %s merged onto %s in %.0fs -> %s", adapter_dir, base_ref, time.time() - t0, dest)
-        return dest
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+
+def _merge_into(base: str, adapter_dir: str, out: str) -> None:
+    torch, AutoModelForCausalLM, AutoTokenizer = _hf()
+    from peft import PeftModel
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
 def fetch_s3(uri: str, weights: bool = True, cache: str | None = None) -> str:
@@ -343,31 +416,32 @@ def fetch_s3(uri: str, weights: bool = True, cache: str | None = None) -> str:
     root = os.path.join(cache or cache_root(), "s3")
     key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
     dest = os.path.join(root, f"{os.path.basename(uri.rstrip('/'))[:60]}-{key}" + ("" if weights else "-small"))
-    if os.path.isfile(os.path.join(dest, PROVENANCE)):
+    if not _listed_files_present(dest):
         return dest
-    files = [f for f in storage.list_files(uri) if weights or f.endswith(SMALL_FILES)]
-    if not files:
-        raise ConfigError(f"model {uri}: no files under that prefix")
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".s3-", dir=root)
-    try:
-        got = {}
+
+    def fetch(tmp: str) -> None:
+        files = [f for f in storage.list_files(uri) if weights or f.endswith(SMALL_FILES)]
+        if not files:
+            raise ConfigError(f"model {uri}: no files under that prefix")
         for rel in files:
             path = os.path.join(tmp, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            got[rel] = storage.copy_file(storage.join(uri, rel), path)[1]
-        with open(os.path.join(tmp, PROVENANCE), "w") as f:
-            json.dump({"source": uri, "weights": weights, "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                      time.gmtime()),
-                       "files": got}, f, indent=2)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process fetched it first
-            pass
-        return dest
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+            storage.copy_file(storage.join(uri, rel), path)
+
+    return build_once(dest, fetch, {"source": uri, "weights": weights,
+                                    "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                      check=_listed_files_present)
+
+
+def _listed_files_present(path: str) -> list[str]:
+    """A cheap check for large fetched copies (their sha256 was taken as they were written): the
+    provenance is readable and every file it lists is there with content."""
+    try:
+        with open(os.path.join(path, PROVENANCE)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{path}: no readable provenance ({e})"]
+    return [f"{rel}: missing" for rel in files if not os.path.isfile(os.path.join(path, rel))]
 
 
 def model_context(path_or_name: str) -> int | None:
@@ -395,14 +469,94 @@ def model_context(path_or_name: str) -> int | None:
 
 
 # --------------------------------------------------------------------------- CLI
+def cached_dir(name: str) -> str | None:
+    """Where a model's materialized copy lives in the cache, without building it; None for models used
+    in place (``hf-dir``). A local adapter directory maps to its merged copy."""
+    m = lookup(name)
+    if m is None:
+        path = os.path.abspath(os.path.expanduser(name))
+        if os.path.isdir(path) and is_adapter(path):
+            return merged_dest(path)[0]
+        raise ConfigError(f"unknown model name '{name}' (known: {', '.join(REGISTRY)})")
+    if m.kind == "hf-dir":
+        return None
+    if m.kind == "adapter":
+        src = shipped_adapter(m.name)
+        if src is None:
+            raise ConfigError(f"model '{m.name}': no adapter in the installed {m.package}")
+        return merged_dest(src)[0]
+    return gguf_dest(m)
+
+
+def _verify(name: str, repair: bool) -> int:
+    path = cached_dir(name)
+    if path is None:
+        print(f"{name}: used in place from the installed package ({materialize(name)})")
+        return 0
+    if not os.path.isdir(path):
+        print(f"{name}: not materialized yet ({path} is absent); `memsifter models path {name}` builds it",
+              file=sys.stderr)
+        return 1
+    problems = check_dir(path)
+    if problems and repair:
+        log.warning("%s: %s; rebuilding", path, "; ".join(problems))
+        problems = check_dir(materialize(name) if lookup(name) else resolve(name))
+    if problems:
+        print(f"{path}: {len(problems)} problem(s): " + "; ".join(problems)
+              + f" (`memsifter models verify --repair {name}` rebuilds it)", file=sys.stderr)
+        return 1
+    with open(os.path.join(path, PROVENANCE)) as f:
+        prov = json.load(f)
+    src = prov.get("source_sha256") or prov.get("adapter_sha256") or ""
+    print(f"{path}: all {len(prov['files'])} files match their sha256 and no other file is present"
+          + (f"; {prov['package']} {prov['package_version']}, {prov['licence']}" if "package" in prov else "")
+          + (f", source sha256 {src[:16]}…" if src else ""))
+    return 0
+
+
+def serve(name: str, host: str, port: int, max_model_len: int | None, served_name: str | None) -> int:
+    """A local OpenAI-compatible vLLM server (CPU build on a machine without GPU) for a model by name or
+    directory: the server the demo starts, for the rank stage's ``--engine endpoint`` and the chat stage."""
+    from .testing import vllm_server
+
+    if lookup(name) is None and not os.path.isdir(os.path.expanduser(name)):
+        raise ConfigError(f"models serve: '{name}' is neither a memsifter model name ({', '.join(REGISTRY)}) "
+                          "nor a local model directory")
+    path = resolve(name)
+    served = served_name or (lookup(name).name if lookup(name) else os.path.basename(path.rstrip("/")))
+    ctx = max_model_len or model_context(path) or 4096
+    log_path = os.path.join(tempfile.mkdtemp(prefix="memsifter-serve-"), "vllm-server.log")
+    print(f"starting vLLM for {served} ({path}); its log: {log_path}", file=sys.stderr, flush=True)
+    with vllm_server(path, served, timeout=600, extra_args=["--max-model-len", str(ctx)], log_path=log_path,
+                     host=host, port=port) as url:
+        print(f"serving {served} at {url} (Ctrl-C stops it). Use it with:\n"
+              f"  memsifter run rank --engine endpoint --endpoint.base-url {url} --endpoint.model {served} ...\n"
+              f"  memsifter run chat --endpoint.base-url {url} --endpoint.model {served} ...\n"
+              f"  curl -s {url}/models", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memsifter models", description="real models that install offline from PyPI")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the models memsifter knows by name, with licence and use")
     sp = sub.add_parser("path", help="materialize a model (first use: convert and cache) and print its directory")
     sp.add_argument("name")
-    sp = sub.add_parser("verify", help="check a materialized model's files against their recorded sha256")
+    sp = sub.add_parser("verify", help="re-hash every file of a materialized model against its recorded sha256 "
+                                       "and report (exit 1 on any problem); nothing is repaired unless --repair")
     sp.add_argument("name")
+    sp.add_argument("--repair", action="store_true", help="rebuild a damaged copy")
+    sp = sub.add_parser("serve", help="start a local OpenAI-compatible vLLM server for a model (name or directory)")
+    sp.add_argument("name")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    sp.add_argument("--served-name", default=None, help="the model name clients ask for (default: the name given)")
     args = p.parse_args(argv)
     if args.cmd == "list":
         for m in REGISTRY.values():
@@ -414,24 +568,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':<24} {m.good_for}")
         return 0
     if args.cmd == "path":
+        if lookup(args.name) is None and not os.path.isdir(os.path.expanduser(args.name)):
+            raise ConfigError(f"unknown model name '{args.name}' (known: {', '.join(REGISTRY)}; or a local directory)")
         print(resolve(args.name))
         return 0
-    path = resolve(args.name)
-    m = lookup(args.name)
-    if m and m.kind == "hf-dir":
-        print(f"{args.name}: used in place from the installed package ({path})")
-        return 0
-    problems = check_dir(path)
-    if problems:
-        print(f"{path}: " + "; ".join(problems), file=sys.stderr)
-        return 1
-    with open(os.path.join(path, PROVENANCE)) as f:
-        prov = json.load(f)
-    print(f"{path}: {len(prov['files'])} files match their sha256; {prov['package']} {prov['package_version']}, "
-          f"{prov['licence']}, source sha256 {prov['source_sha256'][:16]}…")
-    return 0
+    if args.cmd == "serve":
+        return serve(args.name, args.host, args.port, args.max_model_len, args.served_name)
+    return _verify(args.name, args.repair)
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

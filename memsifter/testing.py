@@ -203,9 +203,11 @@ def wait_openai_server(proc: subprocess.Popen, port: int, timeout: float, where:
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
-                extra_args: list[str] | None = None, log_path: str | None = None) -> Iterator[str]:
-    """A real vLLM (CPU build) OpenAI-compatible server on 127.0.0.1; yields its base URL (…/v1)."""
-    port = free_port()
+                extra_args: list[str] | None = None, log_path: str | None = None,
+                host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """A real vLLM (CPU build) OpenAI-compatible server (default: 127.0.0.1 on a free port); yields its
+    base URL (…/v1)."""
+    port = port or free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
@@ -213,7 +215,7 @@ def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
 
     env.update({k: v for k, v in cpu_engine_env().items() if k not in os.environ})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", served_name, "--host", host, "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
            "--max-num-seqs", "16", *(extra_args or [])]
     log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="vllm-"), "server.log")
@@ -221,7 +223,7 @@ def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_openai_server(proc, port, timeout, f"log: {log_path}")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

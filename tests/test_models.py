@@ -99,3 +99,146 @@ def test_models_cli(smollm2_dir):
     assert out.strip() == smollm2_dir
     out = subprocess.run([*exe, "verify", "smollm2-135m-instruct"], capture_output=True, text=True, check=True).stdout
     assert "files match their sha256" in out
+
+
+# --------------------------------------------------------------------------- first run: concurrent materialization
+_CONCURRENT = r"""
+import json, os, sys, threading
+from memsifter import models
+
+built = []                                   # (kind, dest) of every build that actually ran
+real_convert, real_merge_build = models._convert_gguf, models._merge_into
+models._convert_gguf = lambda *a: (built.append("convert"), real_convert(*a))[1]
+models._merge_into = lambda *a: (built.append("merge"), real_merge_build(*a))[1]
+out, errors = {}, []
+def go(name):
+    try:
+        out[name] = models.resolve(name)
+    except BaseException as e:  # noqa: BLE001
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+threads = [threading.Thread(target=go, args=(n,)) for n in sys.argv[1:]]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps({"out": out, "errors": errors, "built": built}))
+"""
+
+
+def _run_concurrent(cache: Path, *names: str) -> dict:
+    env = {**os.environ, "MEMSIFTER_MODEL_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", _CONCURRENT, *names], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def first_run(smollm2_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """What the demo does on a newcomer's machine: from an EMPTY model cache, two threads of a fresh process
+    resolve the base model and the shipped adapter (merged onto that same base) at the same moment."""
+    if models.shipped_adapter("smollm2-135m-memsifter-ranker") is None:
+        pytest.skip("shipped adapter missing")
+    cache = tmp_path_factory.mktemp("empty-model-cache")
+    return cache, _run_concurrent(cache, "smollm2-135m-instruct", "smollm2-135m-memsifter-ranker")
+
+
+def test_first_run_resolves_base_and_adapter_concurrently_from_an_empty_cache(first_run):
+    cache, res = first_run
+    assert res["errors"] == []
+    base, merged = res["out"]["smollm2-135m-instruct"], res["out"]["smollm2-135m-memsifter-ranker"]
+    assert base.startswith(str(cache)) and merged.startswith(str(cache))
+    # each cache entry was built exactly once (the waiter reused the other thread's result) ...
+    assert sorted(res["built"]) == ["convert", "merge"], res["built"]
+    # ... both are intact, nothing temporary is left beside them, and the merge names the same base
+    assert models.check_dir(base) == [] and models.check_dir(merged) == []
+    leftovers = [p.name for p in cache.rglob("*") if p.name.startswith(".") and not p.name.endswith(".lock")]
+    assert leftovers == []
+    # a second process finds both and builds nothing
+    again = _run_concurrent(cache, "smollm2-135m-memsifter-ranker", "smollm2-135m-memsifter-ranker")
+    assert again["errors"] == [] and again["built"] == []
+    assert again["out"]["smollm2-135m-memsifter-ranker"] == merged
+
+
+def test_concurrent_processes_build_one_entry_once(tmp_path):
+    """The per-entry lock holds across processes: four processes asking for one entry, one build."""
+    script = r"""
+import os, sys, time
+from memsifter import models
+def build(tmp):
+    with open(os.path.join(sys.argv[2], f"built-{os.getpid()}"), "w"):
+        pass
+    time.sleep(0.5)
+    with open(os.path.join(tmp, "weights.bin"), "wb") as f:
+        f.write(b"x" * 1000)
+print(models.build_once(os.path.join(sys.argv[1], "entry"), build, {"what": "test"}))
+"""
+    cache, marks = tmp_path / "cache", tmp_path / "marks"
+    marks.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(cache), str(marks)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and len(list(marks.iterdir())) == 1
+    assert models.check_dir(outs[0]) == []
+
+
+def test_an_intact_entry_is_never_replaced(tmp_path):
+    """A second build of an intact entry (the old adapter merge deleted the first's finished directory)
+    returns the first one untouched."""
+    dest = str(tmp_path / "entry")
+    models.build_once(dest, lambda tmp: Path(tmp, "w.bin").write_bytes(b"1"), {})
+    inode = os.stat(dest).st_ino
+    assert models.build_once(dest, lambda tmp: Path(tmp, "w.bin").write_bytes(b"2"), {}) == dest
+    assert os.stat(dest).st_ino == inode and Path(dest, "w.bin").read_bytes() == b"1"
+
+
+@pytest.mark.parametrize("case", ["missing-entry-truncated", "extra-file", "changed"])
+def test_models_verify_rehashes_every_file_and_does_not_repair(smollm2_dir, tmp_path, case):
+    """`models verify` re-hashes every file present (not only those its provenance lists), reports, exits 1,
+    and leaves the directory as it is unless --repair is given."""
+    m = models.REGISTRY["smollm2-135m-instruct"]
+    cache = tmp_path / "cache"
+    dest = cache / os.path.basename(smollm2_dir)
+    shutil.copytree(smollm2_dir, dest)
+    prov = json.loads((dest / models.PROVENANCE).read_text())
+    if case == "missing-entry-truncated":     # the probe: entry removed from provenance, file truncated
+        del prov["files"]["model.safetensors"]
+        (dest / models.PROVENANCE).write_text(json.dumps(prov))
+        with open(dest / "model.safetensors", "r+b") as f:
+            f.truncate(1000)
+    elif case == "extra-file":
+        (dest / "stray.bin").write_bytes(b"?")
+    else:
+        (dest / "config.json").write_text("{}")
+    env = {**os.environ, "MEMSIFTER_MODEL_CACHE": str(cache)}
+    exe = [sys.executable, "-m", "memsifter.cli", "models", "verify", m.name]
+    p = subprocess.run(exe, capture_output=True, text=True, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "match" not in p.stdout
+    assert {"missing-entry-truncated": "model.safetensors", "extra-file": "stray.bin",
+            "changed": "config.json"}[case] in p.stderr
+    if case == "missing-entry-truncated":
+        assert os.path.getsize(dest / "model.safetensors") == 1000   # reported, not repaired
+
+
+@pytest.mark.parametrize("cache", ["/dev/null", "file", "readonly"])
+def test_unusable_model_cache_is_one_line(tmp_path, cache):
+    if cache == "file":
+        cache = str(tmp_path / "f")
+        Path(cache).write_text("x")
+    elif cache == "readonly":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        cache = str(tmp_path / "ro")
+        os.mkdir(cache, 0o500)
+    env = {**os.environ, "MEMSIFTER_MODEL_CACHE": cache}
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "models", "path", "smollm2-135m-instruct"],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "MEMSIFTER_MODEL_CACHE" in p.stderr
+
+
+def test_models_path_of_an_unknown_name_is_an_error():
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "models", "path", "nonexistent-model"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "nonexistent-model" in p.stderr and p.stdout == ""
