@@ -15,7 +15,10 @@ from memsifter import storage
 
 @pytest.mark.slow
 def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_ADDRESS": ""}
+    # a newcomer's machine: an EMPTY model cache, so the demo converts SmolLM2 and merges the trained
+    # adapter onto it while its two vLLM servers start in threads (that first run once crashed on a race)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_ADDRESS": "",
+           "MEMSIFTER_MODEL_CACHE": str(tmp_path / "empty-model-cache")}
     env.pop("RAY_ADDRESS")
     memsifter = Path(sys.executable).with_name("memsifter")
     argv = [str(memsifter), "demo", "--out", str(tmp_path / "demo"), "--questions", "3", "--answers", "2"]
