@@ -23,12 +23,25 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
 
 
+# Texts longer than this many characters are tokenized in pieces of about this size (cut at a space
+# near the end where there is one): a tokenizer's output for one text costs ~100-400 bytes per token,
+# so a 50 MB turn tokenized whole needs gigabytes. A batch holds at most this many characters in all.
+PIECE_CHARS = 1 << 18
+BATCH_CHARS = 1 << 20
+
+
 class TokenCounter:
-    """Counts tokens with one tokenizer, caching per distinct text (sha1 of the text)."""
+    """Counts tokens with one tokenizer, caching per distinct text (sha1 of the text).
+
+    Memory stays bounded whatever the text: long texts are counted piece by piece (the sum can differ
+    from a whole-text count by a token or so per piece, which the exact prompt count that follows a
+    selection corrects), and with ``cap`` a count stops once it is past ``cap``: a session that cannot
+    fit is tokenized only as far as needed to know it."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._cache: dict[str, int] = {}
+        self._over: dict[str, int] = {}   # text key -> a lower bound (the count stopped there: > some cap)
         self.hits = 0
         self.misses = 0
 
@@ -36,25 +49,70 @@ class TokenCounter:
     def key(text: str) -> str:
         return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
-    def count(self, text: str) -> int:
-        return self.count_many([text])[0]
+    def count(self, text: str, cap: int | None = None) -> int:
+        return self.count_many([text], cap=cap)[0]
 
-    def count_many(self, texts: Sequence[str], batch_size: int = 64) -> list[int]:
+    def _ids(self, texts: list[str]) -> list[int]:
+        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [len(ids) for ids in enc]
+
+    def _count_long(self, text: str, cap: int | None) -> tuple[int, bool]:
+        """(tokens, exact) of a text longer than :data:`PIECE_CHARS`, piece by piece; stops past ``cap``."""
+        n, start = 0, 0
+        while start < len(text):
+            end = min(len(text), start + PIECE_CHARS)
+            if end < len(text):
+                cut = text.rfind(" ", end - 4096, end)
+                end = cut + 1 if cut > start else end
+            n += self._ids([text[start:end]])[0]
+            start = end
+            if cap is not None and n > cap and start < len(text):
+                return n, False
+        return n, True
+
+    def count_many(self, texts: Sequence[str], batch_size: int = 64, cap: int | None = None) -> list[int]:
+        """Token counts of ``texts``; with ``cap``, a text of more than ``cap`` tokens may get any count
+        above ``cap`` (the counting stopped there)."""
         keys = [self.key(t) for t in texts]
         todo: dict[str, str] = {}
+        result: dict[str, int] = {}
         for k, t in zip(keys, texts):
-            if k in self._cache or k in todo:
+            if k in self._cache:
                 self.hits += 1
-            else:
+            elif cap is not None and self._over.get(k, -1) > cap:
+                self.hits += 1
+                result[k] = self._over[k]
+            elif k not in todo:
                 todo[k] = t
-        items = list(todo.items())
-        for i in range(0, len(items), batch_size):
-            chunk = items[i:i + batch_size]
-            enc = self.tokenizer([t for _, t in chunk], add_special_tokens=False)["input_ids"]
-            for (k, _), ids in zip(chunk, enc):
-                self._cache[k] = len(ids)
-            self.misses += len(chunk)
-        return [self._cache[k] for k in keys]
+            else:
+                self.hits += 1
+        batch: list[tuple[str, str]] = []
+        chars = 0
+
+        def flush() -> None:
+            nonlocal chars
+            if batch:
+                for (k, _), n in zip(batch, self._ids([t for _, t in batch])):
+                    self._cache[k] = n
+                self.misses += len(batch)
+                batch.clear()
+                chars = 0
+        for k, t in todo.items():
+            if len(t) > PIECE_CHARS:
+                n, exact = self._count_long(t, cap)
+                if exact:
+                    self._cache[k] = n
+                else:
+                    self._over[k] = max(n, self._over.get(k, 0))
+                    result[k] = n
+                self.misses += 1
+                continue
+            if batch and (len(batch) >= batch_size or chars + len(t) > BATCH_CHARS):
+                flush()
+            batch.append((k, t))
+            chars += len(t)
+        flush()
+        return [self._cache[k] if k in self._cache else result[k] for k in keys]
 
     def chat_prompt_tokens(self, messages: list[dict]) -> int:
         """Tokens of a chat prompt as the model sees it (chat template + generation prompt)."""

@@ -2,6 +2,11 @@
 
 * Endpoint settings: ``base_url`` and ``model`` in config; the API key is read from the environment
   variable named by ``api_key_env`` (a Kubernetes Secret reference in the cluster), never stored.
+  The URL must be named (config or ``MEMSIFTER_LLM_BASE_URL`` / ``OPENAI_BASE_URL``): there is no
+  built-in default, so nothing is sent to a hosted API unasked (:meth:`LLMEndpoint.check`).
+* Credentials never leave in text: a password in the URL is sent as its Basic header while the client
+  knows only the bare URL, and every error is passed through :func:`memsifter.redact.redact` (servers
+  echo keys in their error bodies).
 * Bounded concurrency (asyncio semaphore), retries with exponential backoff and jitter on 429, 5xx,
   timeouts and connection errors; other 4xx fail at once.
 * A request cache keyed by sha256 of (model, messages, sampling params): in memory, and optionally
@@ -25,6 +30,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import storage
+from .redact import redact, strip_userinfo
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +42,9 @@ class LLMEndpoint(BaseModel):
 
     # Where and how to call are runtime settings (left out of stage config hashes, as out of the
     # request cache key): the same model behind another URL gives the same outputs.
-    base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://host:8000/v1 "
-                                 "(default: env MEMSIFTER_LLM_BASE_URL or OPENAI_BASE_URL)",
+    base_url: str | None = Field(None, description="OpenAI-compatible base URL, e.g. http://host:8000/v1; "
+                                 "required, or env MEMSIFTER_LLM_BASE_URL / OPENAI_BASE_URL: nothing is sent "
+                                 "to a server you did not name",
                                  json_schema_extra={"runtime": True})
     model: str = Field("gpt-4o-mini", description="model name served by the endpoint")
     api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env var holding the API key "
@@ -54,7 +61,51 @@ class LLMEndpoint(BaseModel):
     def resolved_base_url(self) -> str | None:
         return self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
 
-    def api_key(self) -> str:
+    def display_url(self) -> str:
+        """The base URL as errors and logs may show it: without a password or token in it."""
+        url = self.resolved_base_url()
+        return redact(url, self.secrets()) if url else "(no base_url)"
+
+    def secrets(self) -> list[str]:
+        """What must never be shown of this endpoint: the API key and a password in its URL."""
+        out = []
+        if self.api_key_env and os.environ.get(self.api_key_env):
+            out.append(os.environ[self.api_key_env])
+        url = self.resolved_base_url()
+        if url:
+            _, cred = strip_userinfo(url)
+            if cred:
+                out += [c for c in cred if c]
+        return out
+
+    def check(self, what: str = "endpoint") -> None:
+        """Refuse, before anything starts, an endpoint that was never named or whose key is missing.
+
+        Nothing leaves the machine unless the user says where it goes: the base URL comes from
+        ``base_url`` or from ``MEMSIFTER_LLM_BASE_URL`` / ``OPENAI_BASE_URL`` set by the user, never
+        from the OpenAI client's built-in default (a user's memory would be sent to api.openai.com
+        just because ``OPENAI_API_KEY`` happens to be set). ``what`` names the config field."""
+        from .errors import ConfigError
+
+        url = self.resolved_base_url()
+        if not url:
+            raise ConfigError(f"{what}.base_url is not set: name the OpenAI-compatible server the requests go to "
+                              f"(e.g. --set {what}.base_url=http://127.0.0.1:8000/v1, or "
+                              "https://api.openai.com/v1 to use OpenAI), or set MEMSIFTER_LLM_BASE_URL")
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{what}.base_url = {redact(url, self.secrets())!r}: expected an http:// or https:// "
+                              "URL with a host, e.g. http://127.0.0.1:8000/v1")
+        self.api_key(what)
+
+    def api_key(self, what: str = "endpoint") -> str:
         """The key from the environment variable ``api_key_env`` names. Local servers (vLLM on
         loopback) accept any key, and ``api_key_env: null`` says the server needs none; otherwise a
         missing variable is an error naming it, never a silent placeholder sent to a hosted API."""
@@ -68,9 +119,9 @@ class LLMEndpoint(BaseModel):
             return "EMPTY"
         from .errors import ConfigError
 
-        raise ConfigError(f"LLM endpoint {url or 'api.openai.com (no base_url)'} (model {self.model}): the API key "
-                          f"variable {self.api_key_env} is not set; set it (in Kubernetes: from a Secret) or set "
-                          "api_key_env: null for a server that needs no key")
+        raise ConfigError(f"{what}: LLM endpoint {self.display_url()} (model {self.model}): the API key variable "
+                          f"{self.api_key_env} is not set; set it (in Kubernetes: from a Secret) or set "
+                          f"{what}.api_key_env: null for a server that needs no key")
 
     def params(self, **override: Any) -> dict:
         p: dict[str, Any] = {"temperature": self.temperature, "max_tokens": self.max_tokens}
@@ -198,9 +249,21 @@ class ChatClient:
         self.stats = {"requests": 0, "cached": 0, "retries": 0, "failed": 0}
 
     def _client(self) -> Any:
+        """The OpenAI client. Credentials in the URL (``http://user:password@host/v1``) are sent as the
+        Basic ``Authorization`` header they stand for (as the HTTP library would, overriding the bearer
+        key) while the client itself only knows the bare URL: its log lines ("HTTP Request: POST …")
+        and errors then never carry the password."""
+        import base64
+
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.endpoint.resolved_base_url(), api_key=self.endpoint.api_key(),
+        self.endpoint.check()
+        url, cred = strip_userinfo(self.endpoint.resolved_base_url())
+        headers = None
+        if cred:
+            token = base64.b64encode(f"{cred[0]}:{cred[1]}".encode()).decode()
+            headers = {"Authorization": f"Basic {token}"}
+        return openai.AsyncOpenAI(base_url=url, api_key=self.endpoint.api_key(), default_headers=headers,
                                   max_retries=0, timeout=self.endpoint.timeout_s)
 
     async def _one(self, client: Any, sem: asyncio.Semaphore, messages: Sequence[dict],
@@ -223,8 +286,11 @@ class ChatClient:
                 self.cache.put(key, text)
                 return Completion(text, attempts=attempts)
             except Exception as e:  # noqa: BLE001 - classified below
-                last = (f"{type(e).__name__}: {str(e)[:200]} (model {self.endpoint.model} at "
-                        f"{self.endpoint.resolved_base_url() or 'the default OpenAI URL'})")
+                # Servers echo credentials in error bodies ("Incorrect API key provided: Bearer sk-…"):
+                # redacted before the text can reach a log, a reason column or a manifest. Redacted
+                # whole, then cut (a cut could split a secret and hide it from the patterns).
+                last = redact(f"{type(e).__name__}: {str(e)[:2000]}", self.endpoint.secrets())[:300]
+                last += f" (model {self.endpoint.model} at {self.endpoint.display_url()})"
                 if not _retryable(e) or attempt == self.endpoint.max_retries:
                     break
                 self.stats["retries"] += 1

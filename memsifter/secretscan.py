@@ -31,22 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+# One place for the token shapes: what this scanner reports is what memsifter.redact removes from
+# errors, logs and published columns.
+from .redact import PATTERNS
+
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "node_modules", ".mypy_cache", ".ruff_cache"}
 MAX_BYTES = 64 << 20  # larger files are reported as skipped, not read
 
-_B = r"(?<![A-Za-z0-9_/+-])"  # not inside a longer token
-_E = r"(?![A-Za-z0-9_/+-])"
-PATTERNS: list[tuple[str, re.Pattern]] = [
-    ("aws-access-key-id", re.compile(_B + r"((?:AKIA|ASIA|ABIA|ACCA|AIDA|AROA|AIPA|ANPA|ANVA|APKA)[A-Z0-9]{16})" + _E)),
-    # in an assignment (KEY=v, key: v, "key": v) or a Kubernetes env entry (name: KEY / value: v, also as JSON)
-    ("aws-secret-access-key", re.compile(
-        r"(?i)secret_?(?:access_?)?key[\"']?\s*(?:[:=]|,\s*[\"']?value[\"']?\s*:|\n\s*[\"']?value[\"']?\s*:)"
-        r"\s*[\"']?([A-Za-z0-9/+]{40})(?![A-Za-z0-9/+=])")),
-    ("openai-api-key", re.compile(_B + r"(sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,})" + _E)),
-    ("huggingface-token", re.compile(_B + r"(hf_[A-Za-z0-9]{30,})" + _E)),
-    ("github-token", re.compile(_B + r"((?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{36}|github_pat_[A-Za-z0-9_]{60,})" + _E)),
-    ("private-key", re.compile(r"(-----BEGIN (?:RSA |EC |DSA |OPENSSH |ENCRYPTED |PGP )?PRIVATE KEY(?: BLOCK)?-----)")),
-]
 PLACEHOLDERS = ("EXAMPLE", "CHANGE-ME", "CHANGEME", "XXXXXXXX", "xxxxxxxx")
 
 

@@ -41,6 +41,7 @@ from ..errors import MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..metrics import exact_match, token_f1
 from ..prompting import extract_answer, fill, load_prompt
+from ..redact import redact
 from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 
@@ -76,8 +77,19 @@ class ChatConfig(StageConfig):
     judge: LLMEndpoint | None = Field(None, description="optional LLM judge (yes/no correctness)")
     judge_prompt: str | None = uri_field("judge prompt with {question}, {answer}, {response}", None)
     shard_size: int = runtime_field(32, "answers per saved partial-results file", ge=1)
-    max_failed_fraction: float = runtime_field(0.0, "publish only if at most this fraction failed", ge=0, le=1)
+    max_failed_fraction: float = runtime_field(
+        0.0, "publish only if at most this fraction of the requests failed (after retries); default 0: any "
+        "failed request fails the stage, nothing is published and a re-run asks only the failed ones", ge=0, le=1)
     retry_backoff_s: float = runtime_field(1.0, "first retry delay (doubles, with jitter)", gt=0)
+
+    def preflight(self) -> None:
+        """Checks that need the environment, made before anything starts (not at validation: a pipeline
+        validates every stage's config before an earlier stage has started the server this one calls).
+        Where the requests go and their keys: nothing leaves the machine for an endpoint the user did
+        not name (a ConfigError, one line, exit 2)."""
+        self.endpoint.check("endpoint")
+        if self.judge:
+            self.judge.check("judge")
 
 
 class ApproxCounter:
@@ -85,10 +97,10 @@ class ApproxCounter:
 
     hits = misses = 0
 
-    def count_many(self, texts: list[str]) -> list[int]:
+    def count_many(self, texts: list[str], cap: int | None = None) -> list[int]:
         return [math.ceil(len(t) / 4) for t in texts]
 
-    def count(self, text: str) -> int:
+    def count(self, text: str, cap: int | None = None) -> int:
         return math.ceil(len(text) / 4)
 
 
@@ -133,13 +145,16 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
                    ) -> tuple[list[dict], list[str], int]:
     hay = q.haystack_session_ids
     pos = {s: i for i, s in enumerate(hay)}
+
+    def count(texts: list[str]) -> list[int]:  # stops past the budget: a huge turn is never tokenized whole
+        return counter.count_many(texts, cap=config.context_tokens)
+
     if config.session_tokens:
-        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, counter.count_many)
-                 for s in hay]
+        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, count) for s in hay]
     else:
         texts = [render_session(ds.sessions[s].turns) for s in hay]
     dates = [q.date_of(s, ds.sessions) for s in hay]
-    costs = [c + 8 for c in counter.count_many(texts)]  # + header/footer
+    costs = [c + 8 for c in count(texts)]  # + header/footer
     budget = config.context_tokens - counter.count(q.question)
     over = sum(1 for c in costs if c > budget)
     if over:  # e.g. a 1 MB turn: never shown, whatever its rank
@@ -174,6 +189,7 @@ def judge_verdict(text: str | None) -> float | None:
 @stage("chat", ChatConfig, family="chat", gpus=0,
        help="Answer questions with the working LLM over the ranked memory; EM / F1 (/ judge)")
 def run(config: ChatConfig, out: storage.Publication) -> dict:
+    config.preflight()  # before reading or asking anything
     ds = read_dataset(config.input)
     if config.limit:
         ds.questions = ds.questions[:config.limit]
@@ -207,7 +223,8 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     client = cached_client(config.endpoint, storage.join(out.work, "llm-cache", "chat"), config.retry_backoff_s)
     jclient = (cached_client(config.judge, storage.join(out.work, "llm-cache", "judge"), config.retry_backoff_s)
                if config.judge else None)
-    failed: dict[str, str] = {}
+    failed: dict[tuple[str, str], str] = {}
+    secrets = config.endpoint.secrets() + (config.judge.secrets() if config.judge else [])
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()
     from tqdm import tqdm
@@ -219,7 +236,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
         rows = []
         for (label, q), c in zip(chunk, comps):
             if not c.ok:
-                failed[(label, q.question_id)] = c.error or "failed"
+                failed[(label, q.question_id)] = redact(c.error or "failed", secrets)
                 continue
             rows.append({"question_id": q.question_id, "method": label, "raw_response": c.text,
                          "answer": extract_answer(c.text), "judge_raw": None, "_shard": shards})
@@ -231,7 +248,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
             kept = []
             for r, jc in zip(rows, jclient.complete_many(jmsgs)):
                 if not jc.ok:
-                    failed[(r["method"], r["question_id"])] = f"judge: {jc.error}"
+                    failed[(r["method"], r["question_id"])] = redact(f"judge: {jc.error}", secrets)
                     continue
                 kept.append({**r, "judge_raw": jc.text})
             rows = kept
@@ -245,8 +262,10 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     total = len(ds.questions) * len(methods)
     if len(failed) > config.max_failed_fraction * total:
         (flabel, fqid), ferr = next(iter(failed.items()))
-        raise MemsifterError(f"chat: {len(failed)} of {total} requests failed (first: {fqid} [{flabel}]: "
-                             f"{ferr}); answers so far are saved: re-run to retry the failed ones")
+        ferr = " ".join(ferr.split())[:400]
+        raise MemsifterError(f"chat: {len(failed)} of {total} requests failed, nothing published to {out.uri} "
+                             f"(max_failed_fraction = {config.max_failed_fraction:g}); first: {fqid} [{flabel}]: "
+                             f"{ferr}; answers that arrived are kept under _work/: re-run to retry the failed ones")
 
     out_rows = []
     for m in methods:

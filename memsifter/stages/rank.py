@@ -31,7 +31,9 @@ Per question:
    ``<ranking>``; local ids are mapped to the original session ids; the ranking is completed with
    the remaining sessions in embedding order. An unparsable answer gives status ``fallback`` with
    the reason and the embedding order; an engine error gives ``error``; no question is dropped.
-   The raw response is kept in ``rankings.parquet``.
+   The raw response is kept in ``rankings.parquet``. Engine errors fail the stage (nothing is
+   published; a re-run asks only the failed questions) unless they are at most ``max_failed_fraction``
+   of the questions (default 0); reasons, stats and errors are redacted (:mod:`memsifter.redact`).
 
 Results are saved in batches under ``<output>/_work/rank-<config hash>/`` as they arrive, so a
 crashed run resumes with the questions still missing.
@@ -51,9 +53,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .. import faults, models, rankings, storage
 from ..context import HistoryOrder, TokenCounter, fill_budget, load_tokenizer, shown_order
 from ..data.model import Dataset, Question, read_dataset
-from ..errors import ConfigError
+from ..errors import ConfigError, MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..prompting import RANKER_PROMPTS, fill, load_prompt
+from ..redact import redact
 from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..vllm_env import cpu_engine_env, engine_env
@@ -134,6 +137,10 @@ class RankConfig(StageConfig):
     vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="engine 'vllm': Ray Data LLM / "
                                "vLLM settings (how, not what: not hashed)", json_schema_extra={"runtime": True})
     shard_size: int = runtime_field(32, "answers per saved partial-results file", ge=1)
+    max_failed_fraction: float = runtime_field(
+        0.0, "publish only if at most this fraction of the questions got an engine error (status 'error'; "
+        "unparsable answers are 'fallback', not errors); default 0: any error fails the stage, nothing is "
+        "published and a re-run retries only the failed questions", ge=0, le=1)
     limit: int | None = Field(None, ge=1, description="rank only the first N questions (smoke runs, benchmarks)")
 
     @model_validator(mode="after")
@@ -145,6 +152,12 @@ class RankConfig(StageConfig):
             raise ValueError(f"context_limit + max_tokens = {self.context_limit + self.max_tokens} exceeds "
                              f"vllm.max_model_len = {self.vllm.max_model_len}")
         return self
+
+    def preflight(self) -> None:
+        """Checks that need the environment, made before anything starts: an endpoint's URL must be
+        named and its key set (see :meth:`memsifter.llm.LLMEndpoint.check`)."""
+        if self.engine == "endpoint":
+            self.endpoint.check("endpoint")
 
 
 DEFAULT_MAX_TOKENS = 16384
@@ -246,18 +259,25 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
     pos = {s: i for i, s in enumerate(hay)}
     order = [s for s in (emb_row or {}).get("ranked_session_ids") or [] if s in pos]
     order += [s for s in hay if s not in set(order)]
+    # Counts stop past the budget (``cap``): a 50 MB turn is tokenized only until it is known not to
+    # fit, in bounded pieces, never whole (that took 4.6 GB and aborted).
+    def count(texts: list[str]) -> list[int]:
+        return counter.count_many(texts, cap=config.context_limit)
+
     if config.session_tokens:
-        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, counter.count_many)
-                 for s in hay]
+        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, count) for s in hay]
     else:
         texts = [render_session(ds.sessions[s].turns) for s in hay]
     dates = [q.date_of(s, ds.sessions) for s in hay]
     # Cost of one session in the history: its text plus header and footer (counted with a
     # worst-case local id; the exact prompt is counted below).
-    counts = counter.count_many(texts)
+    counts = count(texts)
     overhead = counter.count_many([(f"<session{len(hay)}> <date>{d}</date>\n" if d else f"<session{len(hay)}>\n")
                                    + "</session>\n" for d in dates])
     costs = [c + o for c, o in zip(counts, overhead)]
+
+    def needs(i: int) -> str:  # a session's cost as known (a capped count only says "more than")
+        return str(costs[i]) if counts[i] <= config.context_limit else f"more than {config.context_limit}"
 
     order_idx = [pos[s] for s in order]
 
@@ -276,7 +296,7 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
     over = [hay[i] for i, c in enumerate(costs) if c > budget]
     if over:
         log.warning("rank: question %s: %d session(s) larger than the history budget (%d tokens) cannot be "
-                    "shown, e.g. %s (%d tokens)", q.question_id, len(over), budget, over[0], costs[pos[over[0]]])
+                    "shown, e.g. %s (%s tokens)", q.question_id, len(over), budget, over[0], needs(pos[over[0]]))
     chosen = fill_budget([pos[s] for s in order], costs, budget,
                          stop_at_first_overflow=config.stop_at_first_overflow)
     msgs = messages(chosen)
@@ -290,7 +310,7 @@ def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | N
     if not chosen:
         first = pos[order[0]] if order else None
         skipped = (f"no session fits the context limit ({config.context_limit} tokens)"
-                   + (f": the most similar one needs {costs[first]} of {budget} history tokens"
+                   + (f": the most similar one needs {needs(first)} of {budget} history tokens"
                       if first is not None and budget > 0 else f": the prompt without history needs {empty}"))
     return Prompted(q.question_id, msgs, id_map, order, n_tok, skipped, {"sessions_over_budget": len(over)})
 
@@ -310,18 +330,14 @@ def sampling_params(config: RankConfig) -> dict:
     return p
 
 
-def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
-    """Ray Data LLM: yields {question_id, text, error} as engines finish rows."""
-    import ray
-    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
-
-    from ..raypool import cluster_gpus, ensure_ray
-
-    ensure_ray()
+def engine_kwargs(config: RankConfig, on_gpu: bool) -> dict[str, Any]:
+    """The vLLM engine arguments of ``engine: vllm``: the parallelism of each replica
+    (``tensor_parallel_size`` x ``pipeline_parallel_size`` devices), the context fitted by
+    :func:`fit_lengths`, the CPU defaults (float32, eager), then ``vllm.engine_kwargs`` last."""
     v = config.vllm
-    on_gpu = cluster_gpus() >= 1
     kw: dict[str, Any] = {
-        "max_model_len": v.max_model_len,  # set by fit_lengths (run) "tensor_parallel_size": v.tensor_parallel_size,
+        "max_model_len": v.max_model_len,  # set by fit_lengths (run)
+        "tensor_parallel_size": v.tensor_parallel_size,
         "pipeline_parallel_size": v.pipeline_parallel_size,
         "dtype": v.dtype if (v.dtype != "auto" or on_gpu) else "float32",
         "enforce_eager": v.enforce_eager if v.enforce_eager is not None else not on_gpu,
@@ -332,6 +348,20 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     if config.tokenizer:
         kw["tokenizer"] = models.resolve(config.tokenizer)
     kw.update(v.engine_kwargs)
+    return kw
+
+
+def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
+    """Ray Data LLM: yields {question_id, text, error} as engines finish rows."""
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    from ..raypool import cluster_gpus, ensure_ray
+
+    ensure_ray()
+    v = config.vllm
+    on_gpu = cluster_gpus() >= 1
+    kw = engine_kwargs(config, on_gpu)
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_HOME", "HF_TOKEN", "VLLM_CPU_KVCACHE_SPACE",
                                       "VLLM_LOGGING_LEVEL", "TRANSFORMERS_OFFLINE") if k in os.environ}
     if not on_gpu:
@@ -378,7 +408,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     for row in processor(ds).iter_rows():
         err = row.get("__inference_error__")
         if err:
-            yield {"question_id": row.get("question_id"), "text": None, "error": str(err)[:500]}
+            yield {"question_id": row.get("question_id"), "text": None, "error": redact(str(err)[:4000])[:500]}
         else:
             yield {"question_id": row["question_id"], "text": row.get("text"), "error": row.get("error"),
                    "prompt_tokens": row.get("prompt_tokens"), "generated_tokens": row.get("generated_tokens"),
@@ -441,7 +471,7 @@ def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -
     if p.skipped:
         return {**row, "ranked_session_ids": p.fallback, "status": "fallback", "reason": p.skipped}
     if gen is None or gen.get("error") or gen.get("text") is None:
-        reason = (gen or {}).get("error") or "no response"
+        reason = redact((gen or {}).get("error") or "no response", endpoint_secrets(config))
         return {**row, "ranked_session_ids": p.fallback, "status": "error", "reason": f"generation: {reason}",
                 "raw_response": (gen or {}).get("text")}
     text = prefix_of(config) + gen["text"]
@@ -454,9 +484,28 @@ def result_row(config: RankConfig, p: Prompted, gen: dict | None, method: str) -
             "reason": parsed.reason}
 
 
+def endpoint_secrets(config: RankConfig) -> list[str]:
+    return config.endpoint.secrets() if config.engine == "endpoint" and config.endpoint else []
+
+
+def check_errors(config: RankConfig, rows: list[dict], output: str) -> None:
+    """A stage whose engine failed (more than ``max_failed_fraction`` of its questions with status
+    ``error``; a 401 on every request, a dead server) must not publish a table of fallbacks as if it
+    had ranked: one line naming the output, the count and the first (redacted) error. Nothing is
+    published, so the next run retries; answers that did arrive stay under ``_work/``."""
+    errors = [r for r in rows if r["status"] == "error"]
+    if not errors or len(errors) <= config.max_failed_fraction * len(rows):
+        return
+    first = " ".join(str(errors[0]["reason"] or "").split())[:400]
+    raise MemsifterError(f"rank: {len(errors)} of {len(rows)} questions failed, nothing published to {output} "
+                         f"(max_failed_fraction = {config.max_failed_fraction:g}); first: {errors[0]['question_id']}: "
+                         f"{first}; answers that arrived are kept under _work/: re-run to retry the failed ones")
+
+
 @stage("rank", RankConfig, family="rank", gpus=1,
        help="Re-rank each haystack with the generative ranker (vLLM via Ray Data LLM, or an endpoint)")
 def run(config: RankConfig, out: storage.Publication) -> dict:
+    config.preflight()  # before reading or loading anything
     ds = read_dataset(config.input)
     if config.limit:
         ds.questions = ds.questions[:config.limit]
@@ -517,6 +566,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
 
     method = method_label(config)
     rows = [result_row(config, p, done.get(p.question_id, failed.get(p.question_id)), method) for p in prompts]
+    check_errors(config, rows, out.uri)
     rankings.write_rankings(out, rows)
     details = pa.table({
         "question_id": [p.question_id for p in prompts],
