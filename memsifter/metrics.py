@@ -79,6 +79,50 @@ def mean_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
 
 
+# --------------------------------------------------------------------------- uncertainty
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_LEVEL = 0.95
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, level: float = BOOTSTRAP_LEVEL,
+                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (one value per question): the questions
+    are resampled with replacement ``resamples`` times and the ``level`` interval of the resampled
+    means is returned as (low, high). Seeded, so a report states the same interval every time it is
+    built. A mean over 2 questions then reads as what it is (a wide interval), not as a result.
+
+    One value, or all values equal, gives the degenerate interval (v, v); the interval always holds
+    the mean (the percentile interval does except in degenerate cases, where it is widened to it).
+    Raises ValueError on no values (there is no mean to bound)."""
+    import numpy as np
+
+    x = np.asarray(list(values), dtype=float)
+    if x.size == 0:
+        raise ValueError("bootstrap_ci: no values")
+    mean = float(x.mean())
+    if x.size == 1 or bool(np.all(x == x[0])):
+        return float(x[0]), float(x[0])
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    step = max(1, (1 << 22) // x.size)   # resamples per chunk: at most ~4M indices in memory at once
+    for i in range(0, resamples, step):
+        k = min(step, resamples - i)
+        means[i:i + k] = x[rng.integers(0, x.size, size=(k, x.size))].mean(axis=1)
+    alpha = (1.0 - level) / 2
+    lo, hi = (float(v) for v in np.quantile(means, [alpha, 1.0 - alpha]))
+    return min(lo, mean), max(hi, mean)
+
+
+def mean_interval(values: Sequence[float], digits: int = 4) -> dict | None:
+    """``{"n", "ci_low", "ci_high"}`` of :func:`bootstrap_ci` (rounded to ``digits``), None for no values."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None
+    lo, hi = bootstrap_ci(vals)
+    return {"n": len(vals), "ci_low": round(lo, digits), "ci_high": round(hi, digits)}
+
+
 # --------------------------------------------------------------------------- answer metrics
 _ARTICLES = {"a", "an", "the"}
 

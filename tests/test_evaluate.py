@@ -145,6 +145,6 @@ def test_answers_per_method_with_fallback_marking(tmp_path):
     assert report["retrieval"]["rank:smol"]["fallback"] == "mostly fallback (3/4)"
     md = storage.read_text(storage.join(out, "report.md"))
     assert "## Answers by retrieval method" in md and "**mostly fallback (3/4)**" in md
-    assert "| no memory | 3 | 3 | 0.000 | 0.000 |" in md
+    assert "| no memory | 3 | 3 | 0.000 [0.00, 0.00] | 0.000 [0.00, 0.00] |" in md   # mean [95% interval]
     st = m["stats"]["answers"]
     assert st["rank:smol"]["fallback"] and st["oracle (gold sessions)"]["f1"] == 1.0

@@ -30,6 +30,16 @@ def fake_prepare_rl(uri: str) -> str:
     return uri
 
 
+def fake_model_dir(root) -> str:
+    """A directory that passes the stage's model check (config.json); verl, which would load it, is
+    replaced by a stand-in in the tests that use it."""
+    d = os.path.join(str(root), "base-model")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write("{}")
+    return d
+
+
 def test_overrides_carry_every_dapo_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
@@ -209,10 +219,12 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(train, "_run_verl", fake_verl)
     monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
-    m1 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod1")})
+    model = fake_model_dir(tmp_path)
+    m1 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod1"), "model": model})
     assert m1["stats"]["complete_steps"] == [5, 10] and m1["stats"]["resumed_from"] is None
     # a second run on a fresh pod (empty local disk) resumes from step 10 in S3
-    m2 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod2"), "experiment_name": "again"},
+    m2 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod2"), "experiment_name": "again",
+                    "model": model},
                    force=True, replace=True)  # another experiment name: another config, so --replace
     assert seen == [0, 10] and m2["stats"]["resumed_from"] == 10
     assert m2["stats"]["complete_steps"] == [5, 10, 15, 20]
@@ -517,7 +529,7 @@ def test_train_stage_reports_a_collapse_stop_and_publishes(s3_env, s3_root, tmp_
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(train, "_run_verl", fake_verl)
     monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
-    m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"),
+    m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"), "model": fake_model_dir(tmp_path),
                    "dapo": {"rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32}})
     stop = m["stats"]["stopped_early"]
     assert stop["reason"].startswith("step 6:") and stop["last_complete_step"] == 4

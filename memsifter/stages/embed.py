@@ -311,9 +311,17 @@ def cascade_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense:
     return rrf([order_by(lexical[m]) for m in LEXICAL_LEGS] + [dense_order], n, rrf_k)
 
 
+def check(config: EmbedConfig) -> None:
+    """Refuse a dense model the stage could not load, in one line, before Ray starts (no dense method
+    on: no model is loaded, nothing to check)."""
+    if config.dense_on() or config.chunked or config.turns or config.cascade_on():
+        embedding.check_model_ref(config.model, "embed")
+
+
 @stage("embed", EmbedConfig, family="embed", gpus=1,
        help="Rank each haystack: BM25 views, a dense cascade over the lexical top sessions, dense/chunked/turns")
 def run(config: EmbedConfig, out: storage.Publication) -> dict:
+    check(config)   # one line now, not a Ray actor's traceback later
     ds: Dataset = read_dataset(config.input)
     spec = embedding.ModelSpec.resolve(config.model, config.pooling, config.max_length, config.dtype)
     store = embedding.EmbeddingStore(config.store or storage.join(out.work, "embeddings"), spec)

@@ -10,8 +10,19 @@ first-stage method, no memory, the gold-session oracle), overall / per type / pe
 method's recall_any@5 / NDCG@10 beside it. A method whose rankings are all or mostly fallbacks is
 marked as such in the JSON, the Markdown table and ``answer_f1_by_method.png``.
 
+Every mean comes with its n and a 95% bootstrap interval (:func:`memsifter.metrics.bootstrap_ci`:
+1,000 resamples of the questions, seeded): ``ci`` beside ``overall`` and in each ``by_type`` /
+``by_dataset`` group (``{"n", "ci_low", "ci_high"}`` per metric), ``recall_any_ci`` / ``recall_all_ci``
+beside the curves, in the Markdown tables as ``mean [low, high]`` and as error bars / bands in the
+plots, so that a mean over two questions does not read like a result.
+
+Methods are never compared on different questions silently: ``question_sets`` says whether every
+method was scored on the same questions; when not, the report says so above the tables, gives every
+method's n, and scores every method again on the questions all of them ranked (``on_common``).
+
 Outputs: ``report.json``, ``report.md``, ``recall_curve.png`` (recall@k, k = 1..``curve_max_k``, of
-every method), ``answer_f1_by_method.png`` and ``answer_f1_by_type.png``.
+every method; written when there are rankings), ``answer_f1_by_method.png`` and
+``answer_f1_by_type.png`` (written when there are answers: a plot with no data is not written).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from pydantic import Field
 from .. import faults, rankings, storage
 from ..data.model import Dataset, read_dataset
 from ..errors import NotPublishedError
-from ..metrics import mean_metrics, question_metrics
+from ..metrics import BOOTSTRAP_RESAMPLES, mean_interval, mean_metrics, question_metrics
 from ..stage import StageConfig, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -56,16 +67,24 @@ def expand_rankings(uri: str) -> list[tuple[str, str]]:
     return [(f[:-8], storage.join(uri, f)) for f in chosen]
 
 
+def summarize(rows: list[dict[str, float]]) -> dict:
+    """Means of per-question metrics with their n and 95% bootstrap intervals (``ci``: metric ->
+    ``{"n", "ci_low", "ci_high"}``)."""
+    means = mean_metrics(rows)
+    return {"n": len(rows), **{k: round(v, 4) for k, v in means.items()},
+            "ci": {k: mean_interval([r[k] for r in rows]) for k in means}}
+
+
 def _group_means(per_q: dict[str, dict], ds: Dataset, key) -> dict[str, dict]:
     groups: dict[str, list[dict]] = {}
     for q in ds.questions:
         if q.question_id in per_q:
             groups.setdefault(key(q) or "-", []).append(per_q[q.question_id])
-    return {g: {"n": len(rs), **{k: round(v, 4) for k, v in mean_metrics(rs).items()}}
-            for g, rs in sorted(groups.items())}
+    return {g: summarize(rs) for g, rs in sorted(groups.items())}
 
 
-def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: str) -> dict:
+def _score(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: str) -> tuple[dict, dict[str, dict]]:
+    """The summary of one rankings file and its per-question metrics (question id -> metrics)."""
     per_q = rankings.per_question_metrics(rows, ds.questions, ks, variant)
     status: dict[str, int] = {}
     for r in rows:
@@ -73,17 +92,41 @@ def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, var
     missing = [q.question_id for q in ds.questions if rankings.eligible(q)
                and q.question_id not in {r["question_id"] for r in rows}]
     by_id = {r["question_id"]: r for r in rows}
-    curve = {"recall_any": [], "recall_all": []}
+    curve: dict[str, list] = {"recall_any": [], "recall_all": [], "recall_any_ci": [], "recall_all_ci": []}
     eligible = [q for q in ds.questions if q.question_id in per_q]
     for k in range(1, max_k + 1):
         ms = [question_metrics(by_id[q.question_id]["ranked_session_ids"] or [], q.gold_session_ids, [k])
               for q in eligible]
-        curve["recall_any"].append(round(sum(m[f"recall_any@{k}"] for m in ms) / max(1, len(ms)), 4))
-        curve["recall_all"].append(round(sum(m[f"recall_all@{k}"] for m in ms) / max(1, len(ms)), 4))
-    return {"n": len(per_q), "missing_questions": len(missing), "status": status,
-            "overall": {k: round(v, 4) for k, v in mean_metrics(list(per_q.values())).items()},
-            "by_type": _group_means(per_q, ds, lambda q: q.question_type),
-            "by_dataset": _group_means(per_q, ds, lambda q: q.dataset), "curve": curve}
+        for name in ("recall_any", "recall_all"):
+            vals = [m[f"{name}@{k}"] for m in ms]
+            curve[name].append(round(sum(vals) / max(1, len(vals)), 4))
+            ci = mean_interval(vals)
+            curve[f"{name}_ci"].append([ci["ci_low"], ci["ci_high"]] if ci else None)
+    whole = summarize(list(per_q.values()))
+    summary = {"n": len(per_q), "missing_questions": len(missing), "status": status,
+               "overall": {k: v for k, v in whole.items() if k not in ("n", "ci")}, "ci": whole["ci"],
+               "by_type": _group_means(per_q, ds, lambda q: q.question_type),
+               "by_dataset": _group_means(per_q, ds, lambda q: q.dataset), "curve": curve}
+    return summary, per_q
+
+
+def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: str) -> dict:
+    return _score(rows, ds, ks, max_k, variant)[0]
+
+
+def question_sets(per_method: dict[str, dict[str, dict]]) -> dict:
+    """Whether every method was scored on the same questions; when not, each method's n, how many
+    questions all of them ranked, and every method scored on those (``on_common``)."""
+    sets = {label: set(pq) for label, pq in per_method.items()}
+    same = len({frozenset(s) for s in sets.values()}) <= 1
+    out: dict = {"same": same, "per_method": {label: len(s) for label, s in sets.items()}}
+    if same:
+        return out
+    common = set.intersection(*sets.values())
+    out["common"] = len(common)
+    if common:
+        out["on_common"] = {label: summarize([pq[q] for q in sorted(common)]) for label, pq in per_method.items()}
+    return out
 
 
 def fallback_note(status: dict[str, int]) -> str | None:
@@ -98,34 +141,67 @@ def fallback_note(status: dict[str, int]) -> str | None:
     return f"mostly fallback ({bad}/{n})" if bad * 2 >= n else None
 
 
+ANSWER_METRICS = ("exact_match", "f1", "judge")
+
+
+def _answer_values(rs: list[dict], k: str) -> list[float]:
+    """One metric's values over the answered rows (a metric a row has no value for is left out)."""
+    return [r[k] for r in rs if r["status"] == "ok" and r.get(k) is not None]
+
+
 def score_answers(rows: list[dict]) -> dict:
-    def summary(rs: list[dict]) -> dict:
-        ok = [r for r in rs if r["status"] == "ok"]
-        out = {"n": len(rs), "answered": len(ok)}
-        for k in ("exact_match", "f1", "judge"):
-            vals = [r[k] for r in ok if r.get(k) is not None]
+    """Means over the answered rows (``overall``, per type, per dataset), each metric's n and 95%
+    bootstrap interval beside them (``ci``; None where no row has a value)."""
+    def summary(rs: list[dict], with_ci: bool) -> dict:
+        out: dict = {"n": len(rs), "answered": sum(1 for r in rs if r["status"] == "ok")}
+        for k in ANSWER_METRICS:
+            vals = _answer_values(rs, k)
             out[k] = round(sum(vals) / len(vals), 4) if vals else None
+        if with_ci:
+            out["ci"] = {k: mean_interval(_answer_values(rs, k)) for k in ANSWER_METRICS}
         return out
 
     def groups(key: str) -> dict:
         g: dict[str, list[dict]] = {}
         for r in rows:
             g.setdefault(r.get(key) or "-", []).append(r)
-        return {k: summary(v) for k, v in sorted(g.items())}
-    return {"overall": summary(rows), "by_type": groups("question_type"), "by_dataset": groups("dataset")}
+        return {k: summary(v, True) for k, v in sorted(g.items())}
+    return {"overall": summary(rows, False), "ci": {k: mean_interval(_answer_values(rows, k)) for k in ANSWER_METRICS},
+            "by_type": groups("question_type"), "by_dataset": groups("dataset")}
 
 
 def _fmt(v) -> str:
     return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def markdown(report: dict, ks: list[int]) -> str:
+def _fmt_ci(mean, ci: dict | None) -> str:
+    """``mean [low, high]`` (the 95% bootstrap interval), or the mean alone where there is none."""
+    if mean is None or not ci:
+        return _fmt(mean)
+    return f"{_fmt(mean)} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]"
+
+
+def _cell(group: dict | None, metric: str) -> str:
+    return "–" if not group else _fmt_ci(group.get(metric), (group.get("ci") or {}).get(metric))
+
+
+def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None) -> str:
     lines = ["# MemSifter evaluation report", ""]
     d = report["dataset"]
     lines += [f"Dataset: `{d['uri']}` — {d['questions']} questions "
               f"({d['scored_for_retrieval']} with gold sessions, abstention excluded), "
-              f"by dataset: {', '.join(f'{k} {v}' for k, v in d['by_dataset'].items())}.", ""]
+              f"by dataset: {', '.join(f'{k} {v}' for k, v in d['by_dataset'].items())}.", "",
+              f"Every mean is shown as `mean [low, high]`: its 95% bootstrap interval ({BOOTSTRAP_RESAMPLES:,} "
+              "resamples of the questions, seeded); n is the number of questions it is over.", ""]
+    qs = report.get("question_sets") or {}
     if report["retrieval"]:
+        if qs and not qs["same"]:
+            per = ", ".join(f"{label} {n}" for label, n in qs["per_method"].items())
+            lines += [f"**The methods were scored on different question sets** (n per method: {per}): the rows "
+                      "of the tables below are not comparable with each other. "
+                      + (f"They are compared on the {qs['common']} questions every method ranked under "
+                         "\"On common questions\"." if qs.get("common") else
+                         "No question was ranked by every method."), ""]
         cols = [f"{m}@{k}" for k in ks for m in ("recall_any", "recall_all", "ndcg")] + ["mrr"]
         lines += ["## Retrieval", "", "| method | n | ok / fallback / error | " + " | ".join(cols) + " |",
                   "|---|---|---|" + "---|" * len(cols)]
@@ -133,21 +209,30 @@ def markdown(report: dict, ks: list[int]) -> str:
             st = r["status"]
             shown = label + (f" — **{r['fallback']}**" if r.get("fallback") else "")
             lines.append(f"| {shown} | {r['n']} | {st.get('ok', 0)} / {st.get('fallback', 0)} / {st.get('error', 0)} | "
-                         + " | ".join(_fmt(r["overall"].get(c)) for c in cols) + " |")
+                         + " | ".join(_fmt_ci(r["overall"].get(c), r.get("ci", {}).get(c)) for c in cols) + " |")
         lines.append("")
+        k5 = 5 if 5 in ks else ks[-1]
+        if qs.get("on_common"):
+            lines += [f"### On common questions: the {qs['common']} questions every method ranked", "",
+                      f"| method | n | recall_any@{k5} | recall_all@{k5} | ndcg@10 | mrr |",
+                      "|---|---|---|---|---|---|"]
+            for label, c in qs["on_common"].items():
+                lines.append(f"| {label} | {c['n']} | " + " | ".join(
+                    _cell(c, m) for m in (f"recall_any@{k5}", f"recall_all@{k5}", "ndcg@10", "mrr")) + " |")
+            lines.append("")
         for group, title in (("by_type", "question type"), ("by_dataset", "dataset")):
             keys = sorted({g for r in report["retrieval"].values() for g in r[group]})
             if len(keys) < 2 and group == "by_dataset":
                 continue
-            k5 = 5 if 5 in ks else ks[-1]
-            lines += [f"### recall_any@{k5} / NDCG@10 by {title}", "",
+            lines += [f"### recall_any@{k5} / NDCG@10 by {title} (n questions each)", "",
                       f"| {title} | " + " | ".join(report["retrieval"]) + " |",
                       "|---|" + "---|" * len(report["retrieval"])]
             for g in keys:
                 cells = []
                 for r in report["retrieval"].values():
                     m = r[group].get(g)
-                    cells.append("–" if not m else f"{_fmt(m.get(f'recall_any@{k5}'))} / {_fmt(m.get('ndcg@10'))}")
+                    cells.append("–" if not m else
+                                 f"n={m['n']}: {_cell(m, f'recall_any@{k5}')} / {_cell(m, 'ndcg@10')}")
                 lines.append(f"| {g} | " + " | ".join(cells) + " |")
             lines.append("")
     if report["answers"]:
@@ -156,21 +241,30 @@ def markdown(report: dict, ks: list[int]) -> str:
                   f"Working LLM: {', '.join(models_)}. Each row answers the same questions with the memory "
                   "that method retrieved (no memory and the gold-session oracle bound what retrieval can do). "
                   "A method marked *fallback* did not produce its own rankings for those questions: its "
-                  "answers used the first stage's order instead.", "",
+                  "answers used the first stage's order instead. Exact match, F1 and judge are means over "
+                  "the answered questions.", "",
                   "| context (method) | n | answered | exact match | F1 | judge | recall_any@5 | NDCG@10 | note |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for label, a in report["answers"].items():
-            o, rt = a["overall"], a.get("retrieval") or {}
-            lines.append(f"| {label} | {o['n']} | {o['answered']} | {_fmt(o['exact_match'])} | {_fmt(o['f1'])} | "
-                         f"{_fmt(o['judge'])} | {_fmt(rt.get('recall_any@5'))} | {_fmt(rt.get('ndcg@10'))} | "
+            o, rt, ci = a["overall"], a.get("retrieval") or {}, a.get("ci") or {}
+            rci = (report["retrieval"].get(a.get("method") or label) or {}).get("ci") or {}  # scored here too
+            lines.append(f"| {label} | {o['n']} | {o['answered']} | "
+                         f"{_fmt_ci(o['exact_match'], ci.get('exact_match'))} | "
+                         f"{_fmt_ci(o['f1'], ci.get('f1'))} | {_fmt_ci(o['judge'], ci.get('judge'))} | "
+                         f"{_fmt_ci(rt.get('recall_any@5'), rci.get('recall_any@5'))} | "
+                         f"{_fmt_ci(rt.get('ndcg@10'), rci.get('ndcg@10'))} | "
                          f"{('**' + a['fallback'] + '**') if a.get('fallback') else rt.get('note', '')} |")
         lines.append("")
         for label, a in report["answers"].items():
-            lines += [f"### {label}: F1 by question type", "", "| type | n | EM | F1 | judge |", "|---|---|---|---|---|"]
+            lines += [f"### {label}: F1 by question type", "", "| type | n | answered | EM | F1 | judge |",
+                      "|---|---|---|---|---|---|"]
             for t, o in a["by_type"].items():
-                lines.append(f"| {t} | {o['n']} | {_fmt(o['exact_match'])} | {_fmt(o['f1'])} | {_fmt(o['judge'])} |")
+                lines.append(f"| {t} | {o['n']} | {o['answered']} | {_cell(o, 'exact_match')} | {_cell(o, 'f1')} | "
+                             f"{_cell(o, 'judge')} |")
             lines.append("")
-    lines += ["Plots: `recall_curve.png`, `answer_f1_by_method.png`, `answer_f1_by_type.png`.", ""]
+    if written_plots:
+        lines += ["Plots (error bars and bands: 95% bootstrap intervals; n in the legends): "
+                  + ", ".join(f"`{p}`" for p in written_plots) + ".", ""]
     return "\n".join(lines)
 
 
@@ -180,64 +274,131 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plots(report: dict, max_k: int) -> dict[str, bytes]:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = {}
+    return plt
+
+
+def _f1_n(a: dict) -> int:
+    """How many answers an F1 mean is over (the answered rows with an F1)."""
+    ci = (a.get("ci") or {}).get("f1")
+    return ci["n"] if ci else 0
+
+
+def _yerr(means: list, cis: list) -> list[list[float]]:
+    """Asymmetric error bars (below, above) of means from their intervals; 0 where there is none."""
+    lo = [0.0 if m is None or not c else max(0.0, m - c["ci_low"]) for m, c in zip(means, cis)]
+    hi = [0.0 if m is None or not c else max(0.0, c["ci_high"] - m) for m, c in zip(means, cis)]
+    return [lo, hi]
+
+
+def recall_curve_figure(report: dict, max_k: int):
+    """recall_any@k and recall_all@k of every method, with 95% bootstrap bands; each method's n in the
+    legend, and the title says when the methods were scored on different question sets."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ks = list(range(1, max_k + 1))
-    for label, r in report["retrieval"].items():
-        axes[0].plot(ks, r["curve"]["recall_any"], marker="o", ms=3, label=label)
-        axes[1].plot(ks, r["curve"]["recall_all"], marker="o", ms=3, label=label)
+    for i, (label, r) in enumerate(report["retrieval"].items()):
+        shown = f"{label} (n={r['n']})"
+        for ax, name in zip(axes, ("recall_any", "recall_all")):
+            ax.plot(ks, r["curve"][name], marker="o", ms=3, label=shown, color=f"C{i % 10}")
+            band = r["curve"].get(f"{name}_ci") or []
+            if band and all(b is not None for b in band):
+                ax.fill_between(ks, [b[0] for b in band], [b[1] for b in band], color=f"C{i % 10}", alpha=0.15)
+    qs = report.get("question_sets") or {}
+    differ = bool(qs) and not qs.get("same", True)
     for ax, t in zip(axes, ("recall_any@k", "recall_all@k")):
-        ax.set_title(t)
+        ax.set_title(t + (" — question sets DIFFER (n per method)" if differ else ""), fontsize=9)
         ax.set_xlabel("k")
         ax.set_xticks([k for k in ks if k == 1 or k % max(1, max_k // 10) == 0])
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    if report["retrieval"]:
-        axes[1].legend(fontsize=8, loc="lower right")
-    out["recall_curve.png"] = _png(fig)
-    plt.close(fig)
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle("shaded: 95% bootstrap interval over questions", fontsize=8)
+    return fig
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(1, len({t for a in report["answers"].values() for t in a["by_type"]}))), 4))
+
+def f1_by_type_figure(report: dict):
+    """Answer F1 per question type and method, with 95% bootstrap error bars; every bar carries its
+    value (a 0.00 bar is drawn as its label and a marker on the axis, not left invisible), the legend
+    each method's n and the ticks each type's n."""
+    plt = _pyplot()
     types = sorted({t for a in report["answers"].values() for t in a["by_type"]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * max(1, len(types))), 4))
     n = max(1, len(report["answers"]))
     width = 0.8 / n
     for i, (label, a) in enumerate(report["answers"].items()):
-        vals = [a["by_type"].get(t, {}).get("f1") or 0.0 for t in types]
-        ax.bar([x + i * width for x in range(len(types))], vals, width=width, label=label)
+        groups = [a["by_type"].get(t, {}) for t in types]
+        means = [g.get("f1") for g in groups]
+        cis = [(g.get("ci") or {}).get("f1") for g in groups]
+        xs = [x + i * width for x in range(len(types))]
+        vals = [m or 0.0 for m in means]
+        ax.bar(xs, vals, width=width, label=f"{label} (n={_f1_n(a)})", color=f"C{i % 10}", edgecolor="black",
+               linewidth=0.5, yerr=_yerr(means, cis), capsize=2, error_kw={"elinewidth": 0.8})
+        for x, m in zip(xs, means):
+            if m is not None and m == 0:
+                ax.plot([x], [0.0], marker="_", ms=max(6, 40 * width), mew=2.5, color=f"C{i % 10}", clip_on=False)
+            ax.text(x, (m or 0.0) + 0.015, "n/a" if m is None else f"{m:.2f}", ha="center", va="bottom", fontsize=6)
+    counts = {}
+    for t in types:
+        ns = {a["by_type"][t]["n"] for a in report["answers"].values() if t in a["by_type"]}
+        counts[t] = str(min(ns)) if len(ns) == 1 else f"{min(ns)}–{max(ns)}"
     ax.set_xticks([x + (n - 1) * width / 2 for x in range(len(types))])
-    ax.set_xticklabels(types, rotation=30, ha="right", fontsize=8)
+    ax.set_xticklabels([f"{t}\n(n={counts[t]})" for t in types], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("token F1")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("answer F1 by question type" if types else "answer F1 by question type (no answers)")
-    if report["answers"]:
-        ax.legend(fontsize=8)
-    out["answer_f1_by_type.png"] = _png(fig)
-    plt.close(fig)
+    ax.set_ylim(0, 1.1)
+    ax.set_title("answer F1 by question type (error bars: 95% bootstrap interval)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the bars, never over them
+    return fig
 
+
+def f1_by_method_figure(report: dict):
+    """Answer F1 per method with 95% bootstrap error bars and n; fallback methods hatched."""
+    plt = _pyplot()
     labels = list(report["answers"])
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * max(1, len(labels))), 4))
+    top = 0.0
     for x, label in enumerate(labels):
         a = report["answers"][label]
-        f1 = a["overall"].get("f1") or 0.0
+        f1 = a["overall"].get("f1")
+        ci = (a.get("ci") or {}).get("f1")
         fb = a.get("fallback")
-        ax.bar(x, f1, color="lightgray" if fb else f"C{x % 10}", hatch="//" if fb else None, edgecolor="black")
-        ax.text(x, f1 + 0.01, f"{f1:.3f}" + (f"\n{fb}" if fb else ""), ha="center", va="bottom", fontsize=7)
+        ax.bar(x, f1 or 0.0, color="lightgray" if fb else f"C{x % 10}", hatch="//" if fb else None,
+               edgecolor="black", yerr=_yerr([f1], [ci]), capsize=3)
+        if f1 is not None and f1 == 0:
+            ax.plot([x], [0.0], marker="_", ms=20, mew=2.5, color="black", clip_on=False)
+        y = max(f1 or 0.0, ci["ci_high"] if ci else 0.0)
+        top = max(top, y)
+        ax.text(x, y + 0.01, ("n/a" if f1 is None else f"{f1:.3f}") + f"\nn={_f1_n(a)}" + (f"\n{fb}" if fb else ""),
+                ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("answer token F1")
-    top = max([a["overall"].get("f1") or 0.0 for a in report["answers"].values()] or [0.0])
-    ax.set_ylim(0, min(1.02, max(0.1, top * 1.35)))
+    ax.set_ylim(0, min(1.1, max(0.1, top * 1.35)))
     models_ = sorted({a.get("model") or "?" for a in report["answers"].values()})
-    ax.set_title(f"answer F1 by retrieval method (working LLM: {', '.join(models_)}; hatched = fallback)"
-                 if labels else "answer F1 by retrieval method (no answers)", fontsize=9)
-    out["answer_f1_by_method.png"] = _png(fig)
-    plt.close(fig)
+    ax.set_title(f"answer F1 by retrieval method (working LLM: {', '.join(models_)}; hatched = fallback; "
+                 "error bars: 95% bootstrap interval)", fontsize=9)
+    return fig
+
+
+def plots(report: dict, max_k: int) -> dict[str, bytes]:
+    """The plots that have data: the recall curves when there are rankings, the answer plots when there
+    are answers (a plot of nothing is not written)."""
+    plt = _pyplot()
+    figs = {}
+    if report["retrieval"]:
+        figs["recall_curve.png"] = recall_curve_figure(report, max_k)
+    if report["answers"]:
+        figs["answer_f1_by_method.png"] = f1_by_method_figure(report)
+        figs["answer_f1_by_type.png"] = f1_by_type_figure(report)
+    out = {}
+    for name, fig in figs.items():
+        out[name] = _png(fig)
+        plt.close(fig)
     return out
 
 
@@ -269,14 +430,15 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                                 "scored_for_retrieval": sum(1 for q in ds.questions if rankings.eligible(q)),
                                 "by_dataset": ds.summary()["questions_by_dataset"]},
                     "ks": config.ks, "ndcg_variant": config.ndcg_variant, "retrieval": {}, "answers": {}}
+    per_method: dict[str, dict[str, dict]] = {}   # label -> question id -> metrics
     for uri in config.rankings:
         for hint, path in expand_rankings(uri):
             rows = rankings.read_rankings(path)
             label = (rows[0].get("method") if rows else None) or hint
             if label in report["retrieval"]:
                 label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
-            report["retrieval"][label] = {"source": path, **score_rankings(
-                rows, ds, config.ks, config.curve_max_k, config.ndcg_variant)}
+            summary, per_method[label] = _score(rows, ds, config.ks, config.curve_max_k, config.ndcg_variant)
+            report["retrieval"][label] = {"source": path, **summary}
     for uri in config.answers:
         path = uri if uri.endswith(".parquet") else storage.published_file(uri, "answers.parquet")
         model, meta = None, {}
@@ -305,10 +467,12 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                                         **score_answers(rs)}
     for label, r in report["retrieval"].items():
         r["fallback"] = fallback_note(r["status"])
+    report["question_sets"] = question_sets(per_method)
     out.write_json("report.json", report)
     faults.checkpoint("saved", done=1)
-    out.write_text("report.md", markdown(report, config.ks))
-    for name, data in plots(report, config.curve_max_k).items():
+    figures = plots(report, config.curve_max_k)
+    out.write_text("report.md", markdown(report, config.ks, list(figures)))
+    for name, data in figures.items():
         out.write_bytes(name, data)
     return {"retrieval": {k: {**{m: v["overall"].get(m) for m in ("recall_any@5", "ndcg@10", "mrr")},
                               "status": v["status"], "fallback": v.get("fallback")}
