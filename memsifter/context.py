@@ -8,12 +8,15 @@ that fits sessions into a budget (rank's pre-filter, chat's context, prepare-rl'
 from __future__ import annotations
 
 import hashlib
+import random
 from typing import Any, Iterable, Literal, Sequence
 
 # How the chosen sessions are listed in a ranker's prompt (their local ids are positions in this list):
-# chronological (MEMSIFTER.md §2, the original) or in the first stage's order, most similar first (a
-# re-ranker that sees the retriever's order, as RankGPT-style re-rankers list candidates).
-HistoryOrder = Literal["chronological", "first_stage"]
+# chronological (MEMSIFTER.md §2, the original), in the first stage's order, most similar first (a
+# re-ranker that sees the retriever's order, as RankGPT-style re-rankers list candidates), or shuffled
+# per question with a seed (the listing position then carries no first-stage signal to learn).
+HistoryOrder = Literal["chronological", "first_stage", "shuffled"]
+HISTORY_ORDERS = ("chronological", "first_stage", "shuffled")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
@@ -115,7 +118,10 @@ class TokenCounter:
         return [self._cache[k] if k in self._cache else result[k] for k in keys]
 
     def chat_prompt_tokens(self, messages: list[dict]) -> int:
-        """Tokens of a chat prompt as the model sees it (chat template + generation prompt)."""
+        """Tokens of a chat prompt as the model sees it (chat template + generation prompt); a tokenizer
+        without a chat template (a base model's) counts the messages' text."""
+        if getattr(self.tokenizer, "chat_template", None) is None and hasattr(self.tokenizer, "chat_template"):
+            return sum(self.count_many([str(m.get("content") or "") for m in messages]))
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -146,15 +152,22 @@ def fill_budget(order: Iterable[int], costs: Sequence[int], budget: int, *,
     return chosen
 
 
-def shown_order(chosen: Iterable[int], order: Sequence[int], how: str) -> list[int]:
+def shown_order(chosen: Iterable[int], order: Sequence[int], how: str, shuffle_key: str | None = None) -> list[int]:
     """The chosen haystack indices in the order a ranker's prompt lists them (``HistoryOrder``):
-    ascending (chronological) or by position in ``order`` (the first stage's, most similar first;
-    indices missing from ``order`` go last, chronologically). Never the order they were taken in:
-    prepare-rl takes the gold sessions first, and listing them first would leak the answer."""
+    ascending (chronological), by position in ``order`` (the first stage's, most similar first;
+    indices missing from ``order`` go last, chronologically), or ``shuffled``: a permutation drawn from
+    ``shuffle_key`` alone (e.g. ``"<seed>:<question id>"``), so the same key always lists the same set
+    the same way. Never the order they were taken in: prepare-rl takes the gold sessions first, and
+    listing them first would leak the answer."""
     if how == "chronological":
         return sorted(chosen)
+    if how == "shuffled":
+        if shuffle_key is None:
+            raise ValueError("history order 'shuffled' needs a shuffle key (seed and question)")
+        out = sorted(chosen)
+        random.Random(shuffle_key).shuffle(out)  # str seeds hash with SHA-512: the same in every process
+        return out
     if how != "first_stage":
-        raise ValueError(f"history order {how!r}: expected chronological or first_stage")
+        raise ValueError(f"history order {how!r}: expected one of {', '.join(HISTORY_ORDERS)}")
     rank = {i: r for r, i in enumerate(dict.fromkeys(order))}
     return sorted(chosen, key=lambda i: (rank.get(i, len(rank)), i))
-

@@ -217,7 +217,8 @@ def tier_prompts(local_ids: Sequence[int], tiers: Sequence[int], extra_info: dic
                  template: str | None = None) -> list[list[dict]]:
     """The working LLM's prompt for each tier: the top-t sessions of the ranking, shown
     chronologically: by haystack position (``haystack_index``: rows of ``history_order: first_stage``
-    list sessions most similar first), else by local id (chronological rows)."""
+    list sessions most similar first, ``shuffled`` ones in a seeded permutation), else by local id
+    (chronological rows)."""
     texts, dates = _session_fields(extra_info)
     where = list(extra_info.get("haystack_index") or []) or list(range(len(texts)))
     out = []

@@ -67,6 +67,40 @@ def test_context_assembly_budget_and_order(chat_data):
     assert text.startswith("H:<session0>") and f"Q:{q.question}" in text and f"D:{q.question_date}" in text
 
 
+@pytest.mark.parametrize("context_tokens", [700, 1200, 2500])
+@pytest.mark.parametrize("tokenizer", ["approx", "tiny"])
+def test_context_tokens_bound_the_whole_prompt_as_rank_counts_it(chat_data, tiny_model_dir, tokenizer,
+                                                                context_tokens):
+    """chat's window is the rank stage's (memsifter.window): ``context_tokens`` bounds the whole prompt
+    (template, question, date, headers, sessions) as the chat template counts it, not only the memory;
+    a baseline's order is what it shows (none: nothing, oracle: only the gold sessions)."""
+    import math
+
+    from memsifter.context import TokenCounter, load_tokenizer
+    from memsifter.prompting import default_prompt
+
+    data, ranked, ds = chat_data
+    counter = ApproxCounter() if tokenizer == "approx" else TokenCounter(load_tokenizer(tiny_model_dir))
+
+    def whole(msgs):  # what the model is sent, counted as the budget says
+        if tokenizer == "approx":
+            return math.ceil(sum(len(m["content"]) for m in msgs) / 4)
+        return counter.chat_prompt_tokens(msgs)
+
+    cfg = ChatConfig(output="x", input=data, rankings=ranked, context_tokens=context_tokens)
+    template = default_prompt("chat.txt")
+    shown_any = 0
+    for q in ds.questions:
+        order = context_order(q, [], list(reversed(q.haystack_session_ids)))
+        msgs, shown, _ = build_messages(cfg, ds, q, order, counter, template)
+        assert whole(msgs) <= context_tokens or not shown, (q.question_id, whole(msgs))
+        shown_any += len(shown)
+        assert build_messages(cfg, ds, q, [], counter, template)[1] == []
+        gold = [s for s in q.haystack_session_ids if s in set(q.gold_session_ids)]
+        assert set(build_messages(cfg, ds, q, gold, counter, template)[1]) <= set(gold)
+    assert shown_any > 0
+
+
 def test_chat_real_vllm_server(chat_data, vllm_endpoint, tiny_model_dir, tmp_path):
     data, ranked, ds = chat_data
     out = str(tmp_path / "chat")

@@ -6,9 +6,10 @@
   ``<output>/_work/llm-cache/`` so a re-run sends only what is missing).
 * Context: the sessions of ``rankings`` in rank order (a ``rank`` output ranks its top ids first,
   then the rest by similarity), then any haystack session the rankings file leaves out, by
-  similarity (``embeddings``) or chronologically; added while they fit ``context_tokens`` minus the
-  question's tokens; shown in chronological order (§2) in the prompt template (``{history}``,
-  ``{current}``, ``{date}``; ``prompts/chat.txt`` by default).
+  similarity (``embeddings``) or chronologically; added while the whole prompt fits ``context_tokens``
+  (the session window of :mod:`memsifter.window`, the rank stage's builder and token-cost model);
+  shown in chronological order (§2) in the prompt template (``{history}``, ``{current}``,
+  ``{date}``; ``prompts/chat.txt`` by default).
 * Several contexts side by side: the questions are answered with ``rankings`` (the stage's main
   answers), each of ``compare`` (more rankings files, e.g. dense and the default first stage) and the
   ``baselines`` (``none``: no memory; ``oracle``: the gold sessions only). ``answers.parquet`` has a
@@ -35,15 +36,15 @@ import pyarrow as pa
 from pydantic import Field
 
 from .. import faults, models, rankings, storage
-from ..context import TokenCounter, fill_budget, load_tokenizer
+from ..context import TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
 from ..metrics import exact_match, token_f1
 from ..prompting import extract_answer, fill, load_prompt
 from ..redact import redact
-from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
+from ..window import OVER_BUDGET, PromptBuilder
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class ChatConfig(StageConfig):
                                   "`memsifter models list`); default: an estimate of 4 characters per token")
     prompt: str | None = uri_field("prompt template with {history}, {current} and {date} "
                                    "(default: memsifter/prompts/chat.txt)", None)
-    context_tokens: int = Field(8192, gt=0, description="memory budget, minus the question's tokens")
+    context_tokens: int = Field(8192, gt=0, description="prompt tokens at most (template, question, date and "
+                                "memory, costed as the rank stage's context_limit)")
     session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
                                        "a longer one keeps the turns sharing the most words with the question, "
                                        "in order (more sessions fit a small working LLM); default: whole")
@@ -102,6 +104,10 @@ class ApproxCounter:
 
     def count(self, text: str, cap: int | None = None) -> int:
         return math.ceil(len(text) / 4)
+
+    def chat_prompt_tokens(self, messages: list[dict]) -> int:
+        """The estimate of a chat prompt: its messages' text (no chat template known)."""
+        return math.ceil(sum(len(str(m.get("content") or "")) for m in messages) / 4)
 
 
 def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[str]:
@@ -143,28 +149,19 @@ def answer_methods(config: ChatConfig) -> list[dict]:
 
 def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str], counter, template: str
                    ) -> tuple[list[dict], list[str], int]:
+    """The working LLM's prompt for one question: the session window (:mod:`memsifter.window`, the
+    rank stage's builder and token-cost model) of ``order``, listed chronologically. Returns the
+    messages, the shown session ids and the tokens of the memory shown."""
     hay = q.haystack_session_ids
-    pos = {s: i for i, s in enumerate(hay)}
-
-    def count(texts: list[str]) -> list[int]:  # stops past the budget: a huge turn is never tokenized whole
-        return counter.count_many(texts, cap=config.context_tokens)
-
-    if config.session_tokens:
-        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, count) for s in hay]
-    else:
-        texts = [render_session(ds.sessions[s].turns) for s in hay]
-    dates = [q.date_of(s, ds.sessions) for s in hay]
-    costs = [c + 8 for c in count(texts)]  # + header/footer
-    budget = config.context_tokens - counter.count(q.question)
-    over = sum(1 for c in costs if c > budget)
+    builder = PromptBuilder(counter, template, limit=config.context_tokens, session_tokens=config.session_tokens,
+                            stop_at_first_overflow=config.stop_at_first_overflow)
+    w = builder.build(q.question, hay, ds.sessions, [q.date_of(s, ds.sessions) for s in hay], order,
+                      key=q.question_id, slots={"date": q.question_date or "unknown"})
+    over = sum(1 for why in w.left_out.values() if why == OVER_BUDGET)
     if over:  # e.g. a 1 MB turn: never shown, whatever its rank
         log.warning("chat: question %s: %d session(s) larger than the memory budget (%d tokens) left out",
-                    q.question_id, over, budget)
-    chosen = sorted(fill_budget([pos[s] for s in order], costs, budget,
-                                stop_at_first_overflow=config.stop_at_first_overflow))
-    hist = render_history_texts([texts[i] for i in chosen], [dates[i] for i in chosen])
-    content = fill(template, history=hist, current=q.question, date=q.question_date or "unknown")
-    return [{"role": "user", "content": content}], [hay[i] for i in chosen], sum(costs[i] for i in chosen)
+                    q.question_id, over, w.history_budget)
+    return w.messages, w.session_ids, w.history_tokens
 
 
 def cached_client(endpoint: LLMEndpoint, cache_uri: str, backoff_s: float = 1.0) -> ChatClient:

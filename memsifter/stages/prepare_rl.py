@@ -13,15 +13,19 @@ replacement across splits; questions without gold sessions and abstention questi
 - otherwise seeded random sampling.
 
 Prompt: the ranker template (``prompts/ranker.txt`` or ``prompt``), slots ``{history}`` and
-``{current}``. The history budget is ``history_budget_tokens`` (130 x 1024) counted with the ranker's
-tokenizer: every gold session is always included, then the other sessions in similarity order
-while they fit (sessions that do not fit are skipped, smaller ones may still fit). Similarity order
-comes from ``similarities`` (embed output), else from the previous rankings' order, else the
-haystack's own order (oldest first; documented fallback, recorded per row as ``order_source``). The
-chosen sessions are shown in chronological order with local ids (MEMSIFTER.md §2), or most similar
-first with ``history_order: first_stage`` (never in the order taken: gold is taken first). A row whose
-whole prompt would exceed ``max_prompt_tokens`` is skipped (verl would drop it) and the next
-candidate is taken instead; counts are in the manifest.
+``{current}``, with the session window of the rank stage (:class:`memsifter.window.PromptBuilder`:
+the same code, the same token-cost model, so the ranker trains on the prompts it is served). The
+budget is ``context_limit`` prompt tokens (as the rank stage's), else ``history_budget_tokens``
+(130 x 1024) of history, counted with the ranker's tokenizer: every gold session is always included,
+then the other sessions in similarity order while they fit, stopping at the first that does not
+(``stop_at_first_overflow``, as the rank stage does; false: it is skipped and smaller ones may still
+fit). Similarity order comes from ``similarities`` (embed output), else from the previous rankings'
+order, else the haystack's own order (oldest first; documented fallback, recorded per row as
+``order_source``). The chosen sessions are shown in chronological order with local ids (MEMSIFTER.md
+§2), most similar first with ``history_order: first_stage``, or in a seeded permutation per question
+with ``shuffled`` (never in the order taken: gold is taken first). A row whose whole prompt (counted
+exactly, through the chat template) would exceed ``max_prompt_tokens`` is skipped (verl would drop
+it) and the next candidate is taken instead; counts are in the manifest.
 
 Row (verl parquet): ``data_source`` = ``memsifter_{dataset}``, ``prompt`` = chat messages,
 ``ability``, ``reward_model`` = ``{style: rule, ground_truth: "{local gold ids};{N sessions}"}``, and
@@ -51,13 +55,13 @@ import yaml
 from pydantic import Field, field_validator
 
 from .. import rankings, storage
-from ..context import HistoryOrder, TokenCounter, fill_budget, load_tokenizer, shown_order
+from ..context import HistoryOrder, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
 from ..metrics import dcg_over_gold
-from ..prompting import RANKER_PROMPTS, fill, load_prompt
-from ..render import condense_session, render_history_texts, render_session
+from ..prompting import RANKER_PROMPTS, load_prompt
 from ..stage import StageConfig, runtime_field, stage, uri_field
+from ..window import PromptBuilder, Window
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,17 @@ class PrepareRLConfig(StageConfig):
     session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens "
                                        "(its turns sharing the most words with the question, as the rank stage's "
                                        "session_tokens); the reward's working LLM sees the same text; default: whole")
-    history_budget_tokens: int = Field(HISTORY_BUDGET, gt=0, description="history budget (130 x 1024)")
+    history_budget_tokens: int = Field(HISTORY_BUDGET, gt=0, description="history budget (130 x 1024), "
+                                       "when context_limit is not set")
+    context_limit: int | None = Field(None, gt=0, description="prompt tokens at most, costed exactly as the rank "
+                                      "stage's context_limit (template, question, chat template, history): set "
+                                      "it, stop_at_first_overflow, session_tokens, history_order and shuffle_seed "
+                                      "as the rank stage will serve, and the rows hold the prompts it serves "
+                                      "(gold sessions added if it leaves them out); default: history_budget_tokens "
+                                      "of history")
+    stop_at_first_overflow: bool = Field(True, description="the window stops at the first session that does "
+                                         "not fit (as the rank stage does by default); false: keep trying "
+                                         "smaller ones (MemSifter's data preparation)")
     max_prompt_tokens: int = Field(MAX_PROMPT, gt=0, description="rows with longer prompts are skipped "
                                    "(verl data.max_prompt_length)")
     anchor_target: float = Field(ANCHOR_TARGET, description="DCG@10 the anchor curriculum aims at")
@@ -137,8 +151,12 @@ class PrepareRLConfig(StageConfig):
     include_dates: bool = Field(True, description="show session dates in the history when known")
     history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed (local "
                                         "ids follow this list): chronological (MEMSIFTER.md §2) or first_stage "
-                                        "(the first stage's order, most similar first); the rank stage must use "
-                                        "the same")
+                                        "(the first stage's order, most similar first) or shuffled (a permutation "
+                                        "per question drawn from shuffle_seed and its id, so the listing carries "
+                                        "no first-stage signal; gold_local and first_stage_local follow it); the "
+                                        "rank stage must use the same")
+    shuffle_seed: int = Field(0, description="history_order shuffled: the seed of each question's listing "
+                              "(with the question id; the rank stage's shuffle_seed gives the same listing)")
     batch_size: int = runtime_field(64, "rows built at once")
 
     @field_validator("recipe", mode="before")
@@ -195,7 +213,16 @@ def anchor_priority(dcg10: float, target: float = ANCHOR_TARGET) -> float:
 
 
 # --------------------------------------------------------------------------- prompt building
+# The answer prefill the rank stage serves each prompt style with (its ``answer_prefix: auto``). A verl
+# row holds only the user message (the policy writes the whole answer), but the window is costed with
+# the prefill, as the rank stage costs it, so that both pick the same sessions.
+SERVED_PREFIX = {"thinking": "", "direct": "<ranking>"}
+
+
 class Builder:
+    """The ranker prompts of prepare-rl: the rank stage's session window (:mod:`memsifter.window`,
+    same builder, same settings), with the question's gold sessions always shown."""
+
     def __init__(self, config: PrepareRLConfig, ds: Dataset, sims: dict[str, list[str]],
                  prev: dict[str, list[str]]):
         self.config, self.ds, self.sims, self.prev = config, ds, sims, prev
@@ -204,29 +231,13 @@ class Builder:
         self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)
         self.template = load_prompt(config.prompt, RANKER_PROMPTS[config.prompt_style], ("history", "current"))
-        self._texts: dict[tuple[str, str], str] = {}
-        self.empty_tokens: dict[str, int] = {}
-
-    def text(self, sid: str, q: Question) -> str:
-        """A session as the prompt shows it: whole, or condensed towards the question (session_tokens)."""
-        key = (sid, q.question if self.config.session_tokens else "")
-        t = self._texts.get(key)
-        if t is None:
-            turns = self.ds.sessions[sid].turns
-            t = self._texts[key] = (condense_session(turns, q.question, self.config.session_tokens,
-                                                     self.counter.count_many)
-                                    if self.config.session_tokens else render_session(turns))
-        return t
-
-    def prompt_text(self, history: str, q: Question) -> str:
-        return fill(self.template, history=history, current=q.question)  # as the rank stage does
-
-    def _empty(self, q: Question) -> int:
-        n = self.empty_tokens.get(q.question)
-        if n is None:
-            msgs = [{"role": "user", "content": self.prompt_text("", q)}]
-            n = self.empty_tokens[q.question] = self.counter.chat_prompt_tokens(msgs)
-        return n
+        budget = ({"limit": config.context_limit} if config.context_limit is not None
+                  else {"history_budget": config.history_budget_tokens})
+        self.window = PromptBuilder(self.counter, self.template, session_tokens=config.session_tokens,
+                                    history_order=config.history_order, shuffle_seed=config.shuffle_seed,
+                                    stop_at_first_overflow=config.stop_at_first_overflow,
+                                    include_dates=config.include_dates,
+                                    answer_prefix=SERVED_PREFIX[config.prompt_style], **budget)
 
     def order(self, q: Question) -> tuple[list[int], str]:
         """Haystack indices in first-stage order (similarities, else the previous ranking, else the
@@ -243,35 +254,35 @@ class Builder:
         seen = set(order)
         return order + [i for i in range(len(hay)) if i not in seen], source
 
-    def select(self, q: Question) -> tuple[list[int], str, int]:
-        """Haystack indices shown (in the prompt's order, ``history_order``), the order source,
-        estimated prompt tokens."""
+    def build(self, q: Question) -> tuple[Window, str]:
+        """The question's window (gold sessions required) and the name of its order's source."""
         hay = q.haystack_session_ids
-        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
-        texts = [self.text(s, q) for s in hay]
-        headers = [f"<session{i}> <date>{d}</date>\n</session>\n" if d else f"<session{i}>\n</session>\n"
-                   for i, d in enumerate(dates)]
-        costs = [a + b for a, b in zip(self.counter.count_many(texts), self.counter.count_many(headers))]
-        pos = {s: i for i, s in enumerate(hay)}
         order, source = self.order(q)
-        gold = [pos[g] for g in q.gold_session_ids if g in pos]
-        chosen = shown_order(fill_budget(order, costs, self.config.history_budget_tokens, required=gold), order,
-                             self.config.history_order)
-        return chosen, source, self._empty(q) + sum(costs[i] for i in chosen)
+        w = self.window.build(q.question, hay, self.ds.sessions, [q.date_of(s, self.ds.sessions) for s in hay],
+                              [hay[i] for i in order], key=q.question_id, required=q.gold_session_ids)
+        return w, source
+
+    def select(self, q: Question) -> tuple[list[int], str, int]:
+        """Haystack indices shown (in the prompt's order, ``history_order``), the order source and the
+        prompt's tokens (chat template; exact unless required sessions are far over the limit)."""
+        w, source = self.build(q)
+        return w.shown, source, w.prompt_tokens
 
     def row(self, q: Question, chosen: list[int], source: str, tokens: int, split: str, index: int,
             dcg10: float | None) -> dict:
+        """The verl row of a window ``chosen`` by :meth:`select` (re-rendered here rather than kept, so
+        that only the chosen indices of every row are held in memory)."""
         hay = [q.haystack_session_ids[i] for i in chosen]
-        texts = [self.text(s, q) for s in hay]
-        dates = [q.date_of(s, self.ds.sessions) for s in hay] if self.config.include_dates else [None] * len(hay)
-        history = render_history_texts(texts, dates if any(dates) else None)
+        texts = [self.window.session_text(self.ds.sessions[s].turns, q.question) for s in hay]
+        dates = [q.date_of(s, self.ds.sessions) if self.config.include_dates else None for s in hay]
+        prompt = self.window.messages(q.question, texts, dates)[:1]  # the user message (no prefill)
         gold = set(q.gold_session_ids)
         gold_local = [i for i, s in enumerate(hay) if s in gold]
         local = {h: i for i, h in enumerate(chosen)}  # haystack index -> local id
         first_stage = [local[h] for h in self.order(q)[0] if h in local]
         return {
             "data_source": f"memsifter_{q.dataset}",
-            "prompt": [{"role": "user", "content": self.prompt_text(history, q)}],
+            "prompt": prompt,
             "ability": self.config.ability,
             "reward_model": {"style": "rule",
                              "ground_truth": f"{','.join(map(str, gold_local))};{len(hay)}"},

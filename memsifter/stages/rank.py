@@ -6,9 +6,11 @@ Per question:
    prompt with an empty history; sessions are taken by embedding similarity, descending, while they
    fit (the original stops at the first that does not: ``stop_at_first_overflow``). Token counts
    of a session depend only on its text and are cached (:class:`memsifter.context.TokenCounter`).
-   The final prompt is counted exactly and trimmed if the per-session estimate was short.
+   The final prompt is counted exactly and trimmed if the per-session estimate was short. This
+   window is built by :class:`memsifter.window.PromptBuilder`, the very code prepare-rl builds the
+   ranker's training prompts with (no train/serve skew).
 2. The chosen sessions go back into chronological order (``history_order: first_stage`` lists them
-   most similar first instead) and are rendered (§2) into the prompt
+   most similar first instead; ``shuffled``: a seeded permutation per question) and are rendered (§2) into the prompt
    template (a file with ``{history}`` and ``{current}`` slots). ``prompt_style: auto``: MemSifter's
    thinking prompt (``prompts/ranker.txt``) when the ranker's tokenizer knows ``<think>``, else the
    direct ids-only prompt (``prompts/ranker_direct.txt``) with a ``<ranking>`` answer prefill.
@@ -51,15 +53,15 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import faults, models, rankings, storage
-from ..context import HistoryOrder, TokenCounter, fill_budget, load_tokenizer, shown_order
+from ..context import HistoryOrder, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError, MemsifterError
 from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..prompting import RANKER_PROMPTS, fill, load_prompt
+from ..prompting import RANKER_PROMPTS, load_prompt
 from ..redact import redact
-from ..render import condense_session, render_history_texts, render_session
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..vllm_env import cpu_engine_env, engine_env
+from ..window import OVER_BUDGET, PromptBuilder
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,11 @@ class RankConfig(StageConfig):
     history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed "
                                         "(their local ids follow this list): chronological (the original, "
                                         "MEMSIFTER.md §2) or first_stage (most similar first: a re-ranker that "
-                                        "sees the first stage's order); use what the ranker was trained with")
+                                        "sees the first stage's order) or shuffled (a permutation per question "
+                                        "drawn from shuffle_seed and its id: the listing carries no first-stage "
+                                        "signal); use what the ranker was trained with (prepare-rl's setting)")
+    shuffle_seed: int = Field(0, description="history_order shuffled: the seed of each question's listing "
+                              "(with the question id; prepare-rl's shuffle_seed gives the same listing)")
     stop_at_first_overflow: bool = Field(True, description="pre-filter stops at the first session that "
                                          "does not fit (the original); false: keep trying smaller ones")
     top_k: int = Field(10, ge=1, description="ids the ranker is asked for")
@@ -253,66 +259,43 @@ def build_prompts(config: RankConfig, ds: Dataset, emb: dict[str, dict], counter
     return out
 
 
+def window_builder(config: RankConfig, counter: TokenCounter, template: str) -> PromptBuilder:
+    """The session window the rank stage serves (:mod:`memsifter.window`; prepare-rl builds its
+    training prompts with the same builder and settings)."""
+    return PromptBuilder(counter, template, limit=config.context_limit, session_tokens=config.session_tokens,
+                         history_order=config.history_order, shuffle_seed=config.shuffle_seed,
+                         stop_at_first_overflow=config.stop_at_first_overflow,
+                         answer_prefix="" if config.answer_prefix == "auto" else config.answer_prefix)
+
+
 def build_prompt(config: RankConfig, ds: Dataset, q: Question, emb_row: dict | None, counter: TokenCounter,
                  template: str) -> Prompted:
     hay = q.haystack_session_ids
     pos = {s: i for i, s in enumerate(hay)}
     order = [s for s in (emb_row or {}).get("ranked_session_ids") or [] if s in pos]
     order += [s for s in hay if s not in set(order)]
-    # Counts stop past the budget (``cap``): a 50 MB turn is tokenized only until it is known not to
-    # fit, in bounded pieces, never whole (that took 4.6 GB and aborted).
-    def count(texts: list[str]) -> list[int]:
-        return counter.count_many(texts, cap=config.context_limit)
-
-    if config.session_tokens:
-        texts = [condense_session(ds.sessions[s].turns, q.question, config.session_tokens, count) for s in hay]
-    else:
-        texts = [render_session(ds.sessions[s].turns) for s in hay]
-    dates = [q.date_of(s, ds.sessions) for s in hay]
-    # Cost of one session in the history: its text plus header and footer (counted with a
-    # worst-case local id; the exact prompt is counted below).
-    counts = count(texts)
-    overhead = counter.count_many([(f"<session{len(hay)}> <date>{d}</date>\n" if d else f"<session{len(hay)}>\n")
-                                   + "</session>\n" for d in dates])
-    costs = [c + o for c, o in zip(counts, overhead)]
+    w = window_builder(config, counter, template).build(
+        q.question, hay, ds.sessions, [q.date_of(s, ds.sessions) for s in hay], order, key=q.question_id)
 
     def needs(i: int) -> str:  # a session's cost as known (a capped count only says "more than")
-        return str(costs[i]) if counts[i] <= config.context_limit else f"more than {config.context_limit}"
+        return str(w.costs[i]) if w.cost_known(i) else f"more than {w.cap}"
 
-    order_idx = [pos[s] for s in order]
-
-    def messages(chosen: list[int]) -> list[dict]:
-        idx = shown_order(chosen, order_idx, config.history_order)
-        hist = render_history_texts([texts[i] for i in idx], [dates[i] for i in idx])
-        msgs = [{"role": "user", "content": fill(template, history=hist, current=q.question)}]
-        if config.answer_prefix not in ("", "auto"):
-            msgs.append({"role": "assistant", "content": config.answer_prefix})
-        return msgs
-
-    empty = counter.chat_prompt_tokens(messages([]))
-    budget = config.context_limit - empty
     # Sessions that alone exceed the whole history budget (e.g. a 1 MB turn) can never be shown: say
     # so (a warning and the manifest's count). With stop_at_first_overflow, the scan stops there.
-    over = [hay[i] for i, c in enumerate(costs) if c > budget]
+    over = [s for s, why in w.left_out.items() if why == OVER_BUDGET]
     if over:
         log.warning("rank: question %s: %d session(s) larger than the history budget (%d tokens) cannot be "
-                    "shown, e.g. %s (%s tokens)", q.question_id, len(over), budget, over[0], needs(pos[over[0]]))
-    chosen = fill_budget([pos[s] for s in order], costs, budget,
-                         stop_at_first_overflow=config.stop_at_first_overflow)
-    msgs = messages(chosen)
-    n_tok = counter.chat_prompt_tokens(msgs)
-    while chosen and n_tok > config.context_limit:  # estimate was short: drop the least similar
-        chosen = chosen[:-1]
-        msgs = messages(chosen)
-        n_tok = counter.chat_prompt_tokens(msgs)
-    id_map = [hay[i] for i in shown_order(chosen, order_idx, config.history_order)]
+                    "shown, e.g. %s (%s tokens)", q.question_id, len(over), w.history_budget, over[0],
+                    needs(pos[over[0]]))
     skipped = None
-    if not chosen:
+    if not w.shown:
         first = pos[order[0]] if order else None
         skipped = (f"no session fits the context limit ({config.context_limit} tokens)"
-                   + (f": the most similar one needs {needs(first)} of {budget} history tokens"
-                      if first is not None and budget > 0 else f": the prompt without history needs {empty}"))
-    return Prompted(q.question_id, msgs, id_map, order, n_tok, skipped, {"sessions_over_budget": len(over)})
+                   + (f": the most similar one needs {needs(first)} of {w.history_budget} history tokens"
+                      if first is not None and w.history_budget > 0
+                      else f": the prompt without history needs {w.empty_tokens}"))
+    return Prompted(q.question_id, w.messages, w.session_ids, order, w.prompt_tokens, skipped,
+                    {"sessions_over_budget": len(over)})
 
 
 # --------------------------------------------------------------------------- generation
