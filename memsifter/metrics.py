@@ -123,6 +123,75 @@ def mean_interval(values: Sequence[float], digits: int = 4) -> dict | None:
     return {"n": len(vals), "ci_low": round(lo, digits), "ci_high": round(hi, digits)}
 
 
+# --------------------------------------------------------------------------- order change against the input
+# A re-ranker is given an order (the first stage's) and returns one. Its NDCG alone cannot say whether it
+# re-ranked: a ranker that hands back the order it was given scores exactly the first stage's NDCG (the
+# shipped trained adapter did, on every held-out question). These say what it did to its input.
+
+INPUT_ORDER_NOTE = "returns its input order"
+
+
+def kendall_tau(order: Sequence[str], reference: Sequence[str]) -> float | None:
+    """Kendall tau-a between two orders over the items both hold (no ties: every item once): 1 for the
+    same order, -1 for the reverse; None when fewer than 2 items are shared (nothing to compare)."""
+    import numpy as np
+
+    pos = {s: i for i, s in enumerate(reference)}
+    ranks = np.asarray([pos[s] for s in dict.fromkeys(order) if s in pos])
+    n = ranks.size
+    if n < 2:
+        return None
+    # pairs (i < j) that the reference orders the same way: one vectorized comparison (a ranker shown
+    # hundreds of sessions makes ~10^5 pairs per question)
+    concordant = int(np.triu(ranks[:, None] < ranks[None, :], k=1).sum())
+    pairs = n * (n - 1) // 2
+    return (2 * concordant - pairs) / pairs
+
+
+def order_change(ranked: Sequence[str], input_order: Sequence[str], shown: Sequence[str] | None = None,
+                 k: int = 10) -> dict:
+    """What a ranker did to one question's input order: ``changed`` (1.0 when its order of the compared
+    sessions differs from the input's, else 0.0) and ``tau`` (Kendall tau between the two, None when
+    fewer than 2 sessions are compared), ``compared`` (how many).
+
+    The compared sessions are those the ranker was shown (``shown``, where the rank stage recorded it:
+    only those could it reorder), else the union of both orders' top ``k``, so that a session promoted
+    into the top k from below counts as a change."""
+    over = set(shown) if shown else set(list(ranked)[:k]) | set(list(input_order)[:k])
+    mine = [s for s in dict.fromkeys(ranked) if s in over]
+    given = [s for s in dict.fromkeys(input_order) if s in over]
+    common = set(mine) & set(given)
+    mine, given = [s for s in mine if s in common], [s for s in given if s in common]
+    return {"changed": float(mine != given), "tau": kendall_tau(mine, given), "compared": len(mine)}
+
+
+def order_change_summary(changes: Sequence[dict], digits: int = 4) -> dict | None:
+    """Over questions (one :func:`order_change` each): ``n``, ``changed`` (questions whose order the ranker
+    changed), ``changed_share``, ``tau_mean`` (over the questions with a tau; None if none has one), their
+    95% bootstrap intervals (``ci``) and ``returns_input_order``: True when it changed no question's
+    order (then tau is 1 wherever defined), the ranker being the identity of its input. None for no
+    questions."""
+    if not changes:
+        return None
+    flags = [float(c["changed"]) for c in changes]
+    taus = [c["tau"] for c in changes if c.get("tau") is not None]
+    changed = int(round(sum(flags)))
+    return {"n": len(flags), "changed": changed, "changed_share": round(sum(flags) / len(flags), digits),
+            "tau_mean": round(sum(taus) / len(taus), digits) if taus else None,
+            "ci": {"changed_share": mean_interval(flags, digits), "tau_mean": mean_interval(taus, digits)},
+            "returns_input_order": changed == 0}
+
+
+def order_change_note(summary: dict | None) -> str:
+    """The plain words for a ranker's order change: ``returns its input order (changed 0 of n)`` for a
+    ranker that changed nothing, else ``changed the order of k of n questions``; '' when unknown."""
+    if not summary:
+        return ""
+    if summary["returns_input_order"]:
+        return f"{INPUT_ORDER_NOTE} (changed 0 of {summary['n']} questions)"
+    return f"changed the order of {summary['changed']} of {summary['n']} questions"
+
+
 # --------------------------------------------------------------------------- answer metrics
 _ARTICLES = {"a", "an", "the"}
 

@@ -229,6 +229,63 @@ def atomic_write(uri: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# --------------------------------------------------------------------------- a ranker's input
+@dataclass
+class RankerInput:
+    """The order a re-ranker was given, read back from a rank stage output: ``source`` (the first-stage
+    rankings it read: its config's ``embeddings``), ``orders`` (question id -> that first-stage order),
+    ``shown`` (question id -> the sessions it was shown, from its ``prompts.parquet``; empty where not
+    recorded) and ``k`` (the ids it was asked for: its ``top_k``)."""
+
+    source: str
+    orders: dict[str, list[str]]
+    shown: dict[str, list[str]]
+    k: int = 10
+
+
+def ranker_input(uri: str) -> RankerInput | None:
+    """The input of the rank stage output at ``uri``; None when ``uri`` is not one (a parquet file, a
+    first stage). Raises (NotPublishedError, ValueError) when its input cannot be read back."""
+    if uri.endswith(".parquet"):
+        return None
+    manifest = storage.read_manifest(uri)
+    cfg = manifest.get("config") or {}
+    if manifest.get("stage") != "rank" or not cfg.get("embeddings"):
+        return None
+    orders = {r["question_id"]: list(r["ranked_session_ids"] or []) for r in read_rankings(cfg["embeddings"])}
+    shown: dict[str, list[str]] = {}
+    if "prompts.parquet" in manifest.get("files", {}):
+        table = storage.read_parquet(storage.join(uri, "prompts.parquet"))
+        if "shown_session_ids" in table.column_names:
+            shown = {r["question_id"]: list(r["shown_session_ids"] or []) for r in table.to_pylist()}
+    return RankerInput(cfg["embeddings"], orders, shown, int(cfg.get("top_k") or 10))
+
+
+def input_order(first_stage: Sequence[str] | None, haystack: Sequence[str]) -> list[str]:
+    """The order the rank stage hands a ranker (and falls back to): the first stage's order over the
+    haystack, then the haystack sessions the first stage left out, in haystack order."""
+    hay = set(haystack)
+    order = [s for s in dict.fromkeys(first_stage or []) if s in hay]
+    seen = set(order)
+    return order + [s for s in haystack if s not in seen]
+
+
+def order_changes(rows: Sequence[dict], questions: Sequence, given: RankerInput) -> dict[str, dict]:
+    """question id -> :func:`memsifter.metrics.order_change` of each eligible question's ranking
+    against the order it was given, over the sessions it was shown (else its top ``k``)."""
+    from .metrics import order_change
+
+    by_id = {r["question_id"]: r for r in rows}
+    out = {}
+    for q in questions:
+        if not eligible(q) or q.question_id not in by_id:
+            continue
+        order = input_order(given.orders.get(q.question_id), q.haystack_session_ids)
+        out[q.question_id] = order_change(by_id[q.question_id]["ranked_session_ids"] or [], order,
+                                          given.shown.get(q.question_id) or None, given.k)
+    return out
+
+
 # --------------------------------------------------------------------------- scoring
 def eligible(question) -> bool:
     """Questions that count in retrieval metrics: with gold sessions, not abstention."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,10 +45,28 @@ def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
             assert any(ln.split()[:2] == [ds, method] for ln in proc.stdout.splitlines()), (ds, method)
     lines = proc.stdout.splitlines()
     assert any(ln.split()[:2] == ["locomo", "rank:smollm2-135m-instruct+structured"] for ln in lines)
-    # the ranker this platform trained (the shipped LoRA adapter, served by the same vLLM server) beside it
-    assert "TRAINED by this platform" in proc.stdout
-    assert any(ln.split()[:3] == ["locomo", "rank:smollm2-135m-memsifter-ranker", "(trained)"] for ln in lines), \
+    # the adapter this platform trained (the shipped LoRA adapter, served by a second vLLM server) beside it,
+    # never presented as trained to rank: it returns its input order (issue 34)
+    assert "TRAINED by this platform" not in proc.stdout and "(trained)" not in proc.stdout
+    assert "the LoRA adapter this platform trained" in proc.stdout and "returns its input order" in proc.stdout
+    assert any(ln.split()[:3] == ["locomo", "rank:smollm2-135m-memsifter-ranker", "(trained"] for ln in lines), \
         [ln for ln in lines if "rank:" in ln]
+    # the rankers beside the first stage on the SAME questions: every row of that table has the rankers' n
+    # (then recall_any@5 with its 95% interval), each ranker its order change against the first-stage order
+    # it was given, and "returns its input order" exactly where it changed none
+    ev = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "evaluate"))["stats"]
+    n_rank = ev["retrieval"]["rank:smollm2-135m-memsifter-ranker"]["n"]
+    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("Rankers, beside"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("Answers of the working"))
+    rank_rows = [ln for ln in lines[start:end] if ln.strip().startswith("locomo")]
+    assert any(ln.split()[1] == "embed:dense" for ln in rank_rows), rank_rows
+    for ln in rank_rows:
+        assert re.search(rf"\s{n_rank}\s+\d\.\d{{3}} \[", ln), ln
+    for name in ("rank:smollm2-135m-instruct+structured", "rank:smollm2-135m-memsifter-ranker"):
+        row = next(ln for ln in rank_rows if ln.split()[1] == name)
+        io = ev["retrieval"][name]["input_order"]
+        assert io["n"] == n_rank and f"{io['changed']}/{io['n']} (" in row, row
+        assert ("returns its input order" in row) == io["returns_input_order"], row
     tr = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "rank-trained"))
     assert tr["config"]["model"] == "smollm2-135m-memsifter-ranker" and not tr["config"]["constrained_output"]
     assert tr["config"]["endpoint"]["model"] == "smollm2-135m-memsifter-ranker" and tr["stats"]["questions"] == 2
@@ -59,7 +78,11 @@ def test_demo_runs_offline_on_real_data_and_reports(tmp_path):
     labels = [" ".join(ln.split()[1:3]) for ln in answers]
     assert labels[0] == "no memory" and labels[-1] == "oracle (gold" and len(answers) == 6, answers
     assert any("embed:dense" in ln for ln in answers) and any("rank:smollm2-135m-instruct" in ln for ln in answers)
-    assert any("rank:smollm2-135m-memsifter-ranker" in ln for ln in answers)
+    assert any("rank:smollm2-135m-memsifter-ranker (trained adapter" in ln for ln in answers)
+    # F1 with its n and 95% interval; the retrieval beside it over the same answered questions, with its n
+    for ln in answers:
+        if "no memory" not in ln and "oracle" not in ln:
+            assert re.search(r"\s2\s+\d\.\d{3} \[", ln) and ln.count("[") >= 3, ln
     ans = storage.read_parquet(str(tmp_path / "demo" / "locomo" / "chat" / "answers.parquet")).to_pylist()
     assert len(ans) == 6 * 2 and all(r["status"] == "ok" and r["raw_response"] for r in ans)
     rk = storage.read_manifest(str(tmp_path / "demo" / "locomo" / "rank"))

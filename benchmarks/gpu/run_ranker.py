@@ -306,7 +306,7 @@ def phase_rank_all(a, url: str, names: list[str]) -> None:
 def phase_answers(a, url: str, names: list[str]) -> dict:
     from memsifter import rankings, storage
     from memsifter.data.model import read_dataset
-    from memsifter.metrics import question_metrics
+    from memsifter.metrics import mean_interval, order_change_summary, question_metrics
 
     table: dict = {}
     for ds in names:
@@ -328,17 +328,25 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
         cli(f"evaluate-{ds}", ["run", "evaluate", "--config", cfg])
         shutil.copytree(ev, os.path.join(RES, f"evaluate-{ds}"), dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("_staging", "_work"))
-        # retrieval per ranker: NDCG@10 / recall_any@5 of the published ranking over the whole haystack,
-        # and the model's own valid-format rate
+        # retrieval per ranker: NDCG@10 / recall_any@5 of the published ranking over the whole haystack
+        # (with their 95% bootstrap intervals), the model's own valid-format rate, and what it did to the
+        # order it was given (the first stage's): questions whose shown sessions it reordered, mean
+        # Kendall tau to that order. A ranker that reordered none returns its input order: its NDCG is
+        # its input's.
         q = {x.question_id: x for x in read_dataset(f"{DATA}/data/{ds}").questions if rankings.eligible(x)}
         rows = {}
         for tag, r in ranks + [("first-stage", embed)]:
             rr = [x for x in rankings.read_rankings(r) if x["question_id"] in q]
             ms = [question_metrics(x["ranked_session_ids"], q[x["question_id"]].gold_session_ids, [5, 10]) for x in rr]
             ok = sum(1 for x in rr if x.get("status", "ok") == "ok")
+            given = rankings.ranker_input(r) if tag != "first-stage" else None
+            io = (order_change_summary(list(rankings.order_changes(rr, list(q.values()), given).values()))
+                  if given else None)
             rows[tag] = {"questions": len(rr), "valid_format": round(ok / max(1, len(rr)), 3) if tag != "first-stage" else None,
                          "ndcg@10": round(sum(m["ndcg@10"] for m in ms) / max(1, len(ms)), 4),
-                         "recall_any@5": round(sum(m["recall_any@5"] for m in ms) / max(1, len(ms)), 4)}
+                         "ndcg@10_ci": mean_interval([m["ndcg@10"] for m in ms]),
+                         "recall_any@5": round(sum(m["recall_any@5"] for m in ms) / max(1, len(ms)), 4),
+                         "input_order": io}
         # the reference of the targets: a random valid ranking of the same shown sessions (the rank
         # stage's own prompt builder on the same config; random_baseline.py)
         if ranks:
@@ -357,14 +365,26 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
 
 
 def write_table(table: dict) -> None:
-    lines = []
+    from memsifter.metrics import INPUT_ORDER_NOTE
+
+    lines = ["*order changed vs input*: questions on which the ranker's order of the sessions it was shown differs "
+             "from the first-stage order it was given; *τ vs input*: its mean Kendall τ to that order. A ranker "
+             f"that changed none **{INPUT_ORDER_NOTE}**: its NDCG and recall are the first stage's, not learned.", ""]
     for ds, rows in table.items():
-        lines += [f"### {ds}", "", "| ranker | questions | valid format | NDCG@10 | recall_any@5 |", "|---|---:|---:|---:|---:|"]
+        lines += [f"### {ds}", "", "| ranker | questions | valid format | NDCG@10 [95% CI] | recall_any@5 | "
+                  "order changed vs input | τ vs input |", "|---|---:|---:|---:|---:|---:|---:|"]
         for tag, r in rows.items():
             if tag.startswith("_"):
                 continue
             vf = "-" if r["valid_format"] is None else f"{r['valid_format']:.0%}"
-            lines.append(f"| {tag} | {r['questions']} | {vf} | {r['ndcg@10']:.3f} | {r['recall_any@5']:.3f} |")
+            ci = r.get("ndcg@10_ci")
+            nd = f"{r['ndcg@10']:.3f}" + (f" [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else "")
+            io = r.get("input_order")
+            same = bool(io and io["returns_input_order"])
+            changed = f"{io['changed']}/{io['n']} ({io['changed_share']:.0%})" if io else "-"
+            tau = "-" if not io or io["tau_mean"] is None else f"{io['tau_mean']:.3f}"
+            shown = f"{tag} — **{INPUT_ORDER_NOTE}**" if same else tag
+            lines.append(f"| {shown} | {r['questions']} | {vf} | {nd} | {r['recall_any@5']:.3f} | {changed} | {tau} |")
         lines += ["", "answers (working LLM SmolLM2-135M-Instruct, F1 per context):", "",
                   "```", json.dumps(rows.get("_answers"), indent=1)[:3000], "```", ""]
     open(os.path.join(RES, "table.md"), "w").write("\n".join(lines) + "\n")

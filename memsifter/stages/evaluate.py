@@ -16,6 +16,16 @@ Every mean comes with its n and a 95% bootstrap interval (:func:`memsifter.metri
 beside the curves, in the Markdown tables as ``mean [low, high]`` and as error bars / bands in the
 plots, so that a mean over two questions does not read like a result.
 
+A re-ranker's NDCG cannot say whether it re-ranked: one that hands back the order it was given scores
+exactly its input's. So every rank stage output also gets ``input_order``: against the first-stage
+order it was given (its config's ``embeddings``), over the sessions it was shown (its
+``prompts.parquet``; else the top ``top_k``), the share of questions whose order it changed and its mean
+Kendall τ to that order, with n and intervals (:func:`memsifter.metrics.order_change_summary`). One that
+changed no question's order is reported as "returns its input order" in the JSON
+(``returns_input_order``), the Markdown tables and the manifest's stats, never as a learned ranking.
+Answer metrics sit beside the retrieval of the same answered questions (``retrieval``, with
+``retrieval_on``: their n and intervals), not beside everything the method ranked.
+
 Methods are never compared on different questions silently: ``question_sets`` says whether every
 method was scored on the same questions; when not, the report says so above the tables, gives every
 method's n, and scores every method again on the questions all of them ranked (``on_common``).
@@ -37,7 +47,8 @@ from pydantic import Field
 from .. import faults, rankings, storage
 from ..data.model import Dataset, read_dataset
 from ..errors import NotPublishedError
-from ..metrics import BOOTSTRAP_RESAMPLES, mean_interval, mean_metrics, question_metrics
+from ..metrics import (BOOTSTRAP_RESAMPLES, INPUT_ORDER_NOTE, mean_interval, mean_metrics, order_change_summary,
+                       question_metrics)
 from ..stage import StageConfig, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -114,9 +125,10 @@ def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, var
     return _score(rows, ds, ks, max_k, variant)[0]
 
 
-def question_sets(per_method: dict[str, dict[str, dict]]) -> dict:
+def question_sets(per_method: dict[str, dict[str, dict]], changes: dict[str, dict[str, dict]] | None = None) -> dict:
     """Whether every method was scored on the same questions; when not, each method's n, how many
-    questions all of them ranked, and every method scored on those (``on_common``)."""
+    questions all of them ranked, and every method scored on those (``on_common``; a re-ranker with a
+    known input also with its order change on them, ``input_order``)."""
     sets = {label: set(pq) for label, pq in per_method.items()}
     same = len({frozenset(s) for s in sets.values()}) <= 1
     out: dict = {"same": same, "per_method": {label: len(s) for label, s in sets.items()}}
@@ -126,7 +138,40 @@ def question_sets(per_method: dict[str, dict[str, dict]]) -> dict:
     out["common"] = len(common)
     if common:
         out["on_common"] = {label: summarize([pq[q] for q in sorted(common)]) for label, pq in per_method.items()}
+        for label, ch in (changes or {}).items():
+            out["on_common"][label]["input_order"] = order_change_summary([ch[q] for q in sorted(common) if q in ch])
     return out
+
+
+def input_order_entry(rows: list[dict], ds: Dataset,
+                      given: rankings.RankerInput) -> tuple[dict | None, dict[str, dict]]:
+    """A re-ranker's order change against the order it was given (``input_order`` of its report entry:
+    :func:`memsifter.metrics.order_change_summary` plus ``compared_over``) and the per-question changes
+    behind it. The input's URI is left out: it is in the rank output's manifest (``embeddings``), and a
+    report must not differ between two runs of one pipeline under different prefixes."""
+    changes = rankings.order_changes(rows, ds.questions, given)
+    summary = order_change_summary(list(changes.values()))
+    if summary is None:
+        return None, changes
+    over = "shown sessions" if any(q in given.shown for q in changes) else f"top {given.k}"
+    return {**summary, "compared_over": over}, changes
+
+
+def _changed_cell(io: dict | None) -> str:
+    """``changed/n (share)``, with **returns its input order** for a ranker that changed none; '–' for a
+    method without an input order (a first stage), the reason where its input could not be read."""
+    if not io:
+        return "–"
+    if io.get("error"):
+        return f"input order unknown ({io['error'][:80]})"
+    cell = f"{io['changed']}/{io['n']} ({io['changed_share']:.0%})"
+    return cell + (f" — **{INPUT_ORDER_NOTE}**" if io["returns_input_order"] else "")
+
+
+def _tau_cell(io: dict | None) -> str:
+    if not io or io.get("error"):
+        return "–"
+    return _fmt_ci(io.get("tau_mean"), (io.get("ci") or {}).get("tau_mean"))
 
 
 def fallback_note(status: dict[str, int]) -> str | None:
@@ -203,22 +248,30 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                          "\"On common questions\"." if qs.get("common") else
                          "No question was ranked by every method."), ""]
         cols = [f"{m}@{k}" for k in ks for m in ("recall_any", "recall_all", "ndcg")] + ["mrr"]
-        lines += ["## Retrieval", "", "| method | n | ok / fallback / error | " + " | ".join(cols) + " |",
-                  "|---|---|---|" + "---|" * len(cols)]
+        lines += ["## Retrieval", ""]
+        if any(r.get("input_order") for r in report["retrieval"].values()):
+            lines += ["*order changed vs input*: the questions on which a re-ranker's order of the sessions it was "
+                      "shown differs from the order it was given (the first stage's, its `embeddings`); *τ vs "
+                      "input*: its mean Kendall τ to that order. A ranker that changed no question's order "
+                      f"**{INPUT_ORDER_NOTE}**: its metrics are those of its input, not of a learned ranking.", ""]
+        lines += ["| method | n | ok / fallback / error | " + " | ".join(cols)
+                  + " | order changed vs input | τ vs input |", "|---|---|---|" + "---|" * (len(cols) + 2)]
         for label, r in report["retrieval"].items():
             st = r["status"]
             shown = label + (f" — **{r['fallback']}**" if r.get("fallback") else "")
             lines.append(f"| {shown} | {r['n']} | {st.get('ok', 0)} / {st.get('fallback', 0)} / {st.get('error', 0)} | "
-                         + " | ".join(_fmt_ci(r["overall"].get(c), r.get("ci", {}).get(c)) for c in cols) + " |")
+                         + " | ".join(_fmt_ci(r["overall"].get(c), r.get("ci", {}).get(c)) for c in cols)
+                         + f" | {_changed_cell(r.get('input_order'))} | {_tau_cell(r.get('input_order'))} |")
         lines.append("")
         k5 = 5 if 5 in ks else ks[-1]
         if qs.get("on_common"):
             lines += [f"### On common questions: the {qs['common']} questions every method ranked", "",
-                      f"| method | n | recall_any@{k5} | recall_all@{k5} | ndcg@10 | mrr |",
-                      "|---|---|---|---|---|---|"]
+                      f"| method | n | recall_any@{k5} | recall_all@{k5} | ndcg@10 | mrr | order changed vs input "
+                      "| τ vs input |", "|---|---|---|---|---|---|---|---|"]
             for label, c in qs["on_common"].items():
                 lines.append(f"| {label} | {c['n']} | " + " | ".join(
-                    _cell(c, m) for m in (f"recall_any@{k5}", f"recall_all@{k5}", "ndcg@10", "mrr")) + " |")
+                    _cell(c, m) for m in (f"recall_any@{k5}", f"recall_all@{k5}", "ndcg@10", "mrr"))
+                    + f" | {_changed_cell(c.get('input_order'))} | {_tau_cell(c.get('input_order'))} |")
             lines.append("")
         for group, title in (("by_type", "question type"), ("by_dataset", "dataset")):
             keys = sorted({g for r in report["retrieval"].values() for g in r[group]})
@@ -242,18 +295,24 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                   "that method retrieved (no memory and the gold-session oracle bound what retrieval can do). "
                   "A method marked *fallback* did not produce its own rankings for those questions: its "
                   "answers used the first stage's order instead. Exact match, F1 and judge are means over "
-                  "the answered questions.", "",
-                  "| context (method) | n | answered | exact match | F1 | judge | recall_any@5 | NDCG@10 | note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "the answered questions; recall_any@5 and NDCG@10 are over the same answered questions "
+                  "(those with gold sessions: *retrieval n*), not over everything the method ranked.", "",
+                  "| context (method) | n | answered | exact match | F1 | judge | retrieval n | recall_any@5 | "
+                  "NDCG@10 | note |", "|---|---|---|---|---|---|---|---|---|---|"]
         for label, a in report["answers"].items():
             o, rt, ci = a["overall"], a.get("retrieval") or {}, a.get("ci") or {}
-            rci = (report["retrieval"].get(a.get("method") or label) or {}).get("ci") or {}  # scored here too
+            on = a.get("retrieval_on") or {}
+            rci = on.get("ci") or {}
+            note = ("**" + a["fallback"] + "**") if a.get("fallback") else rt.get("note", "")
+            io = (report["retrieval"].get(a.get("method") or label) or {}).get("input_order")
+            if io and io.get("returns_input_order"):
+                note = (note + "; " if note else "") + f"**{INPUT_ORDER_NOTE}**"
             lines.append(f"| {label} | {o['n']} | {o['answered']} | "
                          f"{_fmt_ci(o['exact_match'], ci.get('exact_match'))} | "
                          f"{_fmt_ci(o['f1'], ci.get('f1'))} | {_fmt_ci(o['judge'], ci.get('judge'))} | "
+                         f"{on.get('n', '–')} | "
                          f"{_fmt_ci(rt.get('recall_any@5'), rci.get('recall_any@5'))} | "
-                         f"{_fmt_ci(rt.get('ndcg@10'), rci.get('ndcg@10'))} | "
-                         f"{('**' + a['fallback'] + '**') if a.get('fallback') else rt.get('note', '')} |")
+                         f"{_fmt_ci(rt.get('ndcg@10'), rci.get('ndcg@10'))} | {note} |")
         lines.append("")
         for label, a in report["answers"].items():
             lines += [f"### {label}: F1 by question type", "", "| type | n | answered | EM | F1 | judge |",
@@ -402,24 +461,34 @@ def plots(report: dict, max_k: int) -> dict[str, bytes]:
     return out
 
 
-def _answer_retrieval(report: dict, method: str, info: dict, ds: Dataset, config: EvaluateConfig) -> dict | None:
-    """recall_any@5 / NDCG@10 of the context an answer method used: the scored rankings of the same
-    label, else its source scored here; the oracle's are 1 by construction; no memory has none."""
+ANSWER_RETRIEVAL = ("recall_any@5", "ndcg@10")
+
+
+def _answer_retrieval(method: str, info: dict, ds: Dataset, config: EvaluateConfig, per_method: dict[str, dict],
+                      answered: set[str]) -> tuple[dict | None, dict | None]:
+    """recall_any@5 / NDCG@10 of the context an answer method used, over the questions it answered (so
+    that F1 and retrieval beside it are over the same questions), and ``{"n", "ci"}`` of those means:
+    the per-question metrics of the rankings of the same label, else its source scored here; the
+    oracle's are 1 by construction; no memory has none."""
     if info.get("kind") == "none":
-        return None
+        return None, None
     if info.get("kind") == "oracle":
-        return {"recall_any@5": 1.0, "ndcg@10": 1.0, "note": "gold sessions"}
-    r = report["retrieval"].get(method)
-    if r is None and info.get("source"):
+        return {"recall_any@5": 1.0, "ndcg@10": 1.0, "note": "gold sessions"}, None
+    per_q = per_method.get(method)
+    if per_q is None and info.get("source"):
         try:
-            r = score_rankings(rankings.read_rankings(info["source"]), ds, config.ks, config.curve_max_k,
-                               config.ndcg_variant)
+            per_q = rankings.per_question_metrics(rankings.read_rankings(info["source"]), ds.questions, config.ks,
+                                                  config.ndcg_variant)
         except Exception as e:  # noqa: BLE001 - the report still shows the answers
             log.warning("evaluate: cannot score the rankings behind %s (%s): %s", method, info["source"], e)
-            return None
-    if r is None:
-        return None
-    return {k: r["overall"].get(k) for k in ("recall_any@5", "ndcg@10")}
+            return None, None
+    if per_q is None:
+        return None, None
+    rows = [per_q[q] for q in sorted(answered) if q in per_q]
+    if not rows:
+        return {k: None for k in ANSWER_RETRIEVAL}, {"n": 0, "ci": {}}
+    s = summarize(rows)
+    return {k: s.get(k) for k in ANSWER_RETRIEVAL}, {"n": s["n"], "ci": {k: s["ci"].get(k) for k in ANSWER_RETRIEVAL}}
 
 
 @stage("evaluate", EvaluateConfig, family="chat", gpus=0,
@@ -431,7 +500,14 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                                 "by_dataset": ds.summary()["questions_by_dataset"]},
                     "ks": config.ks, "ndcg_variant": config.ndcg_variant, "retrieval": {}, "answers": {}}
     per_method: dict[str, dict[str, dict]] = {}   # label -> question id -> metrics
+    changes: dict[str, dict[str, dict]] = {}      # re-ranker label -> question id -> its order change
     for uri in config.rankings:
+        given, given_error = None, None
+        try:  # a rank stage output: the first-stage order it was given and the sessions it was shown
+            given = rankings.ranker_input(uri)
+        except Exception as e:  # noqa: BLE001 - the report still scores it, and says why the input is unknown
+            given_error = f"{type(e).__name__}: {e}"
+            log.warning("evaluate: cannot read the input order of %s: %s", uri, given_error)
         for hint, path in expand_rankings(uri):
             rows = rankings.read_rankings(path)
             label = (rows[0].get("method") if rows else None) or hint
@@ -439,6 +515,10 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                 label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
             summary, per_method[label] = _score(rows, ds, config.ks, config.curve_max_k, config.ndcg_variant)
             report["retrieval"][label] = {"source": path, **summary}
+            if given is not None:
+                report["retrieval"][label]["input_order"], changes[label] = input_order_entry(rows, ds, given)
+            elif given_error:
+                report["retrieval"][label]["input_order"] = {"error": given_error[:300]}
     for uri in config.answers:
         path = uri if uri.endswith(".parquet") else storage.published_file(uri, "answers.parquet")
         model, meta = None, {}
@@ -460,23 +540,53 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                 for r in rs:
                     if r.get("ranking_status"):
                         status[r["ranking_status"]] = status.get(r["ranking_status"], 0) + 1
+            retrieval, retrieval_on = _answer_retrieval(
+                method, info, ds, config, per_method,
+                {r["question_id"] for r in rs if r["status"] == "ok" and r.get("question_id")})
             report["answers"][label] = {"source": path, "model": model, "method": method,
                                         "kind": info.get("kind") or ("rankings" if status else None),
                                         "ranking_status": status, "fallback": fallback_note(status),
-                                        "retrieval": _answer_retrieval(report, method, info, ds, config),
-                                        **score_answers(rs)}
+                                        "retrieval": retrieval, "retrieval_on": retrieval_on, **score_answers(rs)}
     for label, r in report["retrieval"].items():
         r["fallback"] = fallback_note(r["status"])
-    report["question_sets"] = question_sets(per_method)
+    report["question_sets"] = question_sets(per_method, changes)
     out.write_json("report.json", report)
     faults.checkpoint("saved", done=1)
     figures = plots(report, config.curve_max_k)
     out.write_text("report.md", markdown(report, config.ks, list(figures)))
     for name, data in figures.items():
         out.write_bytes(name, data)
-    return {"retrieval": {k: {**{m: v["overall"].get(m) for m in ("recall_any@5", "ndcg@10", "mrr")},
-                              "status": v["status"], "fallback": v.get("fallback")}
+    return {"retrieval": {k: {**_stat_means(v["overall"], v), "status": v["status"], "fallback": v.get("fallback"),
+                              "input_order": _stat_input_order(v.get("input_order"))}
                           for k, v in report["retrieval"].items()},
-            "answers": {k: {**v["overall"], "retrieval": v.get("retrieval"), "fallback": v.get("fallback"),
-                            "model": v.get("model")} for k, v in report["answers"].items()},
+            "question_sets": _stat_question_sets(report["question_sets"]),
+            "answers": {k: {**v["overall"], "ci": {m: (v.get("ci") or {}).get(m) for m in ("exact_match", "f1")},
+                            "retrieval": v.get("retrieval"), "retrieval_on": v.get("retrieval_on"),
+                            "fallback": v.get("fallback"), "model": v.get("model")}
+                        for k, v in report["answers"].items()},
             "report": storage.join(config.output, "report.md")}
+
+
+STAT_METRICS = ("recall_any@5", "ndcg@10", "mrr")
+
+
+def _stat_means(means: dict, summary: dict) -> dict:
+    """The manifest's copy of a method's headline means, with their n and intervals (what a screen such
+    as the demo's shows without reading report.json)."""
+    return {**{m: means.get(m) for m in STAT_METRICS}, "n": summary.get("n"),
+            "ci": {m: (summary.get("ci") or {}).get(m) for m in STAT_METRICS}}
+
+
+def _stat_input_order(io: dict | None) -> dict | None:
+    if not io:
+        return None
+    return {k: io.get(k) for k in ("n", "changed", "changed_share", "tau_mean", "returns_input_order", "ci",
+                                   "compared_over", "error") if k in io}
+
+
+def _stat_question_sets(qs: dict) -> dict:
+    out = {k: v for k, v in qs.items() if k != "on_common"}
+    if qs.get("on_common"):
+        out["on_common"] = {label: {**_stat_means(c, c), "input_order": _stat_input_order(c.get("input_order"))}
+                            for label, c in qs["on_common"].items()}
+    return out
