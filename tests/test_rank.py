@@ -412,3 +412,18 @@ def test_s3_models_for_rank_and_embed(synth_data, tiny_model_dir, vllm_endpoint,
                                "endpoint": {"base_url": vllm_endpoint, "model": "tiny"}, "constrained_output": True,
                                "context_limit": 1500, "max_tokens": 24, "top_k": 3, "limit": 2})
     assert m["stats"]["status"]["ok"] == 2 and m["stats"]["model"] == uri
+
+
+def test_long_contexts_get_the_measured_prefill_chunk_on_gpu():
+    """vllm.max_num_batched_tokens defaults to 16,384 on GPU at >= 64k-token contexts (measured 1.04x
+    vLLM's 2,048 at ~114k), stays vLLM's below and on CPU, and a user's value always wins."""
+    from memsifter.stages.rank import LONG_PREFILL_CHUNK, RankConfig, engine_kwargs
+
+    def kw(max_model_len, on_gpu=True, **v):
+        cfg = RankConfig(input="x", embeddings="y", output="z", model="m",
+                         vllm={"max_model_len": max_model_len, **v})
+        return engine_kwargs(cfg, on_gpu=on_gpu).get("max_num_batched_tokens")
+
+    assert kw(140000) == LONG_PREFILL_CHUNK == 16384
+    assert kw(65536) == 16384 and kw(32768) is None and kw(140000, on_gpu=False) is None
+    assert kw(140000, max_num_batched_tokens=4096) == 4096
