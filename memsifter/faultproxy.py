@@ -10,6 +10,8 @@ request is one decision, drawn from a seeded RNG:
 * ``stall``: hold the request ``stall_s`` seconds, then drop it (longer than the client's timeout);
 * ``slow``: hold it ``slow_s`` seconds, then forward it;
 * ``503``: answer ``503 SlowDown``; ``500``: answer ``500 InternalError``;
+* ``hang`` (only when a plan names it): read the request and never answer, until
+  :meth:`release_hung` or :meth:`stop` (a store that accepts connections and goes silent);
 * during :meth:`outage` (N seconds) or while ``down`` is set, every connection is reset at once.
 
 Counts of what it did are in :attr:`counts`. Runs in a background thread with its own event loop.
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("reset", "reset_after", "stall", "slow", "503", "500")
+EXTRA_KINDS = ("hang",)   # drawn only when a plan names them
 
 _ERR = {"503": (b"503 Slow Down", b"SlowDown", b"Please reduce your request rate."),
         "500": (b"500 Internal Server Error", b"InternalError", b"We encountered an internal error.")}
@@ -57,7 +60,8 @@ class FaultProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._lock = threading.Lock()
-        self.counts = {"requests": 0, "faults": 0, **{k: 0 for k in KINDS}, "outage": 0}
+        self.counts = {"requests": 0, "faults": 0, **{k: 0 for k in KINDS + EXTRA_KINDS}, "outage": 0}
+        self._hung: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ control
     @property
@@ -71,6 +75,11 @@ class FaultProxy:
     def outage(self, seconds: float) -> None:
         """Refuse everything for ``seconds`` from now."""
         self._down_until = time.monotonic() + seconds
+
+    def release_hung(self) -> None:
+        """Drop (reset) every connection held by ``hang``."""
+        if self._loop is not None and self._hung is not None:
+            self._loop.call_soon_threadsafe(self._hung.set)
 
     def reset_counts(self) -> dict:
         with self._lock:
@@ -114,6 +123,12 @@ class FaultProxy:
         lines = head.split(b"\r\n")
         kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith((b"connection:", b"keep-alive:"))]
         head = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""])
+        if kind == "hang":
+            if self._hung is None or self._hung.is_set():
+                self._hung = asyncio.Event()
+            await self._hung.wait()
+            self._rst(writer)
+            return
         if kind in ("reset", "stall"):
             if kind == "stall":
                 await asyncio.sleep(self.plan.stall_s)

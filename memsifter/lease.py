@@ -19,10 +19,30 @@ How the lease is taken:
   the same few milliseconds can both pass the read-back; the later rename wins and the earlier one
   finds out at its next heartbeat or before publishing.
 
-A ``_LEASE`` that is not a lease (a JSON value other than an object, a directory, an unreadable
-file) and an output that cannot be written (a regular file on the way, a read-only filesystem) are
-one :class:`~memsifter.errors.StorageError` line naming the path (exit 2). ``MEMSIFTER_LEASE_TTL``
-must be > 0 and ``MEMSIFTER_LEASE_WAIT`` >= 0 (:func:`memsifter.storage.setting`).
+Malformed leases are refused, not taken over: a ``_LEASE`` whose content is not a lease (bytes that
+are not UTF-8, not JSON, a JSON value other than an object, an integer over Python's digit limit, a
+``token``/``host``/``run_id`` that is not a string, an ``expires_at`` that is not a finite number such
+as ``"tomorrow"`` or ``null``, a ``pid`` that is not an integer in 1..2**31-1 such as ``2**70``) is
+one :class:`MalformedLeaseError` line naming the file and the field (exit 2), never a traceback. We
+cannot tell whether a live writer is behind it (another version, a tool), so it is not treated as
+expired; the documented recovery is ``--steal-lease`` (``memsifter run <stage> ... --steal-lease``,
+``memsifter pipeline run ... --steal-lease``), which replaces it like any lease (compare-and-swap on
+its etag, or locally on its sha256) -- nobody has to delete files by hand. A running writer whose
+lease turns into garbage has lost it (:class:`LeaseLostError` at its next heartbeat or before it
+publishes). A ``_LEASE`` that is a directory and an output that cannot be written (a regular file on
+the way, a read-only filesystem) are one :class:`~memsifter.errors.StorageError` line naming the path
+(exit 2). ``MEMSIFTER_LEASE_TTL`` must lie in 5 s .. 1 day and ``MEMSIFTER_LEASE_WAIT`` be >= 0
+(:func:`memsifter.storage.setting`).
+
+The heartbeat is watched: if its thread dies (any exception out of its loop), :meth:`Lease.check`
+raises :class:`LeaseLostError` naming the exception, so the stage fails before it publishes instead
+of publishing under a lease nobody renews. After the storage layer gave up on an object store
+(:func:`memsifter.storage.store_down`), the heartbeat and the release skip it: the lease then
+expires by itself, and the failing command ends within its retry budget.
+
+For ``memsifter status``: :func:`read_holder` reads the holder of a prefix and :func:`holder_state`
+says whether it is ``live``, ``stale`` (its pid is gone on this very host: a killed run, whose lease
+has not expired yet), ``expired`` or ``malformed``.
 
 Limits: expiry uses the writers' wall clocks (keep them within a few seconds of each other, i.e.
 NTP); release deletes only a lease whose token is still ours, but between that check and the delete
@@ -32,8 +52,10 @@ a steal could slip in (the thief then simply re-creates its lease at its next he
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -45,7 +67,7 @@ from . import storage
 from .errors import MemsifterError, StorageError
 
 log = logging.getLogger(__name__)
-LEASE = "_LEASE"
+LEASE = storage.LEASE_NAME   # "_LEASE"
 
 
 class LeaseHeldError(MemsifterError):
@@ -55,9 +77,18 @@ class LeaseHeldError(MemsifterError):
 
 
 class LeaseLostError(MemsifterError):
-    """Our lease was taken over (stolen or expired) while we ran: we must not publish."""
+    """Our lease was taken over (stolen or expired) while we ran, or its heartbeat died: we must not
+    publish."""
 
     exit_code = 3
+
+
+class MalformedLeaseError(StorageError):
+    """A ``_LEASE`` whose content is not a lease (exit 2); ``--steal-lease`` replaces it."""
+
+
+MAX_TTL = 86400.0
+_MAX_PID = 2 ** 31 - 1
 
 
 def run_id() -> str:
@@ -68,12 +99,89 @@ def run_id() -> str:
     return rid
 
 
+def _short(v: Any) -> str:
+    text = str(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def describe(holder: dict, now: float | None = None) -> str:
+    if holder.get("malformed"):
+        return f"a malformed lease ({holder['malformed']})"
     now = time.time() if now is None else now
     left = holder.get("expires_at", 0) - now
     state = f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
-    return (f"run {holder.get('run_id')} ({holder.get('purpose') or 'writer'}, host {holder.get('host')}, "
-            f"pid {holder.get('pid')}, since {holder.get('started_at')}, lease {state})")
+    return (f"run {_short(holder.get('run_id'))} ({_short(holder.get('purpose') or 'writer')}, host "
+            f"{_short(holder.get('host'))}, pid {holder.get('pid')}, since {_short(holder.get('started_at'))}, "
+            f"lease {state})")
+
+
+def check_holder(data: Any, uri: str) -> dict:
+    """``data`` (a parsed ``_LEASE``) if it is a lease, else ``{"malformed": why}`` naming ``uri`` and
+    the field at fault (see the module docstring); never raises."""
+    def bad(why: str, field: str | None = None) -> dict:
+        return {"malformed": f"{uri}: malformed lease: " + (f"field '{field}': " if field else "") + why}
+    if not isinstance(data, dict):
+        return bad(f"a JSON {type(data).__name__}, expected an object")
+    for key in ("token", "host"):
+        if not isinstance(data.get(key), str):
+            return bad(f"expected a string, got {type(data.get(key)).__name__}", key)
+    for key in ("run_id", "purpose", "started_at"):
+        if data.get(key) is not None and not isinstance(data.get(key), str):
+            return bad(f"expected a string, got {type(data[key]).__name__}", key)
+    exp = data.get("expires_at")
+    if not ((isinstance(exp, float) and math.isfinite(exp))
+            or (isinstance(exp, int) and not isinstance(exp, bool) and abs(exp) < 2 ** 53)):
+        shown = f"an integer of {exp.bit_length()} bits" if isinstance(exp, int) and not isinstance(exp, bool) \
+            else _short(repr(exp))
+        return bad(f"expected a time in seconds since the epoch, got {shown}", "expires_at")
+    pid = data.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID):
+        shown = f"an integer of {pid.bit_length()} bits" if isinstance(pid, int) and pid.bit_length() > 64 \
+            else _short(repr(pid))
+        return bad(f"expected a process id (1..{_MAX_PID}), got {shown}", "pid")
+    return data
+
+
+def _parse_lease(raw: bytes, uri: str) -> dict:
+    """A lease's bytes -> :func:`check_holder`'s dict (garbage -> ``{"malformed": ...}``)."""
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as e:
+        return {"malformed": f"{uri}: malformed lease: not UTF-8 text (byte {e.start})"}
+    except (ValueError, RecursionError) as e:   # not JSON, an integer over the digit limit, too deep
+        why = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else \
+            _short(str(e).split(":")[0])
+        return {"malformed": f"{uri}: malformed lease: not JSON ({why})"}
+    return check_holder(data, uri)
+
+
+def holder_state(holder: dict | None, now: float | None = None) -> str:
+    """The state of a lease holder (as :func:`read_holder` returns it), for ``memsifter status``:
+
+    * ``"malformed"``: not a lease (garbage ``_LEASE``: ``holder["malformed"]`` says why);
+    * ``"expired"``: past its ``expires_at`` (its run is dead or stuck; the next writer takes it over);
+    * ``"stale"``: not expired, but held on this very host by a pid that is gone (a killed run: the
+      next writer on this host takes it over at once; elsewhere it expires after the TTL);
+    * ``"live"``: everything else (a holder on another host is judged by its expiry only).
+    """
+    if not holder or holder.get("malformed") or "malformed" in check_holder(holder, "_LEASE"):
+        return "malformed"
+    now = time.time() if now is None else now
+    if holder["expires_at"] < now:
+        return "expired"
+    if _dead_here(holder):
+        return "stale"
+    return "live"
+
+
+def read_holder(prefix: str) -> dict | None:
+    """The holder of ``<prefix>/_LEASE``: None without a lease, a ``{"malformed": why}`` dict for
+    garbage (see :func:`holder_state`); a ``_LEASE`` directory or an unreadable store is a
+    StorageError."""
+    uri = storage.join(prefix.rstrip("/"), LEASE)
+    store = _S3Store(uri) if storage.is_s3(uri) else _LocalStore(uri)
+    cur = store.read()
+    return None if cur is None else cur[0]
 
 
 def _dead_here(holder: dict) -> bool:
@@ -87,7 +195,7 @@ def _dead_here(holder: dict) -> bool:
         os.kill(holder["pid"], 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError, OSError):
         return False
     return False
 
@@ -101,9 +209,10 @@ class _S3Store:
         st = storage.S3Settings.from_env()
         _, path = storage.resolve(uri)
         self.bucket, self.key = path.split("/", 1)
+        # the same tries and timeouts as the storage layer's (fitted into MEMSIFTER_STORE_RETRY_SECONDS)
         kw: dict[str, Any] = dict(region_name=st.region, config=Config(
-            retries={"max_attempts": max(st.attempts, 5), "mode": "standard"},
-            connect_timeout=st.connect_timeout, read_timeout=min(st.request_timeout, 30)))
+            retries={"total_max_attempts": st.attempts, "mode": "standard"},
+            connect_timeout=st.connect_timeout, read_timeout=st.request_timeout))
         if st.endpoint:
             kw["endpoint_url"] = f"{st.scheme}://{st.endpoint}"
         if st.access_key and st.secret_key:
@@ -132,11 +241,8 @@ class _S3Store:
         r = self._call("read lease", lambda: self.client.get_object(Bucket=self.bucket, Key=self.key))
         if r in (None, "missing"):
             return None
-        try:
-            data = json.loads(r["Body"].read())
-        except ValueError:   # a PUT is atomic, so this is not ours: expired, replaceable by its etag
-            return {"token": "", "expires_at": 0}, r["ETag"]
-        return _lease_object(data, self.uri), r["ETag"]
+        raw = self._call("read lease", lambda: r["Body"].read())
+        return _parse_lease(raw, self.uri), r["ETag"]
 
     def create(self, body: bytes) -> str | None:
         r = self._call("create lease", lambda: self.client.put_object(
@@ -152,14 +258,6 @@ class _S3Store:
         self._call("release lease", lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key))
 
 
-def _lease_object(data: Any, uri: str) -> dict:
-    """A lease must be a JSON object; anything else is one StorageError naming it."""
-    if not isinstance(data, dict):
-        raise StorageError(f"{uri}: not a lease (a JSON {type(data).__name__}, expected an object); if no "
-                           f"run is writing this output, delete it")
-    return data
-
-
 class _LocalStore:
     def __init__(self, uri: str):
         _, self.path = storage.resolve(uri)
@@ -170,20 +268,22 @@ class _LocalStore:
                             f"{f' ({e.filename})' if e.filename and e.filename != self.path else ''}")
 
     def read(self) -> tuple[dict, str] | None:
+        """(holder, etag): the etag is the holder's token, or for a malformed lease the sha256 of its
+        bytes (so that --steal-lease replaces exactly what it saw)."""
         try:
             with open(self.path, "rb") as f:
-                data = json.loads(f.read())
+                raw = f.read(1 << 20)
         except FileNotFoundError:
             return None
         except IsADirectoryError:
             raise StorageError(f"{self.uri}: is a directory, not a lease; if no run is writing this output, "
                                f"remove it") from None
-        except json.JSONDecodeError:   # a half-written lease cannot exist (rename), but be safe
-            return {"token": "", "expires_at": 0}, ""
         except OSError as e:
             raise self._oserror("read", e) from e
-        data = _lease_object(data, self.uri)
-        return data, str(data.get("token", ""))
+        data = _parse_lease(raw, self.uri)
+        if data.get("malformed"):
+            return data, "sha256:" + hashlib.sha256(raw).hexdigest()
+        return data, data["token"]
 
     def create(self, body: bytes) -> str | None:
         tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.new"
@@ -234,13 +334,15 @@ class Lease:
         self.prefix = prefix.rstrip("/")
         self.uri = storage.join(self.prefix, LEASE)
         self.purpose = purpose
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"lease ttl must be > 0, got {ttl!r}")
-        self.ttl = float(ttl or storage.setting("MEMSIFTER_LEASE_TTL"))   # > 0: checked there
+        if ttl is not None and not (0 < ttl <= MAX_TTL):   # NaN too (callers; the variable has its range)
+            raise ValueError(f"lease ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
+        self.ttl = float(ttl or storage.setting("MEMSIFTER_LEASE_TTL"))   # 5 s .. 1 day: checked there
+        storage.guard_prefix(self.prefix)   # nothing below a local output is written through a symlink
         self.token = uuid.uuid4().hex
         self.store = _S3Store(self.uri) if storage.is_s3(self.uri) else _LocalStore(self.uri)
         self.etag: str | None = None
         self.lost: str | None = None
+        self.dead: str | None = None   # why the heartbeat thread died, if it did
         self.holder: dict = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -273,10 +375,13 @@ class Lease:
                 races += 1
                 continue   # released meanwhile
             other, other_etag = cur
+            if other.get("malformed") and not steal:
+                raise MalformedLeaseError(f"{other['malformed']}; if no run is writing this output, pass "
+                                          f"--steal-lease to take the lease over")
             if other.get("token") == self.token:   # our create went through but its reply was lost
                 self.etag = other_etag
                 return self
-            expired = other.get("expires_at", 0) < time.time() or _dead_here(other)
+            expired = not other.get("malformed") and (other["expires_at"] < time.time() or _dead_here(other))
             if not expired and not steal and time.time() < deadline:
                 time.sleep(min(2.0, max(0.1, deadline - time.time())))
                 continue
@@ -311,7 +416,13 @@ class Lease:
             self.etag = etag
 
     def check(self) -> None:
-        """Raise LeaseLostError unless the lease is still ours (a fresh read: used before publishing)."""
+        """Raise LeaseLostError unless the lease is still ours (a fresh read: used before publishing)
+        and its heartbeat is alive."""
+        if self.dead is None and self._thread is not None and not self._thread.is_alive() \
+                and not self._stop.is_set() and not self.lost:
+            self.dead = f"{self.prefix}: the lease heartbeat stopped without a reason"
+        if self.dead:
+            raise LeaseLostError(self.dead + "; not publishing (nothing renews the lease)")
         if not self.lost:
             cur = self.store.read()
             if cur is None or cur[0].get("token") != self.token:
@@ -323,13 +434,20 @@ class Lease:
             raise LeaseLostError(self.lost + "; not publishing (the other writer owns the output now)")
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                self.renew()
-            except Exception as e:  # noqa: BLE001 - the store is down: keep trying until expiry
-                log.warning("%s: lease renewal failed: %s", self.prefix, e)
-            if self.lost:
-                return
+        try:
+            while not self._stop.wait(self.ttl / 3):
+                if storage.store_down(self.uri):   # given up on: the command is failing, let it expire
+                    continue
+                try:
+                    self.renew()
+                except Exception as e:  # noqa: BLE001 - the store is down: keep trying until expiry
+                    log.warning("%s: lease renewal failed: %s", self.prefix, e)
+                if self.lost:
+                    return
+        except BaseException as e:  # noqa: BLE001 - the thread's death must fail the stage, not pass
+            self.dead = (f"{self.prefix}: the lease heartbeat died ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})")
+            log.error("%s", self.dead)
 
     def start(self) -> "Lease":
         self._thread = threading.Thread(target=self._beat, name=f"lease:{self.prefix}", daemon=True)
@@ -338,9 +456,10 @@ class Lease:
 
     def release(self) -> None:
         self._stop.set()
+        down = storage.store_down(self.uri)
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self.lost:
+            self._thread.join(timeout=0.1 if down else 5)
+        if self.lost or down:   # a store given up on: the lease expires by itself
             return
         with contextlib.suppress(Exception):
             cur = self.store.read()

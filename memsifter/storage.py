@@ -16,7 +16,12 @@ Guarantees (tests/test_faults.py, tests/test_kill.py):
   AWS SDK (``MEMSIFTER_S3_ATTEMPTS`` tries per request) and then by :func:`retrying` for at most
   ``MEMSIFTER_STORE_RETRY_SECONDS`` (default 120 s); then one :class:`StorageError` names the URI, the
   operation, the attempts and the last error. Nothing hangs: every request has a timeout
-  (``MEMSIFTER_S3_CONNECT_TIMEOUT`` / ``MEMSIFTER_S3_REQUEST_TIMEOUT``).
+  (``MEMSIFTER_S3_CONNECT_TIMEOUT`` / ``MEMSIFTER_S3_REQUEST_TIMEOUT``), fitted with the SDK's tries into
+  half the budget unless set, and an attempt starts only while one more that meets a silent store
+  still fits: a failing operation ends within the budget (tests/test_probe_store.py measures it
+  against a socket that accepts and never answers). Once it gave up on a store, writes to it fail at
+  once until one operation succeeds or a budget has passed, so the failure's cleanup does not wait
+  out more budgets (:func:`store_down`).
 * Publishing is journalled: ``_PUBLISHING`` (the manifest to be) is written before the first move, so a
   run killed between the moves and ``_SUCCESS`` is rolled forward by the next run (no re-computation);
   moves are idempotent. ``_SUCCESS`` is one PUT on S3 and a rename on a local disk.
@@ -32,8 +37,16 @@ Guarantees (tests/test_faults.py, tests/test_kill.py):
   built from a journal or a manifest goes through the same check (:func:`roll_forward` drops a journal
   whose keys do not pass it).
 * Numeric settings from the environment are parsed in one place (:func:`setting`, table
-  :data:`SETTINGS`) with ranges; a bad value is one :class:`~memsifter.errors.ConfigError` naming the
-  variable. ``s3://`` URIs without a bucket are refused (:func:`resolve`).
+  :data:`SETTINGS`, upper bounds in :data:`MAXIMA`) with ranges; a bad value is one
+  :class:`~memsifter.errors.ConfigError` naming the variable, and so is an S3 endpoint that is not
+  ``http(s)://host[:port]``. ``s3://`` URIs without a bucket, or with an empty, ``.`` or ``..``
+  segment in the key, are refused (:func:`s3_path`).
+* Local writes never follow a symlink inside an output prefix (:func:`guard_prefix`,
+  :func:`check_no_symlink`: every component below the prefix is checked with ``os.lstat``, before
+  writes, deletes and each move of a publish); local deletes remove links, never follow them.
+* Control files and folders (``_SUCCESS``, ``_PUBLISHING``, ``_LEASE``, ``_staging/``, ``_work/``,
+  ``_run/``) and prefixes that are published or held by a run are not targets of plain writes
+  (:func:`check_plain_target`, used by ``data export``).
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import stat
 import threading
 import time
 import uuid
@@ -95,13 +110,18 @@ SETTINGS: dict[str, tuple[float, bool, float, bool, str]] = {
     "MEMSIFTER_S3_ATTEMPTS": (4, True, 1, True, "tries per S3 request"),
     "MEMSIFTER_S3_CONNECT_TIMEOUT": (10, False, 0, False, "S3 connect timeout in seconds"),
     "MEMSIFTER_S3_REQUEST_TIMEOUT": (120, False, 0, False, "S3 request timeout in seconds"),
-    "MEMSIFTER_LEASE_TTL": (60, False, 0, False, "lease expiry in seconds"),
+    "MEMSIFTER_LEASE_TTL": (60, False, 5, True, "lease expiry in seconds"),
     "MEMSIFTER_LEASE_WAIT": (0, False, 0, True, "seconds to wait for a live lease"),
     "MEMSIFTER_MAX_INPUT_BYTES": (4 << 30, True, 1, True, "largest input file an import reads, in bytes "
                                   "after decompression"),
     "MEMSIFTER_VERIFY_BYTES": (1 << 30, True, 0, True, "largest published output whose files are checked "
                                "by sha256 (not only by size) before a re-run is skipped"),
+    "MEMSIFTER_MAX_TURN_BYTES": (1 << 20, True, 1, True, "largest turn (message) an import accepts, in "
+                                 "UTF-8 bytes"),
 }
+# Upper bounds (inclusive) of the settings that have one: a lease of 0.0001 s renews thousands of
+# times a second and one of 1e300 s overflows the heartbeat's wait (and never expires).
+MAXIMA: dict[str, float] = {"MEMSIFTER_LEASE_TTL": 86400}
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,12 +129,14 @@ def _parse_setting(name: str, raw: str) -> float:
     default, integer, low, inclusive, what = SETTINGS[name]
     if not raw.strip():
         return default
-    bound = f"{'>=' if inclusive else '>'} {low:g}"
+    high = MAXIMA.get(name)
+    bound = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
     try:
         value: float = int(raw) if integer else float(raw)
-    except ValueError:
+    except ValueError:   # not a number, or an integer over Python's digit limit
         value = float("nan")
-    if value != value or value in (float("inf"), float("-inf")) or not (value >= low if inclusive else value > low):
+    if value != value or value in (float("inf"), float("-inf")) or not (value >= low if inclusive else value > low) \
+            or (high is not None and value > high):
         raise ConfigError(f"environment {name}={raw!r}: expected {'an integer' if integer else 'a number'} "
                           f"{bound} ({what}; default {default:g})")
     return value
@@ -131,6 +153,7 @@ def check_env() -> None:
     stops the run with one line instead of failing part-way (a lease heartbeat, a retry loop)."""
     for name in SETTINGS:
         setting(name)
+    S3Settings.from_env()   # the endpoint (MEMSIFTER_S3_ENDPOINT / AWS_ENDPOINT_URL*) is checked too
 
 
 # Counters of what the retry layer did in this process (the fault tests print them).
@@ -144,6 +167,47 @@ def _count(key: str, n: int = 1) -> None:
 
 
 # --------------------------------------------------------------------------- filesystems
+_ENDPOINT_VARS = ("MEMSIFTER_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def _endpoint() -> tuple[str | None, str]:
+    """``(host[:port], scheme)`` of the S3 endpoint from the first variable of :data:`_ENDPOINT_VARS`
+    that is set (``(None, "https")`` for none); a value that is not ``http(s)://host[:port]`` is one
+    ConfigError naming the variable (``http://[::1``, ``ftp://...``, a path, a bad port)."""
+    name = next((n for n in _ENDPOINT_VARS if os.environ.get(n)), None)
+    if name is None:
+        return None, "https"
+    raw = os.environ[name].strip()
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"environment {name}={raw!r}: {why} (expected http://host[:port] or "
+                           f"https://host[:port])")
+    try:
+        p = urlparse(raw if "://" in raw else f"https://{raw}")
+        port = p.port   # parses the port: ValueError when it is not a number in range
+    except ValueError as e:
+        raise bad(f"not a valid URL ({e})") from None
+    if p.scheme not in ("http", "https"):
+        raise bad(f"unsupported scheme {p.scheme!r}")
+    if not p.hostname:
+        raise bad("no host")
+    if p.path not in ("", "/") or p.query or p.fragment or p.username or p.password:
+        raise bad("only a scheme, a host and a port are allowed")
+    del port
+    return p.netloc, p.scheme
+
+
+def _sdk_backoff(attempts: int) -> float:
+    """Worst-case sleep of the AWS SDK's standard retry strategy between ``attempts`` tries (about
+    1, 2, 4, ... s with jitter, each at most 20 s; measured against a silent endpoint)."""
+    return float(sum(min(20.0, 2.0 ** k) for k in range(max(0, attempts - 1))))
+
+
+# A request that meets a silent server lasts its timeout plus up to this (curl checks the transfer
+# rate once a second).
+_TIMER_SLACK = 1.0
+
+
 @dataclass(frozen=True)
 class S3Settings:
     endpoint: str | None
@@ -156,26 +220,38 @@ class S3Settings:
     connect_timeout: float = 10
     request_timeout: float = 120
 
+    @property
+    def worst(self) -> float:
+        """How long one SDK call can take against a store that accepts and never answers: every try
+        times out (connect + silence), with the SDK's backoff in between. :func:`retrying` starts an
+        attempt only when this much still fits in its budget."""
+        return (self.attempts * (self.connect_timeout + self.request_timeout + _TIMER_SLACK)
+                + _sdk_backoff(self.attempts))
+
     @classmethod
     def from_env(cls) -> "S3Settings":
-        raw = (os.environ.get("MEMSIFTER_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3")
-               or os.environ.get("AWS_ENDPOINT_URL") or "")
-        endpoint, scheme = None, "https"
-        if raw:
-            p = urlparse(raw if "://" in raw else f"https://{raw}")
-            endpoint, scheme = p.netloc, p.scheme or "https"
+        endpoint, scheme = _endpoint()
         attempts = int(setting("MEMSIFTER_S3_ATTEMPTS"))
         connect = float(setting("MEMSIFTER_S3_CONNECT_TIMEOUT"))
         request = float(setting("MEMSIFTER_S3_REQUEST_TIMEOUT"))
-        # One store operation is up to `attempts` SDK tries of (connect + request) seconds each: unless
-        # the user set the timeouts, fit them into the retry budget, so that a server that accepts and
-        # never answers fails the operation within MEMSIFTER_STORE_RETRY_SECONDS, as documented. (The
-        # request timeout is the SDK's read timeout: silence, not the length of a transfer.)
+        # What the user did not set of the SDK's tries and timeouts is fitted into half the retry
+        # budget: one SDK call that meets a server that accepts and never answers then ends within it
+        # (tries x (connect + silence) + the SDK's backoff), and retrying() never starts an attempt
+        # that would end past MEMSIFTER_STORE_RETRY_SECONDS: a failing operation is bounded by the
+        # budget, end to end. (The request timeout is the SDK's silence timeout, not the length of a
+        # transfer.)
         budget = float(setting("MEMSIFTER_STORE_RETRY_SECONDS"))
-        if "MEMSIFTER_S3_CONNECT_TIMEOUT" not in os.environ:
-            connect = min(connect, max(0.5, budget / attempts / 4))
-        if "MEMSIFTER_S3_REQUEST_TIMEOUT" not in os.environ:
-            request = min(request, max(1.0, budget / attempts - connect))
+        fit_n, fit_c, fit_r = (name not in os.environ for name in (
+            "MEMSIFTER_S3_ATTEMPTS", "MEMSIFTER_S3_CONNECT_TIMEOUT", "MEMSIFTER_S3_REQUEST_TIMEOUT"))
+        target = budget / 2
+        for n in range(attempts, 0, -1) if fit_n else (attempts,):   # what the user set is kept
+            c = min(connect, max(0.5, target / n / 4)) if fit_c else connect
+            per_try = (target - _sdk_backoff(n)) / n - _TIMER_SLACK - c
+            if per_try >= 1.0 or n == 1 or not fit_n:
+                attempts, connect = n, c
+                if fit_r:
+                    request = min(request, max(1.0, per_try))
+                break
         return cls(endpoint=endpoint, scheme=scheme,
                    region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
                    access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
@@ -207,10 +283,18 @@ def is_s3(uri: str) -> bool:
 
 
 def s3_path(uri: str) -> str:
-    """``bucket/key`` of an ``s3://`` URI; a URI without a bucket (``s3://``, ``s3:///x``) is refused."""
+    """``bucket/key`` of an ``s3://`` URI; a URI without a bucket (``s3://``, ``s3:///x``) is refused, and
+    so is a key with an empty, ``.`` or ``..`` segment (``s3://b//x``, ``s3://b/a/../x``): S3 keys are
+    not paths, so the server would not resolve them but deny or miss them, which reads as a
+    credentials problem or a missing object."""
     path = uri[len("s3://"):].rstrip("/")
     if not path or path.startswith("/") or not path.split("/", 1)[0].strip():
         raise StorageError(f"{uri}: no bucket name (expected s3://bucket/prefix)")
+    segs = path.split("/")[1:]
+    bad = next((seg for seg in segs if seg in ("", ".", "..")), None)
+    if bad is not None:
+        raise StorageError(f"{uri}: refused: {'an empty' if not bad else repr(bad)} path segment in the key "
+                           f"(S3 keys are not resolved like paths; write s3://bucket/a/b)")
     return path
 
 
@@ -271,17 +355,59 @@ def _transient(exc: BaseException) -> bool:
     return any(s in msg for s in _TRANSIENT) or bool(_HTTP_5XX.search(msg))
 
 
-def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
+# When retrying() last gave up on an object store (monotonic time) and its budget then, per endpoint:
+# for that budget, or until an operation on it succeeds, writes to it fail at once (retrying's ``write``).
+_gave_up_at: dict[str, tuple[float, float]] = {}
+
+
+def _store_key() -> str:
+    return _endpoint()[0] or "aws"
+
+
+def store_down(uri: str) -> bool:
+    """Whether :func:`retrying` gave up on the object store of ``uri`` (an ``s3://`` URI) less than
+    its ``MEMSIFTER_STORE_RETRY_SECONDS`` ago, with no operation on it succeeding since: cleanup after
+    a failure (abort, lease heartbeat and release) skips it."""
+    return is_s3(uri) and _store_given_up()
+
+
+def _store_given_up() -> bool:
+    if not _gave_up_at:
+        return False
+    at = _gave_up_at.get(_store_key())
+    return at is not None and time.monotonic() - at[0] < at[1]
+
+
+def retrying(fn: Callable[[], T], what: str, attempts: int | None = None, write: bool = False) -> T:
     """Run ``fn``, retrying transient store errors with capped exponential backoff, for at most
     ``attempts`` tries (default ``MEMSIFTER_STORE_ATTEMPTS``, 8, at least 1) and
     ``MEMSIFTER_STORE_RETRY_SECONDS`` (default 120 s, > 0); then one StorageError naming the
-    URI/operation, the attempts and the last error."""
+    URI/operation, the attempts and the last error.
+
+    The budget bounds the whole operation, not only when the last attempt starts: an attempt is
+    started only while one more attempt as long as the longest so far -- and on an object store
+    (``what`` names an ``s3://`` URI) as long as one SDK call that meets a silent store
+    (:attr:`S3Settings.worst`, fitted into half the budget) -- still fits, so a store that accepts
+    and never answers fails the operation within the budget (give or take the SDK's timer slack).
+    ``write``: once retrying gave up on a store, writes to it fail at once for one budget or until an
+    operation on it succeeds (the failure's cleanup -- aborting the staging, the failure record --
+    must not each wait out another budget); reads are still tried (the store may be back)."""
     attempts = max(1, attempts or int(setting("MEMSIFTER_STORE_ATTEMPTS")))
     budget = float(setting("MEMSIFTER_STORE_RETRY_SECONDS"))
+    on_s3 = "s3://" in what
+    if on_s3 and write and _store_given_up():
+        raise StorageError(f"{what}: object store unavailable (gave up on it "
+                           f"{time.monotonic() - _gave_up_at[_store_key()][0]:.0f}s ago); not retried")
+    worst = S3Settings.from_env().worst if on_s3 else 0.0
     t0 = time.monotonic()
+    longest = 0.0
     for i in range(attempts):
+        t_try = time.monotonic()
         try:
-            return fn()
+            out = fn()
+            if on_s3 and _gave_up_at:   # the store answers again
+                _gave_up_at.pop(_store_key(), None)
+            return out
         except FileNotFoundError as e:
             raise StorageError(f"{what}: not found") from e
         except PermissionError as e:
@@ -293,13 +419,16 @@ def retrying(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
             if _transient(e):
                 wait = min(0.5 * 2 ** i, 8.0)
                 spent = time.monotonic() - t0
-                if i + 1 < attempts and spent + wait <= budget:
+                longest = max(longest, time.monotonic() - t_try)
+                if i + 1 < attempts and spent + wait + max(worst, longest) <= budget:
                     _count("retries")
                     log.warning("%s: transient store error (attempt %d/%d), retrying in %.1fs: %s", what,
                                 i + 1, attempts, wait, msg.splitlines()[0] if msg else type(e).__name__)
                     time.sleep(wait)
                     continue
                 _count("gave_up")
+                if on_s3:
+                    _gave_up_at[_store_key()] = (time.monotonic(), budget)
                 raise StorageError(f"{what}: object store unavailable: gave up after {i + 1} attempt(s) over "
                                    f"{spent:.0f}s (each with the S3 client's own retries); last error: "
                                    f"{msg.splitlines()[0] if msg else type(e).__name__}") from e
@@ -402,16 +531,64 @@ def read_text(uri: str) -> str:
     return read_bytes(uri).decode("utf-8")
 
 
+# --------------------------------------------------------------------------- no write through a link
+# Local output prefixes of this process (absolute paths): below them, writes, moves and deletes never
+# follow a symlink (a link ``<out>/sub -> /elsewhere`` plus a journal listing ``sub/y.txt`` would
+# otherwise write /elsewhere/y.txt). Registered by Publication, roll_forward and the lease.
+_guarded: set[str] = set()
+_guard_lock = threading.Lock()
+
+
+def guard_prefix(uri: str) -> None:
+    """Mark a local output prefix: from now on this process refuses any write, move or delete whose
+    path, below it, passes through a symlink (:func:`check_no_symlink`). No-op for ``s3://``."""
+    if is_s3(uri):
+        return
+    _, path = resolve(uri)
+    with _guard_lock:
+        _guarded.add(path.rstrip(os.sep) or os.sep)
+
+
+def _guard_of(path: str) -> str | None:
+    with _guard_lock:
+        roots = [r for r in _guarded if path == r or path.startswith(r.rstrip(os.sep) + os.sep)]
+    return max(roots, key=len) if roots else None
+
+
+def check_no_symlink(path: str) -> None:
+    """Refuse (StorageError naming the link) a local ``path`` that, below a guarded output prefix
+    (:func:`guard_prefix`), is or passes through a symlink: each component is checked with
+    ``os.lstat``. The prefix itself, and what lies above it, may be links (the user chose them)."""
+    root = _guard_of(path)
+    if root is None:
+        return
+    cur = root
+    for part in path[len(root):].split(os.sep):
+        if not part:
+            continue
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except OSError:   # not there (yet): nothing below it can be a link
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise StorageError(f"{cur}: a symlink inside the output {root}: refused (writes, moves and "
+                               f"deletes below an output never follow a link); remove the link")
+
+
 def write_bytes(uri: str, data: bytes) -> None:
     fs, path = resolve(uri)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    if local:
+        check_no_symlink(path)
 
     def _write() -> None:
-        parent = path.rsplit("/", 1)[0]
-        if isinstance(fs, pafs.LocalFileSystem):
-            fs.create_dir(parent, recursive=True)
-        with fs.open_output_stream(path) as f:
+        if local:
+            check_no_symlink(path)   # again, right before the write (each retry)
+            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:   # (pyarrow compresses *.gz etc. by extension)
             f.write(data)
-    retrying(_write, uri)
+    retrying(_write, uri, write=True)
     faults.checkpoint("write")
 
 
@@ -421,22 +598,37 @@ def write_atomic(uri: str, data: bytes) -> None:
         write_bytes(uri, data)
         return
     _, path = resolve(uri)
+    check_no_symlink(path)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     write_bytes(tmp, data)
     os.replace(tmp, path)
 
 
 def delete(uri: str) -> None:
-    """Delete a file or a whole prefix; missing is fine."""
+    """Delete a file or a whole prefix; missing is fine. Locally a link inside the deleted tree is
+    removed, never followed (below a guarded output, a path through a link is refused)."""
     fs, path = resolve(uri)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    if local:
+        check_no_symlink(path)
 
     def _del() -> None:
+        if local:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            return
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.Directory:
             fs.delete_dir(path)
         elif info.type == pafs.FileType.File:
             fs.delete_file(path)
-    retrying(_del, uri)
+    retrying(_del, uri, write=True)
 
 
 def list_files(uri: str, recursive: bool = True) -> list[str]:
@@ -487,6 +679,9 @@ def copy_file(src: str, dst: str, chunk: int = 8 << 20) -> tuple[int, str]:
     """Stream-copy one file between any two URIs; returns (bytes, sha256)."""
     sfs, spath = resolve(src)
     dfs, dpath = resolve(dst)
+    if isinstance(dfs, pafs.LocalFileSystem):
+        check_no_symlink(dpath)
+        check_no_symlink(dpath + ".part")
 
     def _copy() -> tuple[int, str]:
         if isinstance(dfs, pafs.LocalFileSystem):
@@ -504,7 +699,7 @@ def copy_file(src: str, dst: str, chunk: int = 8 << 20) -> tuple[int, str]:
         if tmp != dpath:
             os.replace(tmp, dpath)
         return n, h.hexdigest()
-    n, sha = retrying(_copy, f"copy {src} -> {dst}")
+    n, sha = retrying(_copy, f"copy {src} -> {dst}", write=is_s3(dst))
     if src.rstrip("/") in _expected:
         _check_expected(src, n, sha)
     faults.checkpoint("write")
@@ -670,6 +865,37 @@ def published_ancestor(uri: str) -> str | None:
     """The published (or being published) prefix that ``uri`` lies in or is, if any: the nearest of
     ``uri`` and its parents holding ``_SUCCESS`` or ``_PUBLISHING``. Writers of loose files (``data
     export``) refuse such destinations: they would change a publication behind its manifest."""
+    return _marked_ancestor(uri, (MANIFEST, JOURNAL))
+
+
+LEASE_NAME = "_LEASE"   # memsifter.lease.LEASE (the lease module imports this one)
+# Names that only memsifter writes, in any prefix: a plain write (``data export``) never targets them.
+CONTROL_NAMES = (MANIFEST, JOURNAL, LEASE_NAME, STAGING, WORK, "_run")
+
+
+def check_plain_target(uri: str) -> None:
+    """Refuse (StorageError, one line) a destination of a write that is not a publication (``data
+    export``): a control file or folder (``_SUCCESS``, ``_PUBLISHING``, ``_LEASE``, ``_staging/``,
+    ``_work/``, ``_run/``: anywhere in the path), a path inside a published (or being published)
+    prefix, or inside a prefix a run holds (``_LEASE``: a stage is writing it)."""
+    segs = s3_path(uri).split("/")[1:] if is_s3(uri) else resolve(uri)[1].split(os.sep)
+    for seg in segs:
+        if seg in CONTROL_NAMES:
+            raise StorageError(f"{uri}: '{seg}' is a memsifter control "
+                               f"{'file' if seg in (MANIFEST, JOURNAL, LEASE_NAME) else 'folder'} (publication, "
+                               f"lease or scratch): not a target of a plain write; choose another destination")
+    inside = published_ancestor(uri)
+    if inside is not None:
+        raise StorageError(f"{uri}: inside the published output {inside}: writing there would change "
+                           f"published files behind its manifest; export to another location")
+    held = _marked_ancestor(uri, (LEASE_NAME,))
+    if held is not None:
+        raise StorageError(f"{uri}: inside {held}, which a run is writing (it holds {held}/{LEASE_NAME}); "
+                           f"export to another location")
+
+
+def _marked_ancestor(uri: str, markers: tuple[str, ...]) -> str | None:
+    """The nearest of ``uri`` and its parents that holds one of ``markers``, if any."""
     if is_s3(uri):
         segs = s3_path(uri).split("/")
         cands = ["s3://" + "/".join(segs[:i]) for i in range(len(segs), 0, -1)]
@@ -683,7 +909,7 @@ def published_ancestor(uri: str) -> str | None:
                 break
             cur = parent
     for cand in cands:
-        for marker in (MANIFEST, JOURNAL):
+        for marker in markers:
             m = f"{cand.rstrip('/')}/{marker}"
             if not is_s3(m) and not os.path.lexists(m):
                 continue
@@ -733,6 +959,7 @@ class Publication:
         self.stats: dict[str, Any] = {}
         self.inputs: dict[str, Any] = {}   # fingerprints of the inputs this output was built from
         self.started = utcnow()
+        guard_prefix(self.uri)
         ensure_bucket(self.uri)
 
     @property
@@ -786,7 +1013,7 @@ class Publication:
         return _complete(self.uri, manifest)
 
     def abort(self) -> None:
-        if getattr(self, "journalled", False):
+        if getattr(self, "journalled", False) or store_down(self.uri):   # a store given up on: not again
             return
         with contextlib.suppress(Exception):
             delete(self.staging)
@@ -816,20 +1043,27 @@ def _complete(uri: str, manifest: dict) -> dict:
     cannot move a file outside its prefix)."""
     fs, root = resolve(uri)
     local = isinstance(fs, pafs.LocalFileSystem)
+    guard_prefix(uri)
     moves = [(resolve(join(uri, STAGING, manifest["attempt"], name))[1], resolve(join(uri, name))[1], meta)
              for name, meta in manifest["files"].items()]    # all keys checked before anything moves
+    if local:   # and no move goes through a symlink, checked before anything changes
+        for src, dst, _ in moves:
+            check_no_symlink(src)
+            check_no_symlink(dst)
     delete(join(uri, MANIFEST))
     for src, dst, meta in moves:
         shown = dst if local else f"s3://{dst}"
 
         def _move(s: str = src, d: str = dst) -> None:
             if local:
+                check_no_symlink(s)   # again, right before the move (a link planted meanwhile)
+                check_no_symlink(d)
                 os.makedirs(os.path.dirname(d), exist_ok=True)
                 os.replace(s, d)
             else:
                 fs.move(s, d)
         try:
-            retrying(_move, f"publish {shown}")
+            retrying(_move, f"publish {shown}", write=True)
         except StorageError:
             # already moved by an earlier attempt (a crash, or a move whose reply was lost)?
             if not _file_matches(fs, dst, shown, meta):
@@ -851,6 +1085,7 @@ def roll_forward(uri: str, stage: str, config_hash: str, inputs: dict) -> dict |
     every file is staged or already in place (checked by sha256); else drop the journal (the stage
     runs again; a journal with an unsafe key is named in a warning) and return None."""
     j_uri = join(uri, JOURNAL)
+    guard_prefix(uri)
     if not exists(j_uri):
         return None
     try:

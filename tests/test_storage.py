@@ -169,7 +169,12 @@ def test_store_errors_are_classified():
 
 
 def test_retries_are_bounded_by_time_and_name_the_uri(monkeypatch):
-    monkeypatch.setenv("MEMSIFTER_STORE_RETRY_SECONDS", "1.6")
+    # A new attempt starts only while one more attempt that meets a silent store still fits the budget
+    # (issue 30): short S3 timeouts (one SDK call: 1 x (0.1 + 0.1 + 1 s timer slack)) leave room for 3.
+    monkeypatch.setenv("MEMSIFTER_STORE_RETRY_SECONDS", "3")
+    for k, v in (("MEMSIFTER_S3_CONNECT_TIMEOUT", "0.1"), ("MEMSIFTER_S3_REQUEST_TIMEOUT", "0.1"),
+                 ("MEMSIFTER_S3_ATTEMPTS", "1")):
+        monkeypatch.setenv(k, v)
     calls = {"n": 0}
 
     def down():
@@ -178,6 +183,7 @@ def test_retries_are_bounded_by_time_and_name_the_uri(monkeypatch):
     t0 = __import__("time").time()
     with pytest.raises(StorageError, match=r"s3://b/k: object store unavailable: gave up after 3 attempt\(s\)"):
         storage.retrying(down, "s3://b/k")
+    storage._gave_up_at.clear()
     assert calls["n"] == 3 and __import__("time").time() - t0 < 3
 
 

@@ -55,8 +55,11 @@ bad input raises :class:`~memsifter.errors.InputError` naming file, item and fie
 
 Bounds: a source file is read up to ``MEMSIFTER_MAX_INPUT_BYTES`` (default 4 GiB) *after
 decompression* (``.gz`` by extension or by magic bytes; counted while inflating, so a small file that
-inflates without bound stops early with one line naming the file); JSON nested deeper than the parser
-allows (orjson: 1024 levels) is one line naming the file, never a RecursionError.
+inflates without bound stops early with one line naming the file; streamed into one buffer, never held
+twice); JSON nested deeper than the parser allows (orjson: 1024 levels) is one line naming the file,
+never a RecursionError; an integer literal over Python's 4300-digit limit is one line naming file, item
+and field; a turn (message) over ``MEMSIFTER_MAX_TURN_BYTES`` (default 1 MiB of UTF-8) stops the import
+with one line naming file, item and field (:func:`check_turn_size`).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from collections import Counter
 from typing import Any, Callable, Literal
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import Field
 from tqdm import tqdm
@@ -123,26 +127,131 @@ def _too_large(uri: str, cap: int) -> InputError:
                       file=uri)
 
 
-def _read_raw(uri: str) -> bytes:
-    """A source file's bytes, gunzipped, at most ``MEMSIFTER_MAX_INPUT_BYTES`` of them."""
+_CHUNK = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _read_raw(uri: str) -> bytearray:
+    """A source file's bytes, gunzipped, at most ``MEMSIFTER_MAX_INPUT_BYTES`` of them.
+
+    Streamed: the file is read (decompressed by pyarrow by extension, ``.gz``/``.bz2``/``.zst``, then
+    gunzipped when what it reads starts with the gzip magic bytes) in 1 MiB chunks into one buffer,
+    which is all that is held; the cap is checked after each chunk, so a small file that inflates
+    without bound stops early, and nothing is buffered twice (no list of chunks joined at the end, no
+    compressed copy next to the decompressed one)."""
     cap = int(storage.setting("MEMSIFTER_MAX_INPUT_BYTES"))
-    try:
-        data = storage.read_bytes(uri, limit=cap)  # pyarrow already decompresses *.gz by extension
-    except storage.TooLargeError:
-        raise _too_large(uri, cap) from None
-    if data[:2] == b"\x1f\x8b":
-        parts, n = [], 0
-        try:
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-                while chunk := f.read(8 << 20):
-                    n += len(chunk)
-                    if n > cap:
+    fs, path = storage.resolve(uri)
+
+    def _read() -> bytearray:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        if info.type == pafs.FileType.Directory:
+            raise StorageError(f"{uri}: is a directory, expected a file")
+        buf = bytearray()
+        with fs.open_input_stream(path) as raw:   # pyarrow inflates *.gz/*.bz2/*.zst by extension
+            first = raw.read(_CHUNK)
+            while 0 < len(first) < 2:   # a stream may answer short reads: the magic needs 2 bytes
+                more = raw.read(_CHUNK)
+                if not more:
+                    break
+                first += more
+            try:
+                if first[:2] == _GZIP_MAGIC:
+                    with gzip.GzipFile(fileobj=_Prepended(first, raw)) as f:
+                        _fill(buf, f, cap, uri)
+                else:
+                    buf += first
+                    if len(buf) > cap:
                         raise _too_large(uri, cap)
-                    parts.append(chunk)
-        except (OSError, EOFError, zlib.error) as e:
-            raise InputError(f"not a valid gzip file ({e})", file=uri) from e
-        data = b"".join(parts)
-    return data
+                    _fill(buf, raw, cap, uri)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+                raise InputError(f"not a valid gzip file ({e})", file=uri) from e
+        return buf
+    return storage.retrying(_read, uri)
+
+
+class _Prepended:
+    """A read-only stream: ``head`` (already read) then the rest of ``rest``."""
+
+    def __init__(self, head: bytes, rest: Any):
+        self._head, self._rest = head, rest
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            if n is None or n < 0:
+                out, self._head = self._head + self._rest.read(), b""
+                return out
+            out, self._head = self._head[:n], self._head[n:]
+            return out
+        return self._rest.read() if n is None or n < 0 else self._rest.read(n)
+
+
+def _fill(buf: bytearray, f: Any, cap: int, uri: str) -> None:
+    while chunk := f.read(_CHUNK):
+        if len(buf) + len(chunk) > cap:
+            raise _too_large(uri, cap)
+        buf += chunk
+
+
+_MAX_INT_DIGITS = 4300   # Python's int <-> str limit (sys.get_int_max_str_digits)
+
+
+class _HugeInt(Exception):
+    """An integer literal longer than Python converts (raised by :func:`_parse_int`)."""
+
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > _MAX_INT_DIGITS:
+        raise _HugeInt(digits)
+    return int(text)
+
+
+_STRICT_DECODER = json.JSONDecoder(parse_int=_parse_int)
+
+
+def _huge_int_error(text: str, uri: str, *, what: str | None, id_key: str, digits: int,
+                    item: str | None = None) -> InputError:
+    """One line for an integer of more than 4300 digits: the file, the list item that holds it (for a
+    JSON list of ``what``) and the key whose value it is."""
+    m = re.search(r'"((?:[^"\\]|\\.){0,200})"\s*:\s*-?\d{%d,}' % (_MAX_INT_DIGITS + 1), text)
+    field = m.group(1) if m else None
+    if item is None and what:
+        pos = m.start() if m else -1
+        item = _list_item_at(text, pos, what, id_key) if pos >= 0 else None
+    return InputError(f"an integer of {digits} digits (more than {_MAX_INT_DIGITS}): too long to read; write "
+                      f"ids as strings", file=uri, item=item, field=field)
+
+
+def _list_item_at(text: str, pos: int, what: str, id_key: str) -> str | None:
+    """``"{what} #i ('id')"``: the item of the JSON list ``text`` that spans character ``pos``."""
+    i = _WS.match(text, 0).end()
+    if i >= len(text) or text[i] != "[":
+        return None
+    i = _WS.match(text, i + 1).end()
+    idx = 0
+    while i < len(text):
+        start = i
+        try:
+            obj, i = _STRICT_DECODER.raw_decode(text, i)
+        except _HugeInt:
+            obj, i = None, len(text)
+        except ValueError:
+            return None
+        if start <= pos < i:
+            ident = obj.get(id_key) if isinstance(obj, dict) else _guess_id(text, start, len(text), id_key)
+            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+        i = _WS.match(text, i).end()
+        if i >= len(text) or text[i] != ",":
+            return None
+        i = _WS.match(text, i + 1).end()
+        idx += 1
+    return None
 
 
 def _too_deep(uri: str, item: str | None = None) -> InputError:
@@ -164,7 +273,7 @@ def _item_at(data: bytes, byte: int, what: str, id_key: str) -> str | None:
     """Which item of a JSON list holds byte ``byte`` (the file decoded with replacement characters)."""
     text = data.decode("utf-8-sig", errors="replace")
     pos = len(data[:byte].decode("utf-8-sig", errors="replace"))
-    dec = json.JSONDecoder()
+    dec = _STRICT_DECODER
     i = _WS.match(text, 0).end()
     if i >= len(text) or text[i] != "[":
         return None
@@ -174,7 +283,7 @@ def _item_at(data: bytes, byte: int, what: str, id_key: str) -> str | None:
         start = i
         try:
             obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (ValueError, _HugeInt):
             return None
         if start <= pos < i:
             ident = obj.get(id_key) if isinstance(obj, dict) else None
@@ -221,9 +330,11 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
             raise _too_deep(uri) from None
         text = _text(data, uri, what=what, id_key=id_key)
         try:  # what orjson refuses (a BOM, huge integers) the stdlib may still read
-            obj = json.loads(text)
+            obj = _STRICT_DECODER.decode(text)
         except RecursionError:
             raise _too_deep(uri) from None
+        except _HugeInt as e:
+            raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.digits) from None
         except ValueError:
             try:
                 _locate_json_error(text, uri, what=what, id_key=id_key)
@@ -237,7 +348,7 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
 
 def _locate_json_error(text: str, uri: str, *, what: str, id_key: str) -> None:
     """Re-parse item by item with the stdlib decoder to say where the JSON is broken."""
-    dec = json.JSONDecoder()
+    dec = _STRICT_DECODER
     n = len(text)
     pos = _WS.match(text, 0).end()
     if pos >= n:
@@ -257,6 +368,8 @@ def _locate_json_error(text: str, uri: str, *, what: str, id_key: str) -> None:
             start = pos
             try:
                 obj, pos = dec.raw_decode(text, pos)
+            except _HugeInt as e:
+                raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.digits) from None
             except json.JSONDecodeError as e:
                 ident = _guess_id(text, start, e.pos, id_key)
                 item = f"{what} #{idx}" + (f" ('{ident}')" if ident else "")
@@ -297,7 +410,20 @@ def _turn(t: Any, *, uri: str, item: str, field: str) -> dict:
                              field=f"{field}.{k}")
     check_role(t["role"], file=uri, item=item, field=f"{field}.role")
     check_text(t["content"], file=uri, item=item, field=f"{field}.content")
+    check_turn_size(t["content"], file=uri, item=item, field=f"{field}.content")
     return {"role": t["role"], "content": t["content"]}
+
+
+def check_turn_size(text: str, *, file: str, item: str | None, field: str) -> None:
+    """Refuse a turn longer than ``MEMSIFTER_MAX_TURN_BYTES`` (UTF-8 bytes, default 1 MiB) at import:
+    a 50 MB message would otherwise pass the import and blow up rendering and ranking later."""
+    cap = int(storage.setting("MEMSIFTER_MAX_TURN_BYTES"))
+    if len(text) * 4 <= cap:   # no UTF-8 character is longer than 4 bytes: surely under the cap
+        return
+    n = len(text.encode("utf-8", errors="surrogatepass"))
+    if n > cap:
+        raise InputError(f"a turn of {n} bytes: over the per-turn cap (MEMSIFTER_MAX_TURN_BYTES={cap}); raise it "
+                         f"if turns this long are meant to be there", file=file, item=item, field=field)
 
 
 def _opt_str(obj: dict, key: str, *, uri: str, item: str) -> str | None:
@@ -467,6 +593,7 @@ def convert_locomo(uri: str, dataset: str | None = None, on_bad_evidence: str = 
                 if t.get("blip_caption"):
                     text = f"{text} [shares image: {t['blip_caption']}]"
                     st["image_turns"] += 1
+                check_turn_size(text, file=uri, item=citem, field=f"{f}.text")
                 turns.append({"role": speaker, "content": text})
                 pairs, _ = normalise_evidence(str(t.get("dia_id", "")))
                 dia.update(tt for ss, tt in pairs if ss == n)
@@ -616,9 +743,11 @@ def _load_personamem_contexts(uri: str) -> dict[str, list[dict]]:
             if "recursion" in str(e).lower():
                 raise _too_deep(uri, item) from None
             try:
-                json.loads(line)
+                _STRICT_DECODER.decode(line)
             except RecursionError:
                 raise _too_deep(uri, item) from None
+            except _HugeInt as e:
+                raise _huge_int_error(line, uri, what=None, id_key="", digits=e.digits, item=item) from None
             except json.JSONDecodeError as e:
                 kind = _json_error_kind(e, len(line))
                 raise InputError(f"{kind} at line {ln} column {e.colno}: {e.msg}", file=uri, item=item) from e
@@ -929,12 +1058,11 @@ def export_memsifter(src_uri: str, dest_uri: str) -> int:
     ``haystack_session_ids``, each a list of ``{role, content}`` turns.
 
     A destination inside a published prefix (one holding ``_SUCCESS`` or ``_PUBLISHING``, the source's
-    included) is refused: the file would change a publication behind its manifest.
+    included) is refused: the file would change a publication behind its manifest; so are control files
+    and folders (``_LEASE``, ``_SUCCESS``, ``_PUBLISHING``, ``_staging/``, ``_work/``, ``_run/``) and a
+    prefix a run holds (:func:`memsifter.storage.check_plain_target`).
     """
-    inside = storage.published_ancestor(dest_uri)
-    if inside is not None:
-        raise StorageError(f"{dest_uri}: inside the published output {inside}: writing there would "
-                           f"change published files behind its manifest; export to another location")
+    storage.check_plain_target(dest_uri)
     ds = read_dataset(src_uri)
     qt = ds.questions_table()
     hs, dates = [], []
