@@ -24,7 +24,7 @@ import yaml
 
 from memsifter import stage as stg
 from memsifter.k8s import registry
-from memsifter.k8s.dev import chart, validate
+from memsifter.k8s.dev import chart, scenarios, validate
 from memsifter.k8s.dev.tools import ToolError, helm
 
 CHART = chart.CHART_DIR
@@ -93,7 +93,8 @@ def test_chart_generated_from_registry(infos):
     facts = json.loads((CHART / "files" / "stages.json").read_text())
     assert list(facts) == stg.available_stages()
     for i in infos:
-        assert (facts[i.name]["family"], facts[i.name]["needs"], facts[i.name]["inputs"]) == (i.family, i.needs, i.inputs)
+        assert (facts[i.name]["family"], facts[i.name]["needs"], facts[i.name]["inputs"], facts[i.name]["wiring"]) == \
+            (i.family, i.needs, i.inputs, i.wiring)
 
 
 def test_chart_sizes_within_targets():
@@ -186,8 +187,10 @@ def test_every_family_has_an_image(infos):
 def test_scenarios_cover_all_stages(infos):
     sets = chart.scenario_sets(infos)
     names = {i.name for i in infos}
-    assert sets["full"] == names
-    assert sets["inference-only"] | sets["training-only"] == names
+    # full: every stage but the alternatives the pipeline refuses to run together (import and synth)
+    assert sets["full"] == scenarios.without_refused(infos, names) and names - sets["full"]
+    assert sets["inference-only"] | sets["training-only"] == sets["full"]
+    assert set().union(*sets.values()) == names, "every stage is in some scenario"
     assert not sets["inference-only"] & sets["training-only"]
     assert all(not i.capacity and i.gpus == 0 for i in infos if i.name in sets["minimal-cpu"])
     assert {p.stem for p in SCENARIOS} == set(sets)
@@ -200,7 +203,7 @@ def test_values_defaults_are_valid_stage_configs(infos):
     import json
 
     plan = json.loads(next(d for d in docs if d["kind"] == "ConfigMap" and "plan.json" in d["data"])["data"]["plan.json"])
-    assert {s["name"] for s in plan["stages"]} == {i.name for i in infos}
+    assert {s["name"] for s in plan["stages"]} == chart.scenario_sets(infos)["full"]
     for s in plan["stages"]:
         cfg = stg.validate_config(s["name"], s["config"], source="chart")
         assert cfg.output == f"s3://memsifter-ci/runs/ci-full/{s['name']}"
@@ -212,9 +215,8 @@ def test_inputs_wired_to_producer_outputs(infos):
     for rj in rayjobs_of(docs):
         name = rj["metadata"]["labels"]["memsifter.io/stage"]
         cfg = config_of(docs, rj)
-        for field, producer in by[name].inputs.items():
-            want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in (producer if isinstance(producer, list)
-                                                                     else [producer])]
+        for field, wiring in by[name].wiring.items():   # every producer is enabled but alternatives
+            want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in registry.preferred(wiring)]
             got = cfg[field] if isinstance(cfg[field], list) else [cfg[field]]
             assert got == want, (name, field)
 
@@ -430,12 +432,24 @@ def test_network_policy_optional_and_covers_every_pod(rendered):
     assert "namespaceSelector" in ingress[1]["from"][0]
 
 
+def given_inputs(info) -> list[str]:
+    """`--set` pairs naming an earlier run's outputs for the inputs of a stage enabled alone that the chart
+    cannot wire (required, and no producer enabled: the chart refuses that, as `memsifter pipeline` does)."""
+    out = []
+    for f, w in info.wiring.items():
+        if isinstance(w["cases"][""], str):
+            uri = f"s3://my-bucket/runs/earlier/{w['from'][0]}"
+            out.append(f"stages.{info.name}.config.{f}=" + (f"{{{uri}}}" if w["list"] else uri))
+    return out
+
+
 def test_rayjob_names_run_scoped_and_short(infos):
-    longest = max(infos, key=lambda i: len(i.name)).name
+    longest_info = max(infos, key=lambda i: len(i.name))
+    longest = longest_info.name
     names = set()
     for release, run_id in [("memsifter", ""), ("a-very-long-release-name-for-a-team", "2026-11-22-ablation-b"),
                             ("r", "x" * 40), ("9lives", "")]:
-        sets = [f"stages.{longest}.enabled=true", "driver.enabled=false"]
+        sets = [f"stages.{longest}.enabled=true", "driver.enabled=false", *given_inputs(longest_info)]
         if run_id:
             sets.append(f"run.id={run_id}")
         args = ["template", release, str(CHART), "--show-only", "templates/rayjobs.yaml"]
@@ -463,8 +477,9 @@ def _train_info(infos):
 def test_training_group_autoscales_to_nnodes(infos):
     info = _train_info(infos)
     nodes_f, gpn_f = info.capacity["nodes"], info.capacity["gpusPerNode"]
+    alone = [f"stages.{info.name}.enabled=true", *given_inputs(info)]
     docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
-                             [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{nodes_f}=3",
+                             [*alone, f"stages.{info.name}.config.{nodes_f}=3",
                               f"stages.{info.name}.config.{gpn_f}=4", f"stages.{info.name}.workers.gpus=4"],
                              show_only="templates/rayjobs.yaml")
     (rj,) = docs
@@ -477,15 +492,13 @@ def test_training_group_autoscales_to_nnodes(infos):
     assert words[:9] == ["memsifter", "k8s", "await-capacity", "--nodes", "3", "--gpus-per-node", "4",
                          "--timeout", words[8]]
     # the worker group follows the config's GPUs per node unless set
-    (rj,) = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
-                              [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{gpn_f}=4"],
+    (rj,) = chart.render_docs([chart.JOBS_DIR / "values.yaml"], [*alone, f"stages.{info.name}.config.{gpn_f}=4"],
                               show_only="templates/rayjobs.yaml")
     (wg,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     # a worker pod must be a whole training node
     with pytest.raises(ToolError, match="must equal"):
-        chart.render([chart.JOBS_DIR / "values.yaml"], [f"stages.{info.name}.enabled=true",
-                                                        f"stages.{info.name}.workers.gpus=2"])
+        chart.render([chart.JOBS_DIR / "values.yaml"], [*alone, f"stages.{info.name}.workers.gpus=2"])
 
 
 @pytest.mark.parametrize("nnodes", [1, 2, 4])
@@ -515,7 +528,8 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
         pytest.skip(f"{info.name} has no placement_request()")
     nodes_f = info.capacity["nodes"]
     docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
-                             [f"stages.{info.name}.enabled=true", f"stages.{info.name}.config.{nodes_f}={nnodes}"],
+                             [f"stages.{info.name}.enabled=true", *given_inputs(info),
+                              f"stages.{info.name}.config.{nodes_f}={nnodes}"],
                              show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
     (rj,) = [d for d in docs if d["kind"] == "RayJob"]
     cfg = stg.validate_config(info.name, config_of(docs, rj))

@@ -5,27 +5,29 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from memsifter.k8s import registry
-from memsifter.stage import Stage, StageConfig, uri_field
+from memsifter.stage import StageConfig
 
 
-class Cfg(StageConfig):
-    dataset: str = uri_field("published dataset", stage=("import", "synth"))
-    sims: list[str] = uri_field("similarity order", [], stage="embed")
-    ranks: list[str] = uri_field("rankings to score", [], stage=("embed", "rank"), wire="all")
-    previous: list[str] = uri_field("rankings of an earlier ranker", [], stage="rank", wire="none")
-    best: str | None = uri_field("the best rankings at hand", None, stage=("rank", "embed"))
-    prompt: str | None = uri_field("prompt template file", None)
-    source: str = uri_field("a raw file the user names")
-
-
-def test_wiring_is_read_from_the_declarations():
-    st = Stage("x", Cfg, lambda c, o: {}, "chat", "x", module="x")
-    wired, unwired = registry.wire_inputs(st, ["import", "synth", "embed", "rank"])
-    assert wired == {"dataset": "import", "sims": ["embed"], "ranks": ["embed", "rank"], "best": "rank"}
-    assert unwired == ["source"]
-    # only producers among the needs are wired (a producer that runs later is an earlier run's output)
-    wired, _ = registry.wire_inputs(st, ["import", "embed"])
-    assert wired == {"dataset": "import", "sims": ["embed"], "ranks": ["embed"], "best": "embed"}
+def test_wiring_table_is_what_the_pipeline_does():
+    """files/stages.json's wiring comes from memsifter.pipeline.wire, per set of enabled producers: the first
+    producer that runs, every one for wire="all", nothing from a stage that does not run, a refusal (the
+    chart's one-line message) for two alternatives or for a required input that nobody produces."""
+    infos = {i.name: i for i in registry.stage_infos()}
+    ev = infos["evaluate"].wiring
+    assert ev["rankings"] == {"from": ["embed", "rank"], "list": True, "cases": {
+        "": [], "embed": ["embed"], "rank": ["rank"], "embed,rank": ["embed", "rank"]}}
+    assert ev["answers"]["cases"] == {"": [], "chat": ["chat"]}
+    emb = infos["embed"].wiring["input"]
+    assert emb["from"] == ["import", "synth"] and emb["cases"]["import"] == ["import"]
+    assert emb["cases"]["synth"] == ["synth"]
+    assert "stages.embed.config.input could read the output of import or of synth" in emb["cases"]["import,synth"]
+    assert "stages.embed needs the output of import or synth" in emb["cases"][""]
+    assert infos["chat"].wiring["rankings"]["cases"]["rank,embed"] == ["rank"]   # rank's if there, else embed's
+    # wire="none" fields are never filled; a producer that runs later (collect for train) is not a candidate
+    assert "compare" not in infos["chat"].wiring and "init_adapter" not in infos["train"].wiring
+    # inputs: what each field reads when all its producers could run (the chart README's summary)
+    assert infos["evaluate"].inputs == {"input": "import", "rankings": ["embed", "rank"], "answers": ["chat"]}
+    assert infos["import"].unwired == ["source"]
 
 
 class Inner(BaseModel):

@@ -16,8 +16,9 @@ the driver:
    and how to read its logs.
 
 After every transition the run manifest (``<run root>/_run/manifest.json``) is rewritten, so progress
-is visible in S3 while the run goes on. Exit status: 0 when every stage succeeded or was skipped, 1 when
-a stage failed.
+is visible in S3 while the run goes on; at the start the driver also writes ``<run root>/_run/plan.json``,
+the record ``memsifter status`` reads (as ``memsifter pipeline`` does). Exit status: 0 when every stage
+succeeded or was skipped, 1 when a stage failed.
 
 Backends: :class:`KubernetesBackend` (the ``kubernetes`` client, CustomObjects API, only ``rayjobs``
 in one namespace: what the chart's Role grants; the config ConfigMaps are created by helm) and
@@ -321,16 +322,13 @@ def published_hash(stage: StagePlan) -> tuple[bool, str]:
         st = stg.get_stage(stage.name)
         cfg = stg.validate_config(stage.name, stage.config, source="plan")
         want = stg.config_hash(cfg)
-        if hasattr(st, "published"):
-            if st.published(cfg):
-                return True, f"published with the same config (hash {want}) and inputs"
-            if manifest.get("config_hash") == want:
-                return False, "published with the same config, but an input changed since"
+        if st.published(cfg):
+            return True, f"published with the same config (hash {want}) and inputs"
     except Exception as e:  # noqa: BLE001 - the stage module needs packages this image lacks
         return False, f"cannot compute the config hash here ({type(e).__name__}: {e}); the stage will check itself"
-    if manifest.get("config_hash") != want:
-        return False, f"published with another config (hash {manifest.get('config_hash')} != {want})"
-    return True, f"published with the same config (hash {want})"
+    if manifest.get("config_hash") == want:
+        return False, "published with the same config, but an input changed since (or a file was damaged)"
+    return False, f"published with another config (hash {manifest.get('config_hash')} != {want})"
 
 
 # --------------------------------------------------------------------------- the driver
@@ -402,7 +400,25 @@ class Driver:
         with lease.hold(storage.join(self.plan.run["root"], "_run"), steal=self.steal_lease, wait=wait,
                         purpose=f"driver of run {self.plan.run.get('id', '?')}") as held:
             self._lease = held
+            self._write_status_plan()
             return self._run()
+
+    def _write_status_plan(self) -> None:
+        """``<root>/_run/plan.json``: the run record ``memsifter status`` reads (every stage of the plan with
+        its output, so that the stages that have not started are listed), in the shape ``memsifter pipeline``
+        writes when it starts (:func:`memsifter.pipeline.run_pipeline`); the driver's own progress stays in
+        ``manifest.json``. Not writing it only costs ``status`` that list: a warning."""
+        from .. import lease
+        from ..status import PLAN
+
+        root = self.plan.run["root"].rstrip("/")
+        record = {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
+                  "stages": [{"stage": s.name, "output": s.output} for s in self.plan.ordered()]}
+        uri = storage.join(root, "_run", PLAN)
+        try:
+            storage.write_bytes(uri, json.dumps(record, indent=2).encode())
+        except MemsifterError as e:
+            log.warning("could not write the run plan %s: %s", uri, e)
 
     def _run(self) -> dict:
         order = self.plan.ordered()

@@ -2,7 +2,7 @@
 A stage's settings, assembled from (lowest first) `common`, `multiNode` (stages that span GPU nodes),
 the family's `profiles` entry, worker sizes from the stage's facts, and the stage's own block in
 `stages`: each key comes from the highest layer that sets it; `resources` are merged key by key.
-The facts (family, GPUs per worker, needs, inputs, multi-node capacity) are code, not settings:
+The facts (family, GPUs per worker, needs, input wiring, multi-node capacity) are code, not settings:
 files/stages.json, generated from the stage registry by `memsifter k8s gen-chart`.
 */}}
 
@@ -29,21 +29,30 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{- end }}
 
 {{/* The stage's config document, as JSON: its block's `config` (only what differs from the stage's
-     defaults, which stay in its pydantic model), plus `output` and the inputs wired to the producing
-     stages' outputs in this run, where not set. dict root name */}}
+     defaults, which stay in its pydantic model), plus `output` and, where not set, the inputs wired as
+     `memsifter pipeline` wires them. The rule is not computed here: files/stages.json holds (`wiring`), per input
+     field, what memsifter.pipeline.wire does for each set of its producers that run (`cases`, keyed by
+     the enabled producers in order of preference); this only looks the enabled ones up and fails with the
+     pipeline's refusal (two alternative producers enabled, or a required input no enabled stage makes).
+     A producer's output is its own `config.output` when set. dict root name */}}
 {{- define "memsifter.stageConfig" -}}
 {{- $facts := index (include "memsifter.facts" .root | fromJson) .name }}
 {{- $cfg := deepCopy ((index .root.Values.stages .name | default dict).config | default dict) }}
 {{- if not (get $cfg "output") }}
 {{- $_ := set $cfg "output" (include "memsifter.stageOutput" .) }}
 {{- end }}
-{{- range $field, $producer := ($facts.inputs | default dict) }}
-{{- if not (get $cfg $field) }}
+{{- range $field, $in := ($facts.wiring | default dict) }}
+{{- if not (hasKey $cfg $field) }}
+{{- $on := list }}
+{{- range $in.from }}{{ if (index $.root.Values.stages . | default dict).enabled }}{{ $on = append $on . }}{{ end }}{{ end }}
+{{- $case := index $in.cases (join "," $on) }}
+{{- if kindIs "string" $case }}{{ fail $case }}{{ end }}
 {{- $uris := list }}
-{{- range (kindIs "slice" $producer | ternary $producer (list $producer)) }}
-{{- $uris = append $uris (include "memsifter.stageOutput" (dict "root" $.root "name" .)) }}
+{{- range $case }}
+{{- $own := (index $.root.Values.stages . | default dict).config | default dict }}
+{{- $uris = append $uris (get $own "output" | default (include "memsifter.stageOutput" (dict "root" $.root "name" .))) }}
 {{- end }}
-{{- $_ := set $cfg $field (kindIs "slice" $producer | ternary $uris (first $uris)) }}
+{{- if $uris }}{{ $_ := set $cfg $field (ternary $uris (first $uris) $in.list) }}{{ end }}
 {{- end }}
 {{- end }}
 {{- toJson $cfg }}

@@ -1,9 +1,10 @@
 """Example values: the ``ci/`` scenarios of the chart and the values ``jobs/`` are rendered with.
 
 Scenarios (inference-only, training-only, full, minimal-cpu) are derived from the stages' families, GPU
-counts and needs only; each enabled stage gets placeholders for the config fields a user must set (and
-those its own cross-field validation asks for), and inputs produced by disabled stages point at an
-earlier run. Like ``values.yaml``, configs hold only what differs from the stages' defaults.
+counts and needs only, less the alternatives the pipeline refuses to run together (import and synth);
+each enabled stage gets placeholders for the config fields a user must set (and those its own
+cross-field validation asks for), and inputs produced by disabled stages point at an earlier run. Like
+``values.yaml``, configs hold only what differs from the stages' defaults.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..registry import StageInfo
+from ..registry import StageInfo, preferred
 from .values import resources
 
 
@@ -90,9 +91,35 @@ def example_config(info: StageInfo, cfg: dict, wired: dict, bucket: str) -> dict
     return cfg
 
 
+def _uris(wiring: dict, prefix: str) -> Any:
+    uris = [f"{prefix}/{p}" for p in preferred(wiring)]
+    return uris if wiring["list"] else uris[0]
+
+
 def _wired_example(info: StageInfo, bucket: str) -> dict:
-    return {f: ([f"s3://{bucket}/x/{p}" for p in prod] if isinstance(prod, list) else f"s3://{bucket}/x/{prod}")
-            for f, prod in info.inputs.items()}
+    return {f: _uris(w, f"s3://{bucket}/x") for f, w in info.wiring.items()}
+
+
+def without_refused(infos: list[StageInfo], enabled: set[str], prefer_ready: bool = False) -> set[str]:
+    """``enabled`` less the alternatives ``memsifter pipeline`` refuses to run together (two producers of
+    one input, such as import and synth): of each such group the stage preferred by the input's
+    declaration stays, or with ``prefer_ready`` the first one that needs no user-set field (a smoke test
+    runs without files of its own)."""
+    by = {i.name: i for i in infos}
+    out = set(enabled)
+    changed = True
+    while changed:
+        changed = False
+        for i in infos:
+            if i.name not in out:
+                continue
+            for w in i.wiring.values():
+                on = [p for p in w["from"] if p in out]
+                if len(on) > 1 and isinstance(w["cases"][",".join(on)], str):
+                    keep = min(on, key=lambda p: (prefer_ready and bool(by[p].required_user_fields), on.index(p)))
+                    out -= set(on) - {keep}
+                    changed = True
+    return out
 
 
 def _downstream(infos: list[StageInfo], seeds: set[str]) -> set[str]:
@@ -111,7 +138,8 @@ def scenario_sets(infos: list[StageInfo]) -> dict[str, set[str]]:
     """Stage sets of the ci/ scenarios, from families, GPU counts and needs only.
 
     training = the train-family stages, what depends on them, and the stages only they need;
-    inference = the rest; minimal-cpu = the stages without GPUs.
+    inference = the rest; minimal-cpu = the stages without GPUs. None holds alternatives that
+    ``memsifter pipeline`` refuses to run together (:func:`without_refused`).
     """
     by = {i.name: i for i in infos}
     train = _downstream(infos, {i.name for i in infos if i.family == "train"})
@@ -127,17 +155,18 @@ def scenario_sets(infos: list[StageInfo]) -> dict[str, set[str]]:
     allnames = {i.name for i in infos}
     inference = allnames - train
     return {
-        "inference-only": inference,
-        "training-only": train,
-        "full": allnames,
-        "minimal-cpu": {n for n in allnames if by[n].gpus == 0 and not by[n].capacity},
+        "inference-only": without_refused(infos, inference),
+        "training-only": without_refused(infos, train),
+        "full": without_refused(infos, allnames),
+        "minimal-cpu": without_refused(infos, {n for n in allnames if by[n].gpus == 0 and not by[n].capacity},
+                                       prefer_ready=True),
     }
 
 
 _SCENARIO_DOC = {
     "inference-only": "the inference stages (no training family), driven in dependency order",
     "training-only": "the training stages; inputs produced by disabled stages come from a previous run",
-    "full": "every stage",
+    "full": "every stage (of alternative producers of one input, the preferred one: the pipeline refuses both)",
     "minimal-cpu": "only stages without GPUs, small CPU pods, no GPU pool: a smoke test on any cluster",
 }
 
@@ -164,11 +193,9 @@ def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dic
         cfg: dict[str, Any] = {}
         for f in info.required_user_fields:
             cfg[f] = _placeholder(info, f, bucket)
-        for f, producer in info.inputs.items():
-            prods = producer if isinstance(producer, list) else [producer]
-            if not any(p in enabled for p in prods):  # produced by an earlier run
-                uris = [f"s3://{bucket}/runs/previous-run/{p}" for p in prods]
-                cfg[f] = uris if isinstance(producer, list) else uris[0]
+        for f, w in info.wiring.items():
+            if not any(p in enabled for p in w["from"]):  # produced by an earlier run
+                cfg[f] = _uris(w, f"s3://{bucket}/runs/previous-run")
         cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
         if cfg:
             block["config"] = cfg

@@ -253,7 +253,7 @@ def stage_facts(infos: list[StageInfo]) -> dict:
             cap = {**i.capacity, "defaultNodes": i.capacity_defaults["nodes"],
                    "defaultGpusPerNode": i.capacity_defaults["gpusPerNode"]}
         out[i.name] = {"family": i.family, "gpus": i.gpus, "needs": list(i.needs), "inputs": dict(i.inputs),
-                       "capacity": cap, "required": i.required_user_fields, "help": i.help}
+                       "wiring": dict(i.wiring), "capacity": cap, "required": i.required_user_fields, "help": i.help}
     return out
 
 
@@ -313,8 +313,8 @@ def values_text(infos: list[StageInfo], header: str) -> str:
         out.append(_comment(doc, 2))
         out.append(f"  {info.name}:\n")
         out.append(_comment("Run this stage.", 4) + "    enabled: false\n")
-        wired = f" output and {', '.join(info.inputs)} come from the run." if info.inputs else \
-            " output comes from the run."
+        wired = f" output comes from the run, {', '.join(info.inputs)} from its enabled stages." if info.inputs \
+            else " output comes from the run."
         out.append(_comment(f"Only what differs from the defaults: {', '.join(field_names(info))};{wired}", 4))
         out.append("    config: {}\n")
     return "".join(out)
@@ -356,6 +356,13 @@ def _config_rows(cls: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
             yield prefix + name, default, _cell(f.description or "")
 
 
+def _producers(wiring: dict) -> str:
+    """How the README shows an input's producers: ``a+b`` when every one that runs is read, ``a or b``
+    when the first one that runs is."""
+    every = wiring["cases"][",".join(wiring["from"])]
+    return ("+" if isinstance(every, list) and len(every) > 1 else " or ").join(wiring["from"])
+
+
 def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
     facts = stage_facts(infos)
     intro = (f"# memsifter chart\n\n{_cell(chart_meta.get('description', ''))}\n\n"
@@ -367,8 +374,11 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
              "## How a stage is configured\n\n"
              "- `stages.<name>.enabled` turns a stage on; `stages.<name>.config` holds **only what differs from the "
              "stage's defaults** (they stay in its pydantic config class: `memsifter run <name> --help`). The chart "
-             "adds `output` (`s3://<bucket>/<runPrefix>/<run id>/<name>`) and the inputs produced by other stages "
-             "of the run, unless set.\n"
+             "adds `output` (`s3://<bucket>/<runPrefix>/<run id>/<name>`) and, unless set, the inputs produced by the "
+             "other enabled stages, wired as `memsifter pipeline` wires them: the first producer that is enabled "
+             "(every one for an input declared `wire=\"all\"`); a disabled stage is referenced by nobody; two "
+             "alternative producers of one input enabled together, or a required input that no enabled stage "
+             "produces, fail the install with one line naming the field.\n"
              "- That document travels as one file: a ConfigMap per stage (named like its RayJob) mounted into the "
              "head pod at `/etc/memsifter/<name>.yaml`; the entrypoint is `memsifter run <name> --config "
              "/etc/memsifter/<name>.yaml` (behind `memsifter k8s await-capacity` for multi-node stages).\n"
@@ -390,7 +400,7 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
                "Required |\n| --- | --- | --- | --- | --- | --- |\n")
     for i in infos:
         f = facts[i.name]
-        wired = ", ".join(f"`{k}` ← {'+'.join(v) if isinstance(v, list) else v}" for k, v in f["inputs"].items())
+        wired = ", ".join(f"`{k}` ← {_producers(v)}" for k, v in f["wiring"].items())
         gpus = f"{i.capacity_defaults['gpusPerNode']} × `{i.capacity['nodes']}` nodes" if i.capacity else str(i.gpus)
         out.append(f"| `{i.name}` | {i.family} | {gpus} | {', '.join(i.needs) or '-'} | {wired or '-'} | "
                    f"{', '.join(f'`{r}`' for r in f['required']) or '-'} |\n")
