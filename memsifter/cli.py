@@ -62,6 +62,38 @@ def plain(doc: str | None) -> str:
     return re.sub(r"``([^`]+)``", r"\1", first)
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors suggest the nearest flag or choice to a typo: ``unrecognized
+    arguments: --inptu (did you mean --input?)``, ``invalid choice: 'statsu' ... (did you mean
+    'status'?)``. Subparsers are of the same class; an unknown flag is matched against the flags of
+    this parser and of all its subcommands."""
+
+    def _all_options(self) -> list[str]:
+        out = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    if isinstance(sub, SuggestingParser):
+                        out += sub._all_options()
+        return out
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        from .stage import suggest
+
+        if message.startswith("unrecognized arguments: "):
+            words = message[len("unrecognized arguments: "):].split()
+            hints = [f"{w}{suggest(w.split('=')[0][2:], [o[2:] for o in self._all_options()], prefix='--')}"
+                     for w in words if w.startswith("--")]
+            hints = [h for h in hints if "did you mean" in h]
+            if hints:
+                message += "; " + "; ".join(hints)
+        else:
+            m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+            if m:
+                message += suggest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
+        super().error(message)
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at emit time (so redirected stderr is honoured)."""
 
@@ -77,22 +109,52 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _OwnLines(logging.Filter):
+    """What reaches the terminal: at ``-q`` only memsifter's own warnings and errors; otherwise no
+    record below the chosen level, also from a library that lowers its own logger's level (bm25s sets
+    DEBUG on import, which would print 24 lines per embed run)."""
+
+    def __init__(self, level: int, own_only: bool):
+        super().__init__()
+        self.level, self.own_only = level, own_only
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < self.level:
+            return False
+        return not self.own_only or record.name == "memsifter" or record.name.startswith("memsifter.")
+
+
+QUIET_LOGGERS = ("bm25s", "ray", "ray.data", "vllm", "py.warnings", "urllib3", "botocore", "filelock", "httpx",
+                 "httpx2", "openai", "transformers", "sentence_transformers", "torch")
+
+
 def setup_logging(verbose: int = 0) -> None:
+    """Log lines on stderr: ``-v`` info (the default), ``-vv`` debug, ``-q`` (verbose < 0) only
+    memsifter's own warnings and errors, Ray's and vLLM's lines routed away from the terminal
+    (:func:`memsifter.raypool.set_quiet`); progress bars (tqdm) still show."""
+    from . import raypool
+
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
+    quiet = verbose < 0
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.addFilter(_OwnLines(level, quiet))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("urllib3", "botocore", "filelock", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if verbose < 0:  # -q: Ray Data's advice (e.g. "high memory" every 30 s) is not the user's business
-        for name in ("ray.data._internal.issue_detection", "ray.data"):
+    logging.captureWarnings(quiet)   # Python warnings become "py.warnings" records, which -q leaves out
+    if quiet:  # Ray Data's advice (e.g. "high memory" every 30 s) is not the user's business
+        for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
+    raypool.set_quiet(quiet)
 
 
 FORCE_HELP = ("re-run even if the output is already published with this config (also when a published "
               "file was damaged or its _SUCCESS is broken: that is replaced). It never replaces an output of "
               "another config (see --replace) or of another stage, and does not take an output a live run "
               "holds (see --steal-lease)")
+STEAL_HELP = ("take over the output's lease from another run (use only when that run is dead; it stops "
+              "before publishing if it is not)")
 REPLACE_HELP = ("replace an output this stage published with a DIFFERENT config (without it that is refused, "
                 "so a changed flag cannot silently overwrite published work); another stage's output is "
                 "never replaced")
@@ -149,7 +211,7 @@ def _yaml_value(text: str) -> Any:
     """argparse ``type`` of a mapping/complex field: a YAML or JSON value, as ``--set`` takes."""
     from . import stage as stg
 
-    return stg.parse_value(text)
+    return stg.parse_value(text, "a JSON/YAML flag value")
 
 
 _yaml_value.__name__ = "JSON/YAML"
@@ -327,7 +389,7 @@ def compose_config(name: str, file: str | None, flags: dict[str, Any], sets: Seq
         if "=" not in s:
             raise ConfigError(f"--set {s}: expected key=value")
         k, v = s.split("=", 1)
-        merge_path(data, k.strip(), stg.parse_value(v), model, f"--set {k.strip()}")
+        merge_path(data, k.strip(), stg.parse_value(v, f"--set {k.strip()}"), model, f"--set {k.strip()}")
     return stg.validate_config(name, data, source=file or "command line")
 
 
@@ -343,6 +405,9 @@ def _stage_main(argv: Sequence[str]) -> int:
                 print(f"  {name:<12} (unavailable: {e})")
         print("\n`memsifter run STAGE --help` lists a stage's options.")
         return 0
+    if argv[0] not in stg.available_stages() and argv[0] not in stg.STAGES:
+        known = stg.available_stages()
+        raise ConfigError(f"unknown stage '{argv[0]}'{stg.suggest(argv[0], known)} (known: {', '.join(known)})")
     return run_stage_cli(argv[0], list(argv[1:]))
 
 
@@ -359,9 +424,8 @@ def stage_parser(name: str, prog: str | None = None,
 
     st = stg.get_stage(name)
     pos = "".join(f" {meta}" for _, meta in positionals)
-    p = argparse.ArgumentParser(prog=prog or f"memsifter run {name}", description=st.help, epilog=STAGE_EPILOG,
-                                usage=f"%(prog)s{pos} [--config FILE] [--set KEY=VALUE] [--FIELD VALUE ...] "
-                                      "[options]")
+    p = SuggestingParser(prog=prog or f"memsifter run {name}", description=st.help, epilog=STAGE_EPILOG,
+                         usage=f"%(prog)s{pos} [--config FILE] [--set KEY=VALUE] [--FIELD VALUE ...] [options]")
     for field, meta in positionals:
         p.add_argument(f"_pos_{field}", metavar=meta, help=f"the {field!r} field")
     p.add_argument("--config", metavar="FILE", help="YAML/JSON config file (local path or s3:// URI)")
@@ -369,8 +433,7 @@ def stage_parser(name: str, prog: str | None = None,
                    help="set a field, nested ones with dotted keys (repeatable; wins over flags)")
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--replace", action="store_true", help=REPLACE_HELP)
-    p.add_argument("--steal-lease", action="store_true", help="take over the output's lease from another "
-                   "run (use only when that run is dead; it stops before publishing if it is not)")
+    p.add_argument("--steal-lease", action="store_true", help=STEAL_HELP)
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     p.add_argument("--schema", action="store_true", help="print the config's JSON schema and exit")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -422,8 +485,9 @@ def _data_main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "import":
         return run_stage_cli("import", list(argv[1:]), prog="memsifter data import",
                              positionals=(("source", "SRC"), ("output", "DEST")))
-    p = argparse.ArgumentParser(prog="memsifter data", description="Import, export, synthesise and inspect datasets")
+    p = SuggestingParser(prog="memsifter data", description="Import, export, synthesise and inspect datasets")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("-q", "--quiet", action="store_true", help="only memsifter's warnings and errors")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("import", help="convert a raw source file into a memsifter dataset (= memsifter run import "
                                   "--source SRC --output DEST; `memsifter data import --help` lists its flags)")
@@ -438,14 +502,17 @@ def _data_main(argv: Sequence[str]) -> int:
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--force", action="store_true", help=FORCE_HELP)
     syn.add_argument("--replace", action="store_true", help=REPLACE_HELP)
+    syn.add_argument("--steal-lease", action="store_true", help=STEAL_HELP)
+    syn.add_argument("-q", "--quiet", dest="cmd_quiet", action="store_true",
+                     help="only memsifter's warnings and errors")
     info = sub.add_parser("info", help="summary of a published dataset or stage output")
     info.add_argument("uri")
     args = p.parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(-1 if args.quiet or getattr(args, "cmd_quiet", False) else args.verbose)
     if args.cmd == "synth":
         cfg = {"output": args.dest, "questions": args.questions, "sessions_per_question": args.sessions,
                "seed": args.seed}
-        m = stg.get_stage("synth").run(cfg, force=args.force, replace=args.replace)
+        m = stg.get_stage("synth").run(cfg, force=args.force, replace=args.replace, steal_lease=args.steal_lease)
         report_manifest(args.dest, m)
     elif args.cmd == "export":
         from .data.importers import export_memsifter
@@ -498,7 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cmd in EXTERNAL_COMMANDS:
             mod = importlib.import_module(EXTERNAL_COMMANDS[cmd][0])
             return int(mod.main(rest) or 0)
-        print(f"memsifter: unknown command '{cmd}' (see memsifter --help)", file=sys.stderr)
+        from .stage import suggest
+
+        hint = suggest(cmd, [*commands, *EXTERNAL_COMMANDS])
+        print(f"memsifter: unknown command '{cmd}'{hint} (see memsifter --help)", file=sys.stderr)
         return 2
     except MemsifterError as e:
         print(f"error: {e}", file=sys.stderr)

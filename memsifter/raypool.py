@@ -16,6 +16,27 @@ from typing import Iterator
 log = logging.getLogger(__name__)
 
 _SESSION: dict = {"num_cpus": None}
+_QUIET = {"on": False}
+
+
+def set_quiet(quiet: bool) -> None:
+    """``-q`` (the CLI's :func:`memsifter.cli.setup_logging`): a Ray instance started from now on keeps
+    its own lines off the terminal (:func:`ensure_ray`)."""
+    _QUIET["on"] = bool(quiet)
+
+
+def _quiet_ray() -> dict:
+    """``ray.init`` arguments and environment that keep Ray off the terminal at ``-q``: the workers'
+    output stays in the session's log files (``log_to_driver=False``), the ``ray`` and Ray Data loggers
+    print errors only (Ray Data re-reads ``RAY_DATA_LOG_LEVEL`` whenever it reconfigures its logging),
+    and the C++ core worker inside this process logs fatal errors only (``RAY_BACKEND_LOG_LEVEL``: its
+    error-level lines, e.g. about actor constructor arguments, went straight to stderr). Settings the
+    user exported are kept."""
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
+    for name in ("ray", "ray.data"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return {"log_to_driver": False, "logging_level": logging.ERROR}
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -31,19 +52,58 @@ def ensure_ray(num_cpus: int | None = None) -> None:
                                            "VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM")
                 if k in os.environ}
     kw: dict = {"log_to_driver": True, "ignore_reinit_error": True}
+    if _QUIET["on"]:
+        kw.update(_quiet_ray())
     # Inside a Ray job (a RayJob's entrypoint) the job's own runtime env applies; adding ours there
     # would conflict with keys the job already sets.
     if env_vars and not os.environ.get("RAY_JOB_ID") and not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         kw["runtime_env"] = {"env_vars": env_vars}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], **kw)
-    else:
-        ray.init(num_cpus=num_cpus if num_cpus is not None else _SESSION["num_cpus"],
-                 include_dashboard=False, **kw)
+    with _init_output_aside() if _QUIET["on"] else contextlib.nullcontext():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], **kw)
+        else:
+            ray.init(num_cpus=num_cpus if num_cpus is not None else _SESSION["num_cpus"],
+                     include_dashboard=False, **kw)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
     except Exception:  # noqa: BLE001 - cosmetic
         pass
+    if _QUIET["on"]:   # ray.init configured the ray logger anew
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def _init_output_aside() -> Iterator[None]:
+    """At ``-q``, what ``ray.init`` writes to file descriptor 2 (its C++ core worker announces its log
+    level there, whatever that level is) goes to ``<Ray session>/logs/memsifter-ray-init.err`` instead
+    of the terminal; if ``ray.init`` fails, it is written to stderr after all (it says why)."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+            ok = True
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read()
+            if not ok:
+                os.write(2, text)
+            elif text:
+                with contextlib.suppress(Exception):   # best effort: a log file, not the run
+                    import ray
+
+                    logs = ray._private.worker._global_node.get_logs_dir_path()
+                    with open(os.path.join(logs, "memsifter-ray-init.err"), "ab") as f:
+                        f.write(text)
 
 
 def cluster_gpus() -> float:

@@ -559,16 +559,63 @@ def wired_value(inp: Input, outputs: Mapping[str, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- config loading
-def parse_value(raw: str) -> Any:
+MAX_CONFIG_BYTES = 1 << 20   # a config file is a small mapping; data belongs in the store, named by URI
+MAX_CONFIG_VALUES = 100_000  # values a config may hold once YAML aliases are expanded (an alias bomb)
+
+
+def suggest(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to a mistyped ``word`` (difflib), else ``""``.
+    ``prefix`` goes before the suggestion (``--`` for flags)."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {prefix}{close[0]}?)" if prefix else f" (did you mean '{close[0]}'?)"
+
+
+def _check_values(data: Any, what: str) -> None:
+    """Refuse a document that expands to more than :data:`MAX_CONFIG_VALUES` values: YAML aliases
+    share one object per anchor while parsing, but validation, hashing and JSON copy every use."""
+    count, todo = 0, [data]
+    while todo:
+        cur = todo.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{what}: holds more than {MAX_CONFIG_VALUES:,} values once its YAML aliases "
+                              f"are expanded; a config is a small mapping")
+        if isinstance(cur, dict):
+            todo.extend(cur.keys())
+            todo.extend(cur.values())
+        elif isinstance(cur, (list, tuple)):
+            todo.extend(cur)
+
+
+def _unreadable_value(what: str, e: Exception) -> ConfigError:
+    """A YAML scalar that parses but cannot become a value: an integer past Python's 4,300-digit
+    conversion limit, a date such as 2024-13-45."""
+    msg = _one_line(e)
+    if "4300" in msg or "integer string conversion" in msg:
+        msg = "an integer with more digits than can be read (at most 4300)"
+    return ConfigError(f"{what}: a value cannot be read: {msg}")
+
+
+def parse_value(raw: str, what: str = "--set value") -> Any:
+    """A ``--set`` value as YAML (a plain word stays a string). ``what`` names it in errors
+    (``--set key``)."""
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
     except RecursionError:
-        raise ConfigError(f"--set value nested too deeply ({len(raw)} characters)") from None
+        raise ConfigError(f"{what}: nested too deeply ({len(raw)} characters)") from None
+    except (ValueError, OverflowError) as e:
+        raise _unreadable_value(what, e) from None
+    _check_values(value, what)
+    return value
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: Any) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
@@ -582,14 +629,42 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
     cur[keys[-1]] = value
 
 
-def load_config_file(path: str) -> dict:
-    """A YAML/JSON config file as a mapping. Every way it can be wrong is one ConfigError line naming
-    the file: unreadable, not UTF-8 text (a binary file), not YAML/JSON, nested too deeply for the
-    parser, or not a mapping."""
+def _read_config_bytes(path: str) -> bytes:
+    """At most :data:`MAX_CONFIG_BYTES` of a config file. A local path that is not a regular file (a
+    pipe would block, /dev/zero never ends) is refused before it is opened; the size is checked while
+    reading (also on s3://), so nothing larger is ever held in memory."""
+    import stat
+
+    if not storage.is_s3(path):
+        try:
+            _, local = storage.resolve(path)
+            mode = os.stat(local).st_mode
+        except storage.StorageError as e:
+            raise ConfigError(f"config {e}") from e
+        except FileNotFoundError:
+            mode = None   # read_bytes says so, in the store's own words
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config: {e.strerror or type(e).__name__}") from None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise ConfigError(f"{path}: is a directory, not a config file")
+        if mode is not None and not stat.S_ISREG(mode):
+            raise ConfigError(f"{path}: not a regular file (a device, pipe or socket); a config is a "
+                              f"YAML/JSON file")
     try:
-        raw = storage.read_bytes(path)
+        return storage.read_bytes(path, limit=MAX_CONFIG_BYTES)
+    except storage.TooLargeError:
+        raise ConfigError(f"{path}: larger than 1 MiB ({MAX_CONFIG_BYTES} bytes); a config file is a small "
+                          f"mapping (put data in the store and name its URI)") from None
     except storage.StorageError as e:
         raise ConfigError(f"config {e}") from e
+
+
+def load_config_file(path: str) -> dict:
+    """A YAML/JSON config file as a mapping. Every way it can be wrong is one ConfigError line naming
+    the file: unreadable, not a regular file, over 1 MiB, not UTF-8 text (a binary file), not
+    YAML/JSON, a value that cannot be read (a 5,000-digit integer), nested too deeply for the parser,
+    more values than :data:`MAX_CONFIG_VALUES` once aliases are expanded, or not a mapping."""
+    raw = _read_config_bytes(path)
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -600,9 +675,31 @@ def load_config_file(path: str) -> dict:
         raise ConfigError(f"{path}: not valid YAML/JSON: {_one_line(e)}") from e
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to parse (a config is a shallow mapping)") from None
+    except (ValueError, OverflowError) as e:
+        raise _unreadable_value(path, e) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must hold a mapping, got {type(data).__name__}")
+    _check_values(data, path)
     return data
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
+    """The field names of the (nested) model that ``loc``'s last key sits in; None where the path
+    leaves the models (a mapping field, a list)."""
+    from typing import get_args, get_origin
+
+    cls: Any = model
+    for key in loc[:-1]:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or key not in cls.model_fields:
+            return None
+        tp = cls.model_fields[key].annotation
+        if get_origin(tp) is not None:   # Optional[Model], Model | None
+            models = [a for a in get_args(tp) if isinstance(a, type) and issubclass(a, BaseModel)]
+            tp = models[0] if len(models) == 1 else None
+        cls = tp
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return list(cls.model_fields)
+    return None
 
 
 def validate_config(name: str, data: dict, source: str = "config") -> StageConfig:
@@ -613,7 +710,10 @@ def validate_config(name: str, data: dict, source: str = "config") -> StageConfi
         lines = []
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-            lines.append(f"  {loc}: {err['msg']}")
+            hint = ""
+            if err.get("type") == "extra_forbidden" and err["loc"]:
+                hint = suggest(err["loc"][-1], _fields_at(st.config, tuple(err["loc"])) or [])
+            lines.append(f"  {loc}: {err['msg']}{hint}")
         raise ConfigError(f"{source}: invalid config for stage '{name}':\n" + "\n".join(lines)) from e
 
 
@@ -628,5 +728,5 @@ def build_config(name: str, file: str | None = None, sets: list[str] | None = No
         if "=" not in s:
             raise ConfigError(f"--set {s}: expected key=value")
         k, v = s.split("=", 1)
-        set_path(data, k.strip(), parse_value(v))
+        set_path(data, k.strip(), parse_value(v, f"--set {k.strip()}"))
     return validate_config(name, data, source=file or "command line")

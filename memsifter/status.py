@@ -9,26 +9,33 @@ pods and their logs are gone):
 - **failed**: ``_work/failure.json``, which a stage writes when an attempt raises (error, time, run,
   host and the last log lines), newer than any published output;
 - **published**: ``_SUCCESS`` (when, by which run, files, headline stats);
-- **stale lease**: a ``_LEASE`` that expired (its run died; the next run takes it over);
+- **stale lease**: a ``_LEASE`` that expired, or whose holder ran on this host and its process is
+  gone (its run died; the next run takes it over);
 - **not started**: a stage the run's plan (``<run>/_run/plan.json``, written by ``memsifter
   pipeline`` when it starts) names that has none of the above.
 
-``--watch [SECONDS]`` redraws until every stage is published or failed; ``--json`` prints the states
-as JSON.
+Outputs under the run that its plan does not name (a mistyped command's) are listed after the run's
+stages, marked as outside the plan, and do not count for the exit code. ``status`` of one stage's
+output shows that stage. ``--watch [SECONDS]`` redraws until nothing runs any more (no stage holds a
+live lease and no live pipeline or driver holds the run's ``_run/_LEASE``), then exits: 0 when every
+stage is published, 1 when one failed or the run stopped before the end; ``--json`` prints the
+states as JSON. Exit 1 without ``--watch`` means a stage of the run failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from datetime import datetime
 
 from . import storage
-from .errors import MemsifterError
+from .errors import InputError, MemsifterError
 
 PLAN = "plan.json"
+MAX_WATCH = 86_400.0   # seconds between redraws at most
 HEADLINE = ("questions", "sessions", "texts", "rows", "answered", "steps", "generated")
 
 
@@ -51,20 +58,45 @@ def _ts(v: str | None) -> float:
         return 0.0
 
 
-def stage_state(out: str, name: str) -> dict:
-    """The state of one stage output (see the module docstring)."""
-    from .lease import LEASE, describe
+def lease_state(prefix: str, now: float | None = None) -> tuple[str | None, dict | None, str | None]:
+    """(state, holder, problem) of ``<prefix>/_LEASE``: state None (no lease), "live", "stale" (its
+    process on this host is gone: :func:`memsifter.lease.holder_state`) or "expired"; a ``_LEASE``
+    that is not a lease is no lease, with the problem said."""
+    from .lease import holder_state, read_holder
+
+    try:
+        holder = read_holder(prefix)
+    except MemsifterError as e:
+        return None, None, str(e)
+    if not holder:
+        return None, None, None
+    state = holder_state(holder, now)
+    if state == "malformed":
+        return None, None, f"{storage.join(prefix, '_LEASE')}: not a lease ({holder.get('malformed') or 'malformed'})"
+    return state, holder, None
+
+
+def stage_state(out: str, name: str | None = None) -> dict:
+    """The state of one stage output (see the module docstring); ``name`` None: the stage named by
+    what lies there (manifest, failure record, lease)."""
+    from .lease import describe
 
     st: dict = {"stage": name, "output": out}
-    lease = _read_json(storage.join(out, LEASE))
+    now = time.time()
+    held, lease, problem = lease_state(out, now)
     manifest = None
     try:
         manifest = storage.try_manifest(out)
     except MemsifterError as e:
-        st["problem"] = str(e)
+        problem = str(e)
+    if problem:
+        st["problem"] = problem
     failure = _read_json(storage.join(out, storage.WORK, "failure.json"))
-    now = time.time()
-    if lease and float(lease.get("expires_at") or 0) > now:
+    if name is None:
+        purpose = str((lease or {}).get("purpose") or "")
+        st["stage"] = ((manifest or {}).get("stage") or (failure or {}).get("stage")
+                       or (purpose[len("stage "):] if purpose.startswith("stage ") else None) or "?")
+    if held == "live":
         partial = [f for f in storage.list_files(storage.join(out, storage.WORK))
                    if f.endswith((".parquet", ".npy", ".jsonl")) and "/" in f]
         st.update(state="running", holder=describe(lease, now), partial_files=len(partial))
@@ -77,38 +109,116 @@ def stage_state(out: str, name: str) -> dict:
         st.update(state="published", published_at=manifest.get("published_at"), run_id=manifest.get("run_id"),
                   files=len(manifest.get("files") or {}),
                   headline={k: stats[k] for k in HEADLINE if isinstance(stats.get(k), (int, float))})
-        if manifest.get("stage") and manifest["stage"] != name:
+        if manifest.get("stage") and manifest["stage"] != st["stage"]:
             st["stage"] = manifest["stage"]
     elif lease:
-        st.update(state="stale lease", holder=describe(lease, now))
+        st.update(state="stale lease", holder=describe(lease, now), gone=held == "stale")
     else:
         st.update(state="not started")
     return st
 
 
+def _where(uri: str) -> tuple[str, str]:
+    """A URI normalised for comparing (``./RUN/``, ``RUN`` and ``/abs/RUN`` are one place)."""
+    from .stage import _location
+
+    return _location(uri.rstrip("/") or uri)
+
+
+def read_plan(run: str) -> tuple[dict | None, list[tuple[str, str]]]:
+    """The run's plan and its (stage, output) list, each output moved under ``run`` when the plan
+    names it under the run prefix the pipeline was given (a plan that recorded ``./RUN`` means the
+    run asked about, from any directory). A plan of the wrong shape is one InputError naming the file
+    and field (exit 2)."""
+    uri = storage.join(run, "_run", PLAN)
+    if not storage.exists(uri):
+        return None, []
+    try:
+        plan = json.loads(storage.read_bytes(uri, limit=16 << 20))
+    except ValueError as e:
+        raise InputError(f"not JSON ({str(e)[:200]})", file=uri) from None
+    if not isinstance(plan, dict):
+        raise InputError(f"expected a JSON object, got {type(plan).__name__}", file=uri)
+    stages = plan.get("stages") or []
+    if not isinstance(stages, list):
+        raise InputError(f"expected a list of {{stage, output}}, got {type(stages).__name__}", file=uri,
+                         field="stages")
+    base = plan.get("run") if isinstance(plan.get("run"), str) else None
+    out: list[tuple[str, str]] = []
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            raise InputError(f"expected an object {{stage, output}}, got {type(s).__name__}", file=uri,
+                             field=f"stages[{i}]")
+        for key in ("stage", "output"):
+            if not isinstance(s.get(key), str) or not s[key]:
+                raise InputError(f"expected a string, got {type(s.get(key)).__name__}", file=uri,
+                                 field=f"stages[{i}].{key}")
+        output = s["output"].rstrip("/")
+        if base:
+            b = base.rstrip("/")
+            if output.startswith(b + "/"):
+                output = storage.join(run, output[len(b) + 1:])
+        out.append((s["stage"], output))
+    return plan, out
+
+
+def _is_stage_output(uri: str) -> bool:
+    from .lease import LEASE
+
+    return any(storage.exists(storage.join(uri, *p)) for p in (
+        (storage.MANIFEST,), (LEASE,), (storage.WORK, "failure.json")))
+
+
 def run_status(run: str) -> dict:
-    """States of every stage of a run, in the plan's order (then any other output found)."""
+    """States of every stage of a run, in the plan's order, then the outputs found under the run that
+    the plan does not name (``in_plan`` False); for a single stage's output, that stage."""
     from .stage import available_stages
 
-    run = run.rstrip("/")
+    run = run.rstrip("/") or run
     if not storage.exists(run) and not storage.list_files(run):
         raise MemsifterError(f"{run}: nothing there (no run was started under this prefix)")
-    plan = _read_json(storage.join(run, "_run", PLAN)) or {}
-    planned = [(s["stage"], s["output"]) for s in plan.get("stages") or []
-               if isinstance(s, dict) and s.get("stage") and s.get("output")]
+    plan, planned = read_plan(run)
+    if plan is None and _is_stage_output(run):
+        return {"run": run, "planned": False, "single": True, "run_lease": None, "stages": [stage_state(run)]}
     found = [d for d in storage.list_dirs(run) if not d.startswith("_")]
-    seen = {o.rstrip("/") for _, o in planned}
+    seen = {_where(o) for _, o in planned}
     order = available_stages()
-    extra = sorted((d for d in found if storage.join(run, d) not in seen),
+    extra = sorted((d for d in found if _where(storage.join(run, d)) not in seen),
                    key=lambda d: (order.index(d) if d in order else len(order), d))
-    stages = [stage_state(o, n) for n, o in planned] + [stage_state(storage.join(run, d), d) for d in extra]
-    stages = [s for s in stages if s["state"] != "not started" or s["output"] in seen]
-    return {"run": run, "planned": bool(planned), "stages": stages}
+    stages = [{**stage_state(o, n), "in_plan": True} for n, o in planned]
+    for d in extra:
+        st = stage_state(storage.join(run, d), d)
+        if st["state"] != "not started":
+            stages.append({**st, "in_plan": not planned})
+    held, _, _ = lease_state(storage.join(run, "_run"))
+    return {"run": run, "planned": bool(planned), "run_lease": held, "stages": stages}
+
+
+def finished(report: dict) -> bool:
+    """Nothing runs any more: no stage holds a live lease and no live pipeline/driver holds the run."""
+    return report.get("run_lease") != "live" and not any(s["state"] == "running" for s in report["stages"])
+
+
+def exit_code(report: dict, watched: bool) -> int:
+    """1 when a stage of the run failed (and, after ``--watch``, when the run stopped before every
+    stage was published); outputs outside the plan do not count."""
+    own = [s for s in report["stages"] if s.get("in_plan", True)]
+    if any(s["state"] == "failed" for s in own):
+        return 1
+    return 1 if watched and any(s["state"] != "published" for s in own) else 0
 
 
 def render(report: dict) -> str:
-    lines = [f"run {report['run']}" + ("" if report["planned"] else " (no plan.json: stages found in the store)")]
+    if report.get("single"):
+        lines = [f"stage output {report['run']}"]
+    else:
+        lines = [f"run {report['run']}" + ("" if report["planned"] else " (no plan.json: stages found in the store)")]
+    outside = False
     for s in report["stages"]:
+        if not s.get("in_plan", True) and not outside:
+            outside = True
+            lines.append(f"  not in the run's plan ({storage.join(report['run'], '_run', PLAN)}): outputs of "
+                         f"other commands")
         head = f"  {s['stage']:<11} {s['state']:<12}"
         if s["state"] == "published":
             hl = ", ".join(f"{k} {v}" for k, v in s.get("headline", {}).items())
@@ -120,7 +230,8 @@ def render(report: dict) -> str:
                          + (" [an earlier output stays published]" if s.get("earlier_output_published") else ""))
             lines += [f"  {'':<11} | {ln}" for ln in s["log_tail"][-5:]]
         elif s["state"] == "stale lease":
-            lines.append(f"{head} {s['holder']} (the run died; the next run takes it over)")
+            why = "its process on this host is gone" if s.get("gone") else "the run died"
+            lines.append(f"{head} {s['holder']} ({why}; the next run takes it over)")
         else:
             lines.append(head.rstrip())
         if s.get("problem"):
@@ -128,13 +239,25 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .cli import plain
+def _watch_seconds(text: str) -> float:
+    """argparse type of ``--watch``: a finite number of seconds in (0, 86400]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(v) or not 0 < v <= MAX_WATCH:
+        raise argparse.ArgumentTypeError(f"{text}: seconds between redraws must be > 0 and at most "
+                                         f"{MAX_WATCH:.0f}")
+    return v
 
-    p = argparse.ArgumentParser(prog="memsifter status", description=plain(__doc__))
-    p.add_argument("run", help="run prefix (local path or s3://bucket/prefix)")
-    p.add_argument("--watch", nargs="?", const=5.0, type=float, metavar="SECONDS",
-                   help="redraw every SECONDS (default 5) until every stage is published or failed")
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import SuggestingParser, plain
+
+    p = SuggestingParser(prog="memsifter status", description=plain(__doc__))
+    p.add_argument("run", help="run prefix (local path or s3://bucket/prefix), or one stage's output")
+    p.add_argument("--watch", nargs="?", const=5.0, type=_watch_seconds, metavar="SECONDS",
+                   help="redraw every SECONDS (default 5) until nothing runs any more")
     p.add_argument("--json", action="store_true", help="print the states as JSON")
     args = p.parse_args(argv)
     while True:
@@ -145,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.watch and sys.stdout.isatty():
                 print("\033[2J\033[H", end="")
             print(render(report), flush=True)
-        busy = [s for s in report["stages"] if s["state"] in ("running", "not started", "stale lease")]
-        if not args.watch or not busy:
-            return 1 if any(s["state"] == "failed" for s in report["stages"]) else 0
+        if not args.watch or finished(report):
+            if args.watch and not args.json:
+                left = [s["stage"] for s in report["stages"] if s.get("in_plan", True) and s["state"] != "published"]
+                print("nothing runs any more: " + (f"not published: {', '.join(left)}" if left else "all published"))
+            return exit_code(report, bool(args.watch))
         time.sleep(args.watch)
         if not sys.stdout.isatty() and not args.json:
             print()

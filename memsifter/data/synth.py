@@ -27,6 +27,12 @@ from .model import Dataset, DatasetBuilder, Question
 log = logging.getLogger(__name__)
 
 
+# Turns generated at most (questions × sessions_per_question × turns_per_session): the dataset is built
+# in memory (about 0.5 KB a turn), so 2,000,000 turns is about 1 GB, ~10 s on one core; each field's
+# own bound alone would allow 4 × 10^11 turns.
+MAX_TURNS = 2_000_000
+
+
 class SynthConfig(StageConfig):
     questions: int = Field(12, ge=1, le=1_000_000, description="number of questions")
     sessions_per_question: int = Field(16, ge=2, le=10_000, description="haystack sessions per question (gold included)")
@@ -38,6 +44,11 @@ class SynthConfig(StageConfig):
     def _room_for_filler(self) -> "SynthConfig":
         if self.sessions_per_question <= self.gold_per_question:
             raise ValueError("sessions_per_question must be larger than gold_per_question")
+        turns = self.questions * self.sessions_per_question * self.turns_per_session
+        if turns > MAX_TURNS:
+            raise ValueError(f"questions × sessions_per_question × turns_per_session = {self.questions:,} × "
+                             f"{self.sessions_per_question:,} × {self.turns_per_session} = {turns:,} turns; at "
+                             f"most {MAX_TURNS:,} (the dataset is built in memory: fewer questions or sessions)")
         return self
 
 
