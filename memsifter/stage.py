@@ -59,6 +59,13 @@ class StageConfig(BaseModel):
 
     output: str = Field(description="URI (local path or s3://bucket/prefix) where the stage publishes")
 
+    def preflight(self) -> None:
+        """Checks that need this machine's environment (a model reference it can load, an endpoint the
+        user named and its key), made by :meth:`Stage.run` after the skip decision and before the
+        output's lease is taken or anything is read: one line, exit 2, nothing written. Not done at
+        validation, where a pipeline checks every stage's config before earlier stages ran (a server
+        started by one, a model published by another). Stages override it; the default checks nothing."""
+
 
 WIRE_MODES = ("first", "all", "none")
 
@@ -297,6 +304,7 @@ class Stage:
                 log.warning("%s: replacing %s (config %s, published %s by run %s) with config %s (--replace)",
                             self.name, config.output, existing.get("config_hash"), existing.get("published_at"),
                             existing.get("run_id"), h)
+        config.preflight()
         from . import lease
 
         storage.ensure_bucket(config.output)

@@ -186,7 +186,6 @@ def judge_verdict(text: str | None) -> float | None:
 @stage("chat", ChatConfig, family="chat", gpus=0,
        help="Answer questions with the working LLM over the ranked memory; EM / F1 (/ judge)")
 def run(config: ChatConfig, out: storage.Publication) -> dict:
-    config.preflight()  # before reading or asking anything
     ds = read_dataset(config.input)
     if config.limit:
         ds.questions = ds.questions[:config.limit]

@@ -501,7 +501,6 @@ def check_errors(config: RankConfig, rows: list[dict], output: str) -> None:
 @stage("rank", RankConfig, family="rank", gpus=1,
        help="Re-rank each haystack with the generative ranker (vLLM via Ray Data LLM, or an endpoint)")
 def run(config: RankConfig, out: storage.Publication) -> dict:
-    config.preflight()  # before reading or loading anything
     ds = read_dataset(config.input)
     if config.limit:
         ds.questions = ds.questions[:config.limit]

@@ -82,6 +82,12 @@ class SFTConfig(StageConfig):
     eval_generate: int = Field(64, ge=0, description="eval rows answered greedily for format rate and NDCG")
     device: str = runtime_field("auto", "auto: cuda when available, else cpu")
 
+    def preflight(self) -> None:
+        """A base model this machine could not load is one line before anything is read or loaded."""
+        from ..embedding import check_model_ref
+
+        check_model_ref(self.model, "sft", adapters=True)
+
 
 # --------------------------------------------------------------------------- data
 def split_rows(uri: str, split: str) -> list[dict]:
@@ -260,17 +266,9 @@ def save_adapter(model: Any, base_ref: str, dest: str) -> None:
         json.dump(cfg, fh, indent=2)
 
 
-def check(config: SFTConfig) -> None:
-    """Refuse a base model this machine could not load, in one line, before anything is read or loaded."""
-    from ..embedding import check_model_ref
-
-    check_model_ref(config.model, "sft", adapters=True)
-
-
 @stage("sft", SFTConfig, family="train", gpus=1,
        help="Warm-up fine-tune of the ranker (LoRA by default) on prepare-rl rows: gold-first or first-stage targets")
 def run(config: SFTConfig, out: storage.Publication) -> dict:
-    check(config)   # one line now, not transformers' traceback later
     import torch
     from tqdm import tqdm
 

@@ -166,6 +166,17 @@ class TrainConfig(StageConfig):
             raise ValueError("init_adapter needs dapo.lora_rank > 0 (the adapter is trained further as LoRA)")
         return self
 
+    def preflight(self) -> None:
+        """What a run (not a dry run) refuses before it touches anything: a logger whose package is
+        missing, and, when verl will start its own Ray here (no ``RAY_ADDRESS``) and load the model on
+        this machine, a base model reference it could not load (one line instead of verl's traceback; on
+        a cluster the GPU nodes load it from their own disks and caches, which this driver cannot see)."""
+        check_loggers(self)
+        if not os.environ.get("RAY_ADDRESS") and not storage.is_s3(self.model):
+            from ..embedding import check_model_ref
+
+            check_model_ref(self.model, "train", adapters=True)
+
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab",
                    "vemlp_wandb": "wandb", "clearml": "clearml", "trackio": "trackio"}
@@ -777,22 +788,9 @@ def preview(config: TrainConfig) -> dict:
     return {"unchecked": unchecked}
 
 
-def check(config: TrainConfig) -> None:
-    """What a run (not a dry run) refuses before it touches anything: a logger whose package is missing,
-    and, when verl will start its own Ray here (no ``RAY_ADDRESS``) and load the model on this machine,
-    a base model reference it could not load (one line instead of verl's traceback; on a cluster the GPU
-    nodes load it from their own disks and caches, which this driver cannot see)."""
-    check_loggers(config)
-    if not os.environ.get("RAY_ADDRESS") and not storage.is_s3(config.model):
-        from ..embedding import check_model_ref
-
-        check_model_ref(config.model, "train", adapters=True)
-
-
 @stage("train", TrainConfig, family="train", gpus=8, preview=preview,
        help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
 def run(config: TrainConfig, out: storage.Publication) -> dict:
-    check(config)
     train, test = data_files(config)
     p = local_paths(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
