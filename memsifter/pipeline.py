@@ -247,12 +247,20 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
     root = (run or spec.get("run")).rstrip("/")
     storage.ensure_bucket(root)
     with lease.hold(storage.join(root, "_run"), purpose="pipeline", steal=steal_lease):
-        # what `memsifter status` lists as "not started" until each stage shows up in the store
-        storage.write_atomic(storage.join(root, "_run", "plan.json"), json.dumps(
-            {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
-             "stages": [{"stage": n, "output": c["output"]} for n, c in plan]}, indent=2).encode())
+        write_plan(root, [(n, c["output"]) for n, c in plan])
         return _run_plan(spec, todo, root=root, force=force, replace=replace, before=before, echo=echo,
                          steal_lease=steal_lease)
+
+
+def write_plan(root: str, stages: list[tuple[str, str]]) -> None:
+    """``<run>/_run/plan.json``: every stage of a run with its output, written when the run starts by the
+    local pipeline and by the Kubernetes driver alike; what ``memsifter status`` lists as "not started"
+    until each stage shows up in the store."""
+    from . import lease
+
+    storage.write_atomic(storage.join(root, "_run", "plan.json"), json.dumps(
+        {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
+         "stages": [{"stage": n, "output": out} for n, out in stages]}, indent=2).encode())
 
 
 def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001

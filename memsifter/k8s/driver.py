@@ -408,17 +408,13 @@ class Driver:
         its output, so that the stages that have not started are listed), in the shape ``memsifter pipeline``
         writes when it starts (:func:`memsifter.pipeline.run_pipeline`); the driver's own progress stays in
         ``manifest.json``. Not writing it only costs ``status`` that list: a warning."""
-        from .. import lease
-        from ..status import PLAN
+        from ..pipeline import write_plan
 
         root = self.plan.run["root"].rstrip("/")
-        record = {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
-                  "stages": [{"stage": s.name, "output": s.output} for s in self.plan.ordered()]}
-        uri = storage.join(root, "_run", PLAN)
         try:
-            storage.write_bytes(uri, json.dumps(record, indent=2).encode())
+            write_plan(root, [(s.name, s.output) for s in self.plan.ordered()])
         except MemsifterError as e:
-            log.warning("could not write the run plan %s: %s", uri, e)
+            log.warning("could not write the run plan of %s: %s", root, e)
 
     def _run(self) -> dict:
         order = self.plan.ordered()
