@@ -411,8 +411,10 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
                    "engine_seconds": row.get("engine_seconds")}
 
 
-def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) -> Iterator[dict]:
-    """An OpenAI-compatible server; yields rows in groups of ``shard_size``."""
+def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str,
+                      progress: Any = None) -> Iterator[dict]:
+    """An OpenAI-compatible server; yields rows in groups of ``shard_size`` (``progress``, a tqdm bar,
+    moves as each request completes)."""
     ep = config.endpoint.model_copy(update={"temperature": config.temperature, "top_p": config.top_p,
                                             "max_tokens": config.max_tokens, "seed": config.seed})
     client = ChatClient(ep)
@@ -427,7 +429,8 @@ def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str) 
                 body.update({"continue_final_message": True, "add_generation_prompt": False})
             if config.constrained_output:
                 body["structured_outputs"] = {"regex": constrained_regex(config, n)}
-            for p, c in zip(group, client.complete_many([p.messages for p in group], extra_body=body)):
+            for p, c in zip(group, client.complete_many([p.messages for p in group], progress=progress,
+                                                                     extra_body=body)):
                 yield {"question_id": p.question_id, "text": c.text, "error": c.error}
 
 
@@ -536,10 +539,16 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     shards = len({r.get("_shard") for r in done.values()})
     busy = EngineWindow()
     if todo:
+        from tqdm import tqdm
+
+        # questions ranked, rate and ETA (a terminal bar; -q keeps it, logs stay quiet)
+        bar = tqdm(total=len(todo), desc=f"rank {config.model}", unit="q", mininterval=1.0)
         gen = (generate_vllm(engine_config, todo) if config.engine == "vllm"
-               else generate_endpoint(engine_config, todo, storage.join(out.work, "llm-cache")))
+               else generate_endpoint(engine_config, todo, storage.join(out.work, "llm-cache"), progress=bar))
         buf: list[dict] = []
         for g in gen:
+            if config.engine == "vllm":
+                bar.update(1)
             busy.add(g.get("engine_seconds"))
             for k in ("prompt_tokens", "generated_tokens"):
                 if g.get(k) is not None:
@@ -557,6 +566,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
             rankings.write_partial(work, shards, buf)
             done.update({r["question_id"]: r for r in buf})
             shards += 1
+        bar.close()
     t_gen = time.time() - t1
 
     method = method_label(config)
