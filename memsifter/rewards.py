@@ -148,9 +148,7 @@ class _Scorer:
     def __init__(self, settings: RewardSettings, loop: asyncio.AbstractEventLoop):
         self.settings = settings
         self.loop = loop
-        self.chat = ChatClient(settings.endpoint(), backoff_s=0.5)
-        # set after construction: ChatClient's `cache or ResponseCache()` drops an empty shared cache
-        self.chat.cache = _cache_for(settings)
+        self.chat = ChatClient(settings.endpoint(), _cache_for(settings), backoff_s=0.5)
         self.params = self.chat.endpoint.params()
         self.sem = asyncio.Semaphore(settings.concurrency)
         self._client: Any = None

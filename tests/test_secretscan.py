@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from memsifter import secretscan, storage
-from memsifter.k8s import chart
+from memsifter.k8s.dev import chart
 
 REPO = chart.REPO
 ALNUM = string.ascii_letters + string.digits

@@ -13,17 +13,3 @@ Tooling (never imported at run time): :mod:`.dev` — ``gen-chart``/``gen-jobs``
 RayJob validation (:mod:`.dev.validate`), the checkov policy scan (:mod:`.dev.policy`), the helm and
 checkov binaries (:mod:`.dev.tools`).
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_MOVED = {"chart", "validate", "policy", "tools"}
-
-
-def __getattr__(name: str) -> Any:
-    """``from memsifter.k8s import chart`` (and validate, policy, tools): the modules moved to :mod:`.dev`."""
-    if name in _MOVED:
-        return importlib.import_module(f"{__name__}.dev.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

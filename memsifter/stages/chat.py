@@ -165,11 +165,8 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
 
 
 def cached_client(endpoint: LLMEndpoint, cache_uri: str, backoff_s: float = 1.0) -> ChatClient:
-    """A ChatClient whose request cache persists under ``cache_uri``. (Assigned after construction:
-    ``ChatClient(ep, cache)`` replaces an *empty* cache, which is falsy, by a memory-only one.)"""
-    client = ChatClient(endpoint, backoff_s=backoff_s)
-    client.cache = ResponseCache(cache_uri)
-    return client
+    """A ChatClient whose request cache persists under ``cache_uri``."""
+    return ChatClient(endpoint, ResponseCache(cache_uri), backoff_s=backoff_s)
 
 
 def judge_verdict(text: str | None) -> float | None:

@@ -417,8 +417,7 @@ def generate_endpoint(config: RankConfig, todo: list[Prompted], cache_uri: str,
     moves as each request completes)."""
     ep = config.endpoint.model_copy(update={"temperature": config.temperature, "top_p": config.top_p,
                                             "max_tokens": config.max_tokens, "seed": config.seed})
-    client = ChatClient(ep)
-    client.cache = ResponseCache(cache_uri)  # not ChatClient(ep, cache): an empty cache is falsy there
+    client = ChatClient(ep, ResponseCache(cache_uri))
     for chunk in storage.iter_chunks(todo, config.shard_size):
         groups: dict[int, list[Prompted]] = {}
         for p in chunk:
