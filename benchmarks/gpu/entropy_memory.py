@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Peak memory of one DAPO actor micro-batch with an entropy bonus: verl's entropy as is vs checkpointed.
 
-    python3 benchmarks/gpu/entropy_memory.py                      # on the lent GPU (torch + transformers only)
+    python3 benchmarks/gpu/entropy_memory.py                      # on the GPU host (torch + transformers only)
     python3 benchmarks/gpu/entropy_memory.py --device cpu --tiny  # CPU smoke (tests/test_train.py)
 
-Why (issue 17, machine 11): with ``dapo.entropy_coeff`` 0.01 the 135M ranker's actor update ran out of
+Why (issue 17; results/2026-11-24-h100-m11): with ``dapo.entropy_coeff`` 0.01 the 135M ranker's actor update ran out of
 memory on an H100 (a 6.99 GiB allocation with 69.97 GiB in use). Without flash-attn verl's FSDP engine
 runs padded batches and takes the entropy of every position's full-vocabulary distribution
 (``verl.utils.torch_functional.entropy_from_logits``); with the entropy in the loss its intermediates are
@@ -12,7 +12,7 @@ kept for the backward pass. ``dapo.entropy_checkpointing`` turns on verl's switc
 function in ``torch.utils.checkpoint``.
 
 One forward + backward of a SmolLM2-135M-shaped model (random weights: memory does not depend on them)
-on the shapes of machine 11's run (19 sequences x 1,700 tokens, 300 of them left padding: one 32k-token
+on the shapes of that run (19 sequences x 1,700 tokens, 300 of them left padding: one 32k-token
 micro-batch), bf16, SDPA. Rows, each measured in this call:
 
 - ``no entropy in the loss``: the policy-gradient term only (entropy computed without grad, for metrics);

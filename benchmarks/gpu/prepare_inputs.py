@@ -25,9 +25,10 @@ Default (the rank run of issue 8):
   (LoCoMo's conversations alone are ~13.5k and ~19k tokens): ``run_rank.py --workload locomo``
   with ``--history-tokens 20480``.
 
-The sizes printed at the end are what a device call carries (64 MiB at most per call, all carried paths
-together): the embed call carries ``full``, the rank call ``full``, ``full-embed``, ``locomo-long``,
-``locomo-long-embed``.
+The sizes printed at the end are what has to be copied to the GPU host, checked against a 64 MiB
+transfer limit (``CARRY_LIMIT``): the embed run needs ``full``, the rank runs ``full``, ``full-embed``,
+``locomo-long``, ``locomo-long-embed``; a folder over the limit travels as data pieces
+(``stage.split(data, "y")`` here, ``stage.py join y .gpu/inputs`` on the host).
 """
 from __future__ import annotations
 

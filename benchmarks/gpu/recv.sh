@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine: keep every carried bundle piece (.gpu/pNN) outside the returned-files folder,
-# checking each against its recorded sha256. Run at the start of every staging call.
+# On the GPU host: copy every piece found in the checkout's .gpu/ (bundle pNN, extra wheels xNN, data yNN)
+# to $MEMSIFTER_GPU_STAGE (default /root/gpu-stage), checking each against its recorded sha256. Run it
+# after each batch of pieces arrives (the checkout's .gpu/ can then be emptied for the next batch);
+# install.sh runs it again.
 set -euo pipefail
 S=${MEMSIFTER_GPU_STAGE:-/root/gpu-stage}
 mkdir -p "$S"

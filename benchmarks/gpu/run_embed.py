@@ -36,11 +36,11 @@ Repeats (issue 20): every timed row runs ``--repeats`` times after its warm-up (
 time from an empty store, so each repeat includes the Ray Data actor's start and model load); the table
 gives the median and the spread (min-max). ``--baseline-limit N`` runs the in-process rows (plain,
 stage, gpu-only, compile) on the first N distinct texts (hash order: a random sample) while
-``pipeline`` embeds all of them, so that the full set (``--inputs .gpu/inputs/full``: 14,178 sessions,
-~37M tokens) fits a 600 s call; rates (texts/s) are compared. ``--budget-s`` stops starting repeats that
+``pipeline`` embeds all of them, so that a run over the full set (``--inputs .gpu/inputs/full``: 14,178
+sessions, ~37M tokens) stays under ~10 minutes; rates (texts/s) are compared. ``--budget-s`` stops starting repeats that
 would not finish in time (the table says how many ran).
 
-    # issue 20, item 1 (one call, ~540 s estimated from the 2026-11-23 rates): the Ray Data path on
+    # issue 20, item 1 (~540 s, estimated from the 2026-11-23 rates): the Ray Data path on
     # >= 10,000 real sessions (--limit counts texts in hash order: 10,400 texts ~ 10,150 sessions + questions)
     python3 benchmarks/gpu/run_embed.py --out $OUT --inputs .gpu/inputs/full --rows plain,compile,gpu-only,pipeline \
         --budgets 131072 --repeats 3 --limit 10400 --baseline-limit 1000 --budget-s 560

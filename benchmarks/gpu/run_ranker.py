@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Train a real ranker on the lent GPU (issue 17): SmolLM2-135M-Instruct, sft warm-up, DAPO with the
+"""Train a real ranker on a GPU host (issue 17): SmolLM2-135M-Instruct, sft warm-up, DAPO with the
 dcg reward, then with the task reward, LoRA throughout; the held-out table; curves.
 
-Runs on the GPU machine after ``source benchmarks/gpu/install.sh``, with the data built on a CPU
-machine by ``prepare_ranker.py`` carried in ``.gpu/ranker``. Every step is a platform stage run
-through the ``memsifter`` CLI with a YAML config (kept in the results), as a user runs it.
+Runs on the GPU host after ``source benchmarks/gpu/install.sh``, with the data built on a CPU
+machine by ``prepare_ranker.py`` copied to ``.gpu/ranker`` (or elsewhere: ``MEMSIFTER_RANKER_DATA=.gpu/rk``).
+Every step is a platform stage run through the ``memsifter`` CLI with a YAML config (kept in the
+results), as a user runs it.
 
-A device command lasts at most 10 minutes, so the work runs **detached** and later calls poll it:
+The whole chain takes 20 minutes to hours, so it runs **detached** (``setsid``, work and results under
+``MEMSIFTER_RANKER_WORK``, default ``/root/gpu-ranker``) and later commands poll it:
 
     python3 benchmarks/gpu/run_ranker.py start --phases base,sft,dcg,eval   # returns at once
     python3 benchmarks/gpu/run_ranker.py wait --out "$OUT" --max-s 540      # waits, copies results to $OUT
     python3 benchmarks/gpu/run_ranker.py poll --out "$OUT"                  # copies results, no wait
+    bash benchmarks/gpu/stop_ranker.sh                                      # stop it and all it started
 
 Phases (each stage skips work it already published, so ``start`` again after a crash resumes; the
 train stage resumes from its last complete checkpoint in S3):
@@ -442,7 +445,7 @@ def run_all(a) -> None:
 
 
 def copy_results(out: str) -> None:
-    """One archive (the device returns few files): results/ and the adapters, plus status and table."""
+    """One archive (``ranker.tgz``: results/ and the adapters) plus status.json and table.md, into ``out``."""
     if not out:
         return
     import tarfile

