@@ -2,9 +2,10 @@
 """The candidates behind the embed stage's former ``fusion`` default (issue 9): dev / held-out halves.
 
 Superseded (issue 16): ``fusion`` overfit the two shipped conversations and embeds every turn (hours on
-LongMemEval_S test on 2 cores). The current default, ``cascade``, and its candidates with their costs are
-measured by ``benchmarks/bench_first_stage.py`` on LoCoMo conv-26 / conv-30 and LongMemEval_S train348
-halves. This script is kept, unchanged in what it computes, as the record of issue 9.
+LongMemEval_S test on 2 cores). The current default, ``zsum`` (issue 34; issue 16's ``cascade`` before it),
+and its candidates with their costs are measured by ``benchmarks/bench_first_stage.py`` on LoCoMo conv-26
+/ conv-30 and LongMemEval_S train348 halves. This script is kept, unchanged in what it computes, as the
+record of issue 9.
 
 Exploration script kept for the record (benchmarks/README.md, "bench_first_stage.py"): imports the two
 shipped samples, embeds every turn unit and question once with all-MiniLM-L6-v2 (float32 CPU, the

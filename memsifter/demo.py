@@ -51,7 +51,7 @@ TRAINED_STAGE = "rank-trained"              # where its rankings go: <run>/rank-
 BANNER = """\
 ============================================================================================
  memsifter demo — offline, real data, real models on the CPU:
-   first stage  BM25 views + an all-MiniLM-L6-v2 cascade (plain dense shown for comparison)
+   first stage  BM25 views + all-MiniLM-L6-v2 on the lexical top 15, z-scores summed
    ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs), and beside it
                 smollm2-135m-memsifter-ranker: the LoRA adapter this platform trained (sft + DAPO,
                 training data incl. the demo's conv-26; free generation). It returns its input order:

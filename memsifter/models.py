@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -538,6 +539,11 @@ def serve(name: str, host: str, port: int, max_model_len: int | None, served_nam
               f"  memsifter run rank --engine endpoint --endpoint.base-url {url} --endpoint.model {served} ...\n"
               f"  memsifter run chat --endpoint.base-url {url} --endpoint.model {served} ...\n"
               f"  curl -s {url}/models", flush=True)
+        def stop(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)   # `kill` and container stops end it as Ctrl-C does
+        signal.signal(signal.SIGINT, stop)    # also when started in the background (SIGINT ignored there)
         try:
             while True:
                 time.sleep(3600)

@@ -116,8 +116,9 @@ class Progress:
     """Texts embedded, texts/s and ETA: a tqdm bar on a terminal, a log line every ``every`` seconds
     otherwise (pod logs), both only once a run has lasted ``after`` seconds."""
 
-    def __init__(self, total: int, every: float = 15.0, after: float = 3.0, desc: str = "embed"):
-        self.total, self.every, self.after, self.desc = total, every, after, desc
+    def __init__(self, total: int, every: float = 15.0, after: float = 3.0, desc: str = "embed",
+                 unit: str = "text"):
+        self.total, self.every, self.after, self.desc, self.unit = total, every, after, desc, unit
         self.done, self.t0, self.last = 0, time.time(), time.time()
         self.bar = None
         self.tty = sys.stderr.isatty()
@@ -131,7 +132,7 @@ class Progress:
             if self.bar is None:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=self.total, initial=self.done - n, unit="text", desc=self.desc,
+                self.bar = tqdm(total=self.total, initial=self.done - n, unit=self.unit, desc=self.desc,
                                 dynamic_ncols=True, smoothing=0.1)
             self.bar.update(n)
         elif now - self.last >= self.every or self.done >= self.total:
@@ -142,7 +143,7 @@ class Progress:
         el = (now or time.time()) - self.t0
         rate = self.done / el if el > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        return (f"{self.desc}: {self.done}/{self.total} texts, {rate:.1f} texts/s, "
+        return (f"{self.desc}: {self.done}/{self.total} {self.unit}s, {rate:.1f} {self.unit}s/s, "
                 f"elapsed {el:.0f} s, ETA {eta:.0f} s")
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     assert np.allclose(sims["dense"], vec[1:] @ vec[0], atol=1e-4)
     assert sims["chunked"] is None
 
-    # a second run with every method on (dense, chunked, turns besides the default BM25 + cascade)
+    # a second run with every method on (dense, chunked, turns besides the default BM25, cascade, zsum)
     # reuses every stored vector and embeds only the new chunks and units
     every = {"dense": True, "chunked": True, "chunk_turns": 2, "chunk_stride": 1, "turns": True}
     m2 = get_stage("embed").run({"output": str(tmp_path / "e2"), "input": data, "model": "all-MiniLM-L6-v2",
@@ -85,12 +85,12 @@ def test_embed_stage_store_reuse_and_modes(tmp_path, ray_local):
     assert st2["store_vectors_before"] == n_texts and st2["reused"] >= n_texts
     assert st2["embedded"] == st2["texts"] - st2["reused"] > 0
     assert set(st2["retrieval"]) == {"dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window",
-                                     "hybrid", "fusion", "cascade"} and st2["primary"] == "cascade"
+                                     "hybrid", "fusion", "cascade", "zsum"} and st2["primary"] == "zsum"
     assert {"rankings_dense.parquet", "rankings_chunked.parquet", "rankings_turns.parquet",
             "rankings_bm25.parquet", "rankings_bm25_dated.parquet", "rankings_bm25_window.parquet",
-            "rankings_hybrid.parquet", "rankings_fusion.parquet", "rankings_cascade.parquet", "rankings.parquet",
-            "similarities.parquet"} <= set(m2["files"])
-    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:cascade"
+            "rankings_hybrid.parquet", "rankings_fusion.parquet", "rankings_cascade.parquet",
+            "rankings_zsum.parquet", "rankings.parquet", "similarities.parquet"} <= set(m2["files"])
+    assert rankings.read_rankings(str(tmp_path / "e2"))[0]["method"] == "embed:zsum"
     # dense results do not depend on the run that embedded them
     d1 = rankings.read_rankings(storage.join(str(tmp_path / "e1"), "rankings_dense.parquet"))
     d2 = rankings.read_rankings(storage.join(str(tmp_path / "e2"), "rankings_dense.parquet"))
@@ -186,29 +186,32 @@ def test_chunks_follow_turns_not_lines():
     assert chunk_texts(turns[:3], 4, 2) == [render_session(turns[:3])]  # short session: one chunk = whole
 
 
-def test_default_is_the_cascade_and_embeds_only_its_units(tmp_path, ray_local):
-    """Defaults: rankings.parquet holds the cascade; embedded = the questions and the non-assistant units
-    of at most cascade_k sessions per question: no whole session, no assistant turn, not every turn."""
+def test_default_is_zsum_and_embeds_only_its_units(tmp_path, ray_local):
+    """Defaults (issue 34): rankings.parquet holds zsum; embedded = the questions and the non-assistant
+    units of at most zsum_k sessions per question (the cascade, still published, reuses a prefix of
+    them): no whole session, no assistant turn, not every turn."""
     from memsifter.stages import embed as E
 
     data = str(tmp_path / "data")
     get_stage("synth").run({"output": data, "questions": 4, "sessions_per_question": 16, "seed": 11})
     ds = read_dataset(data)
     cfg = E.EmbedConfig(input=data, output="x")
-    assert cfg.primary_method() == "cascade" and not (cfg.dense or cfg.turns or cfg.chunked)
-    assert cfg.methods() == ["bm25", "bm25_dated", "bm25_window", "cascade"] and cfg.cascade_k == 5
+    assert cfg.primary_method() == "zsum" and not (cfg.dense or cfg.turns or cfg.chunked)
+    assert cfg.methods() == ["bm25", "bm25_dated", "bm25_window", "cascade", "zsum"]
+    assert (cfg.cascade_k, cfg.zsum_k, cfg.rescored_k()) == (5, E.ZSUM_K, E.ZSUM_K) and E.ZSUM_K > 5
     out, store = str(tmp_path / "emb"), str(tmp_path / "store")
     m = get_stage("embed").run({"output": out, "input": data, "model": "all-MiniLM-L6-v2", "store": store})
     st = m["stats"]
-    assert st["primary"] == "cascade" and set(st["retrieval"]) == {"bm25", "bm25_dated", "bm25_window", "cascade"}
+    assert st["primary"] == "zsum"
+    assert set(st["retrieval"]) == {"bm25", "bm25_dated", "bm25_window", "cascade", "zsum"}
     rows = rankings.read_rankings(out)
-    assert {r["method"] for r in rows} == {"embed:cascade"}
-    assert rows == rankings.read_rankings(storage.join(out, "rankings_cascade.parquet"))
+    assert {r["method"] for r in rows} == {"embed:zsum"}
+    assert rows == rankings.read_rankings(storage.join(out, "rankings_zsum.parquet"))
 
     every_unit = {u for q in ds.questions for s in q.haystack_session_ids
                   for u in E.turn_units(ds.sessions[s].turns, 200)}
     cand = {s for q in ds.questions for s in q.haystack_session_ids}
-    assert all(len(q.haystack_session_ids) > cfg.cascade_k for q in ds.questions)  # so the cap matters
+    assert all(len(q.haystack_session_ids) > cfg.rescored_k() for q in ds.questions)  # so the cap matters
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
     held = embedding.EmbeddingStore(store, spec)
     held.load()
@@ -216,20 +219,25 @@ def test_default_is_the_cascade_and_embeds_only_its_units(tmp_path, ray_local):
     assistant = {u for q in ds.questions for s in q.haystack_session_ids
                  for u in E.turn_units([t for t in ds.sessions[s].turns if t["role"] == "assistant"], 200)}
     assert assistant and not any(embedding.text_hash(u) in held for u in assistant)
-    assert st["cascade_sessions"] <= cfg.cascade_k * len(ds.questions)
+    assert st["cascade_sessions"] <= cfg.rescored_k() * len(ds.questions)
     assert st["embedded"] == st["texts"] == len({q.question for q in ds.questions}) + st["cascade_units_distinct"]
     assert st["texts"] < len(every_unit)
 
-    # the cascade is RRF(bm25_dated, bm25_window, dense order of the lexical top cascade_k), recomputed
+    # zsum is z(bm25_dated) + z(bm25_window) + z(max-sim of the lexical top zsum_k, the others at their
+    # lowest); the cascade RRF(bm25_dated, bm25_window, dense order of the lexical top cascade_k): recomputed
     sims = storage.read_parquet(storage.join(out, "similarities.parquet")).to_pylist()
     for q, r in zip(ds.questions, sims):
         assert r["dense"] is None and r["turns"] is None
         lex = {k: np.array(r[k]) for k in ("bm25", "bm25_dated", "bm25_window")}
-        cand_i = E.cascade_candidates(lex, cfg.cascade_k, cfg.rrf_k)
         qv = held.get(embedding.text_hash(q.question))
-        dense = {i: max(float(held.get(embedding.text_hash(u)) @ qv)
-                        for u in E.cascade_units(ds.sessions[q.haystack_session_ids[i]].turns, 200)) for i in cand_i}
-        assert np.allclose(r["cascade"], E.cascade_scores(lex, cand_i, dense, cfg.rrf_k))
+        for method, k in (("cascade", cfg.cascade_k), ("zsum", cfg.zsum_k)):
+            cand_i = E.cascade_candidates(lex, k, cfg.rrf_k)
+            dense = {i: max(float(held.get(embedding.text_hash(u)) @ qv)
+                            for u in E.cascade_units(ds.sessions[q.haystack_session_ids[i]].turns, 200))
+                     for i in cand_i}
+            want = (E.cascade_scores(lex, cand_i, dense, cfg.rrf_k) if method == "cascade"
+                    else E.zsum_scores(lex, cand_i, dense))
+            assert np.allclose(r[method], want, atol=1e-5), method
 
 
 def test_s_stem_cascade_units_and_scores():

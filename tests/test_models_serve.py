@@ -26,7 +26,7 @@ def test_serve_refuses_what_is_not_a_model_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_answers_openai_requests_and_stops_on_ctrl_c(tiny_model_dir, tmp_path):
+def test_serve_answers_openai_requests_and_stops_cleanly(tiny_model_dir, tmp_path):
     port = free_port()
     proc = subprocess.Popen([*EXE, tiny_model_dir, "--port", str(port), "--served-name", "tiny",
                              "--max-model-len", "1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -43,7 +43,7 @@ def test_serve_answers_openai_requests_and_stops_on_ctrl_c(tiny_model_dir, tmp_p
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.load(r)["choices"][0]["message"]["content"] is not None
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)   # `kill`, a container stop: a clean stop like Ctrl-C
         rc = proc.wait(60)
     assert rc == 0
     # the vLLM process went with it: the port is free again

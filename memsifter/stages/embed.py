@@ -13,12 +13,16 @@ Methods, each published as ``rankings_<method>.parquet`` (same schema as every r
 - ``bm25_window``: BM25 over windows of three consecutive units (with the session date); a session
   scores its best window.
   Every BM25 view reduces words with the S-stemmer (``stem: true``: plural endings only, a fixed rule).
-- ``cascade`` (``cascade: true``, default; needs ``bm25``): RRF (k = ``rrf_k``) of ``bm25_dated``,
-  ``bm25_window`` and a dense leg that only exists for the top ``cascade_k`` (5) sessions of
-  RRF(bm25_dated, bm25_window): the max-sim of the question vector over those sessions' units of
-  turns not spoken by the ``assistant`` (all turns when there is no such role, e.g. LoCoMo's named
-  speakers). It embeds about ``cascade_k`` sessions' user turns per question instead of every turn
-  of every session.
+- ``zsum`` (``zsum: true``, default and primary; needs ``bm25``): score fusion, one equal vote per leg:
+  z(``bm25_dated``) + z(``bm25_window``) + z(dense), each z-scored over the question's haystack. The
+  dense leg is the max-sim of the question vector over the units of turns not spoken by the
+  ``assistant`` (all turns when there is no such role, e.g. LoCoMo's named speakers) of the top
+  ``zsum_k`` (15) sessions of RRF(bm25_dated, bm25_window); a session outside them counts as the
+  lowest of them. It embeds about ``zsum_k`` sessions' user turns per question, not every session.
+- ``cascade`` (``cascade: true``, default; needs ``bm25``; issue 16's primary): RRF (k = ``rrf_k``) of
+  ``bm25_dated``, ``bm25_window`` and the same dense leg over the lexical top ``cascade_k`` (5) only.
+  Its units are a prefix of zsum's (the same lexical order), so it costs nothing more; ``zsum: false``
+  gives issue 16's default exactly.
 - ``dense`` (``dense: true``; on anyway when nothing else is): cosine of the whole-session vector and
   the question vector (the original). Embeds every session.
 - ``chunked`` (``chunked: true``): a session scores its best window of ``chunk_turns`` turns
@@ -30,23 +34,43 @@ Methods, each published as ``rankings_<method>.parquet`` (same schema as every r
 - ``fusion`` (``turns: true`` and bm25): RRF of ``turns``, ``bm25_dated`` and ``bm25_window``: the
   default of issue 9, kept for comparison.
 
-``rankings.parquet`` is the ``primary`` method (auto: cascade > fusion > hybrid > chunked > dense >
+``rankings.parquet`` is the ``primary`` method (auto: zsum > cascade > fusion > hybrid > chunked > dense >
 bm25): what ``rank`` pre-filters with and ``chat`` fills context with. ``similarities.parquet`` keeps
 each method's scores aligned with ``haystack_session_ids`` (null for methods not run; ``cascade``'s
-scores are RRF scores). Retrieval metrics of every method are in the manifest's stats.
+scores are RRF scores, ``zsum``'s sums of z-scores). Retrieval metrics of every method are in the
+manifest's stats.
 
-Why ``cascade`` is the default (issue 16): ``fusion`` (issue 9) was chosen on halves of the same two
+Why ``zsum`` is the default (issue 34): ``cascade`` (issue 16, below) measured on LongMemEval_S TEST
+recall_any@5 0.958 / NDCG@10 0.906: its dense leg re-ranks the lexical top 5 and RRF gives the two
+correlated BM25 views two votes against one dense vote, so a session BM25 misses stays missed even when
+the dense leg is sure of it (the held-out train half, 1.000 / 0.935, did not show it). z-scores instead
+let a leg speak as loudly as it is sure. Candidates (benchmarks/bench_first_stage.py;
+benchmarks/README.md, "First-stage retrieval"): the cascade with k = 5 / 10 / 20 / every session, the
+user-turn max-sim of every session alone, RRF with one vote per family (lexical, dense), zsum with k =
+10 / 15 / 20 / every session, chunked dense (windows of 4 turns) and its RRF with BM25, compared on
+LoCoMo conv-26 / conv-30 and LongMemEval_S train348 even / odd positions, cost extrapolated to
+LongMemEval_S test (6,692 sessions) from texts/s measured in the same run. One rule, applied to every
+candidate: the best mean over both datasets of (recall_any@5 + NDCG@10) / 2 among the candidates within
+5 min, chosen on one half and read on the other, then swapped. Both halves pick zsum (dev: k = 15,
+held-out: k = 10, 0.0002 apart), over the cascade k = 5 on every half of both datasets (recall_any@5 /
+NDCG@10, 162 LongMemEval questions a half): LongMemEval even 0.975 / 0.904 -> 0.988 / 0.932, odd 0.975 /
+0.917 -> 0.981 / 0.940; LoCoMo conv-26 0.893 / 0.783 -> 0.913 / 0.792, conv-30 0.914 / 0.794 -> 0.914 /
+0.810 (k = 15). RRF with one vote per family helps LongMemEval but costs LoCoMo (conv-30 recall 0.852),
+where the dense leg is weak (all sessions talk of the same two people) and z-scores keep it quiet. No
+constant was fitted: equal votes per leg (as the cascade's RRF), z-scores (a fixed normalisation), the
+floor for sessions not re-scored, RRF's k = 60 for the candidate order, the S-stemmer's fixed rules,
+all-MiniLM-L6-v2's 256 tokens (~200 words per unit). ``zsum_k`` is the cost knob: the quality of k = 10,
+15, 20 and every session differs by <= 0.007 on these halves, but the lexical order holds the first gold
+within its top 10 / 15 for 0.994 / 1.000 of the even LongMemEval questions, and LongMemEval_S test is
+harder for BM25 (recall_any@5 0.958 there, 0.975 here); 15 is the deepest within the bound: extrapolated
+to 4.1 min on LongMemEval_S test (the old default's measured 94 s scaled by the texts/s of the same run;
+k = 10: 2.9, k = 20: 5.2, every session: 9.7).
+
+Why ``cascade`` was the default (issue 16): ``fusion`` (issue 9) was chosen on halves of the same two
 LoCoMo conversations and fell short on the 8 others (recall_any@5 0.897, NDCG@10 0.761), and embedding
 every turn turns LongMemEval_S test (6,692 sessions) into ~105k texts: hours on 2 CPU cores. The
-candidates (BM25 views and their RRF, stemming, whole-session dense, every-turn max-sim, the cascade
-with k = 5 / 10) were compared on a DEV split (LoCoMo conv-26 + LongMemEval_S train348 questions at
-even positions in id order), the best on dev within the cost bound (LongMemEval_S test in <= 10 min on
-2 cores) chosen, and read on HELD-OUT (conv-30 + odd positions); the cross-over (choose on conv-30,
-read conv-26) is in benchmarks/README.md, "First-stage retrieval", with ``bench_first_stage.py``'s table.
-No constant was fitted: RRF's k = 60 (the usual value), the S-stemmer's fixed rules, all-MiniLM-L6-v2's
-256 tokens (~200 words per unit); cascade_k = 5 was picked between 5 and 10 by the cost bound (10
-extrapolated to ~14 min on LongMemEval_S test on the shared 2 cores; 5 to ~7 min), so the dense leg
-reorders the lexical top 5 (recall@5 is the lexical one; NDCG and MRR gain).
+cascade was the best on a dev split within 10 min (cascade_k = 5 picked between 5 and 10 by cost), and
+read on the held-out split; it is kept, published as ``rankings_cascade.parquet``.
 """
 
 from __future__ import annotations
@@ -61,12 +85,14 @@ from pydantic import Field, model_validator
 
 from .. import embedding, faults, rankings, storage
 from ..data.model import Dataset, read_dataset
+from ..raypool import Progress
 from ..render import render_session, turn_texts
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 
 log = logging.getLogger(__name__)
-METHODS = ("dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid", "fusion", "cascade")
-PRIMARY_ORDER = ("cascade", "fusion", "hybrid", "chunked", "dense", "bm25")
+METHODS = ("dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid", "fusion", "cascade", "zsum")
+ZSUM_K = 15   # issue 34: the deepest lexical top-k within the 5-min cost bound (module doc)
+PRIMARY_ORDER = ("zsum", "cascade", "fusion", "hybrid", "chunked", "dense", "bm25")
 
 
 class EmbedConfig(StageConfig):
@@ -91,14 +117,20 @@ class EmbedConfig(StageConfig):
     bm25: bool = Field(True, description="also rank with BM25 (session, dated, windowed) and fuse the "
                        "rankings (cascade; hybrid with dense/chunked; fusion with turns)")
     stem: bool = Field(True, description="BM25 words reduced by the S-stemmer (plural -s/-es/-ies)")
-    cascade: bool = Field(True, description="cascade (needs bm25): RRF of bm25_dated, bm25_window and the "
-                          "max-sim over the non-assistant turn units of the lexical top cascade_k sessions")
-    cascade_k: int = Field(5, ge=1, description="sessions per question whose units the cascade embeds (10: "
-                           "+0.02 LoCoMo recall@5 on the dev samples, twice the embedding)")
+    zsum: bool = Field(True, description="zsum (needs bm25): z(bm25_dated) + z(bm25_window) + z(max-sim over the "
+                       "non-assistant turn units of the lexical top zsum_k sessions), z-scored over each haystack")
+    zsum_k: int = Field(ZSUM_K, ge=1, description="sessions per question whose units zsum embeds (the cost knob: "
+                        "LongMemEval_S test embeds about zsum_k x 150 sessions' user turns)")
+    cascade: bool = Field(True, description="cascade (needs bm25; issue 16's default): RRF of bm25_dated, "
+                          "bm25_window and the max-sim over the non-assistant turn units of the lexical top "
+                          "cascade_k sessions")
+    cascade_k: int = Field(5, ge=1, description="sessions per question whose units the cascade embeds (at most "
+                           "max(cascade_k, zsum_k) sessions are embedded for both)")
     rrf_k: int = Field(60, ge=1, description="reciprocal-rank-fusion constant")
     primary: Literal["auto", "dense", "chunked", "turns", "bm25", "bm25_dated", "bm25_window", "hybrid",
-                     "fusion", "cascade"] = Field("auto", description="method written to rankings.parquet "
-                                                  "(auto: cascade > fusion > hybrid > chunked > dense > bm25)")
+                     "fusion", "cascade", "zsum"] = Field("auto", description="method written to rankings.parquet "
+                                                          "(auto: zsum > cascade > fusion > hybrid > chunked > "
+                                                          "dense > bm25)")
     store: str | None = uri_field("embedding store shared across runs (default <output>/_work/embeddings)",
                                   None)
     workers: int = runtime_field(1, "model replicas (Ray actors)", ge=1)
@@ -115,7 +147,8 @@ class EmbedConfig(StageConfig):
     def _primary_enabled(self) -> "EmbedConfig":
         if self.primary not in ("auto", *self.methods()):
             need = {"chunked": "chunked: true", "turns": "turns: true", "fusion": "turns: true and bm25: true",
-                    "cascade": "cascade: true and bm25: true", "dense": "dense: true",
+                    "cascade": "cascade: true and bm25: true", "zsum": "zsum: true and bm25: true",
+                    "dense": "dense: true",
                     "hybrid": "bm25: true and dense: true or chunked: true"}
             raise ValueError(f"primary '{self.primary}' needs {need.get(self.primary, 'bm25: true')}")
         return self
@@ -127,11 +160,25 @@ class EmbedConfig(StageConfig):
     def cascade_on(self) -> bool:
         return self.cascade and self.bm25
 
+    def zsum_on(self) -> bool:
+        return self.zsum and self.bm25
+
+    def preflight(self) -> None:
+        """Refuse a dense model the stage could not load, in one line, before Ray starts (no dense method
+        on: no model is loaded, nothing to check)."""
+        if self.dense_on() or self.chunked or self.turns or self.rescored_k():
+            embedding.check_model_ref(self.model, "embed")
+
+    def rescored_k(self) -> int:
+        """Sessions per question whose non-assistant units are embedded (cascade and zsum share them:
+        both take the top of the same lexical order)."""
+        return max([self.cascade_k] * self.cascade_on() + [self.zsum_k] * self.zsum_on() or [0])
+
     def methods(self) -> list[str]:
         on = {"dense": self.dense_on(), "chunked": self.chunked, "turns": self.turns, "bm25": self.bm25,
               "bm25_dated": self.bm25, "bm25_window": self.bm25,
               "hybrid": self.bm25 and (self.dense_on() or self.chunked), "fusion": self.turns and self.bm25,
-              "cascade": self.cascade_on()}
+              "cascade": self.cascade_on(), "zsum": self.zsum_on()}
         return [m for m in METHODS if on[m]]
 
     def primary_method(self) -> str:
@@ -311,17 +358,32 @@ def cascade_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense:
     return rrf([order_by(lexical[m]) for m in LEXICAL_LEGS] + [dense_order], n, rrf_k)
 
 
-def check(config: EmbedConfig) -> None:
-    """Refuse a dense model the stage could not load, in one line, before Ray starts (no dense method
-    on: no model is loaded, nothing to check)."""
-    if config.dense_on() or config.chunked or config.turns or config.cascade_on():
-        embedding.check_model_ref(config.model, "embed")
+def zscore(x: np.ndarray) -> np.ndarray:
+    """``(x - mean) / std`` over one haystack (zeros when every score is the same); non-finite scores
+    count as the lowest finite one."""
+    x = np.asarray(x, dtype=float)
+    finite = np.isfinite(x)
+    if not finite.any():
+        return np.zeros(len(x))
+    x = np.where(finite, x, x[finite].min())
+    sd = float(x.std())
+    return (x - x.mean()) / sd if sd > 0 else np.zeros(len(x))
+
+
+def zsum_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense: dict[int, float]) -> np.ndarray:
+    """Score fusion (CombSUM of z-scores, one equal vote per leg): z(``bm25_dated``) + z(``bm25_window``)
+    + z(dense), each z-scored over the question's haystack. The dense leg is the max-sim of the
+    candidates; a session outside them counts as the lowest candidate (not re-scored, so assumed no
+    better)."""
+    n = len(lexical["bm25_dated"])
+    floor = min(dense[i] for i in candidates) if candidates else 0.0
+    leg = np.array([dense.get(i, floor) for i in range(n)], dtype=float)
+    return sum(zscore(lexical[m]) for m in LEXICAL_LEGS) + zscore(leg)
 
 
 @stage("embed", EmbedConfig, family="embed", gpus=1,
-       help="Rank each haystack: BM25 views, a dense cascade over the lexical top sessions, dense/chunked/turns")
+       help="Rank each haystack: BM25 views fused with a dense leg over the lexical top sessions, dense/chunked/turns")
 def run(config: EmbedConfig, out: storage.Publication) -> dict:
-    check(config)   # one line now, not a Ray actor's traceback later
     ds: Dataset = read_dataset(config.input)
     spec = embedding.ModelSpec.resolve(config.model, config.pooling, config.max_length, config.dtype)
     store = embedding.EmbeddingStore(config.store or storage.join(out.work, "embeddings"), spec)
@@ -333,7 +395,11 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
     lexical: dict[str, dict[str, np.ndarray]] = {}
     if config.bm25:
         lex = Lexical(ds, config.turn_words, config.stem)
-        lexical = {q.question_id: lex.scores(q) for q in ds.questions}
+        bar = Progress(len(ds.questions), desc="embed: BM25", unit="question")
+        for q in ds.questions:
+            lexical[q.question_id] = lex.scores(q)
+            bar.update(1)
+        bar.close()
 
     # ---- texts to embed, each once
     items: dict[str, str] = {}
@@ -343,8 +409,8 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
         items[h] = text
         return h
 
-    any_dense = config.dense_on() or config.chunked or config.turns or config.cascade_on()
-    oversized = warn_oversized(ds, used, config.turn_words) if (config.turns or config.cascade_on()) else 0
+    any_dense = config.dense_on() or config.chunked or config.turns or bool(config.rescored_k())
+    oversized = warn_oversized(ds, used, config.turn_words) if (config.turns or config.rescored_k()) else 0
     q_hash = {q.question_id: add(config.query_instruction + q.question) for q in ds.questions} if any_dense else {}
     s_hash = {sid: add(render_session(ds.sessions[sid].turns)) for sid in used} if config.dense_on() else {}
     s_chunks = ({sid: [add(t) for t in chunk_texts(ds.sessions[sid].turns, config.chunk_turns, config.chunk_stride)]
@@ -353,9 +419,9 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                if config.turns else {})
     cands: dict[str, list[int]] = {}
     c_units: dict[str, list[str]] = {}
-    if config.cascade_on():
+    if config.rescored_k():
         for q in ds.questions:
-            cands[q.question_id] = cascade_candidates(lexical[q.question_id], config.cascade_k, config.rrf_k)
+            cands[q.question_id] = cascade_candidates(lexical[q.question_id], config.rescored_k(), config.rrf_k)
             for i in cands[q.question_id]:
                 sid = q.haystack_session_ids[i]
                 if sid not in c_units:
@@ -376,7 +442,9 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
     unit_vecs = {sid: vecs(hs) for sid, hs in s_units.items()}
     sim_rows = []
     rank_rows: dict[str, list[dict]] = {m: [] for m in methods}
+    bar = Progress(len(ds.questions), desc="embed: scores", unit="question")
     for q in ds.questions:
+        bar.update(1)
         hay = q.haystack_session_ids
         n = len(hay)
         qv = store.get(q_hash[q.question_id]) if any_dense else None
@@ -393,10 +461,15 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
         if "fusion" in methods:
             scores["fusion"] = rrf([order_by(scores[m]) for m in ("turns", "bm25_dated", "bm25_window")],
                                    n, config.rrf_k)
-        if "cascade" in methods:
-            cand = cands[q.question_id]
+        if config.rescored_k():
+            cand = cands[q.question_id]   # the top of one lexical order: cascade's top k is a prefix
             dense = {i: float((vecs(c_units[hay[i]]) @ qv).max()) for i in cand}
-            scores["cascade"] = cascade_scores(scores, cand, dense, config.rrf_k)
+            if "cascade" in methods:
+                top = cand[:config.cascade_k]
+                scores["cascade"] = cascade_scores(scores, top, {i: dense[i] for i in top}, config.rrf_k)
+            if "zsum" in methods:
+                top = cand[:config.zsum_k]
+                scores["zsum"] = zsum_scores(scores, top, {i: dense[i] for i in top})
         row = {"question_id": q.question_id, "haystack_session_ids": hay}
         for m in METHODS:
             row[m] = [float(x) for x in scores[m]] if m in scores else None
@@ -408,6 +481,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                 "scores": [float(scores[m][i]) for i in order], "method": f"embed:{m}",
                 "status": "ok", "reason": None, "raw_response": None})
 
+    bar.close()
     sim_schema = pa.schema([("question_id", pa.string()), ("haystack_session_ids", pa.list_(pa.string()))]
                            + [(m, pa.list_(pa.float64())) for m in METHODS])
     out.write_table("similarities.parquet", pa.Table.from_pylist(sim_rows, schema=sim_schema))
