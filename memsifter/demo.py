@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import sys
 import tempfile
 import threading
 import time
 from importlib import resources
-from typing import Callable
 
 from . import storage
 
@@ -66,7 +64,8 @@ For the paper's models (the ranker needs a GPU; any OpenAI-compatible working LL
     --set stages.rank.model=zstanjj/MemSifter-4B-Thinking --set stages.rank.engine=vllm \\
     --set stages.rank.context_limit=131072 --set stages.embed.model=BAAI/bge-m3 \\
     --set stages.chat.endpoint.base_url=https://api.openai.com/v1 \\
-    --set stages.chat.endpoint.model=gpt-4o-mini          # key from $OPENAI_API_KEY"""
+    --set stages.chat.endpoint.model=gpt-4o-mini \\        # key from $OPENAI_API_KEY
+    --set stages.rank-trained.engine=vllm                 # the small trained adapter beside it"""
 
 
 def config_path() -> str:
@@ -113,7 +112,8 @@ class BackgroundServer:
         self._thread.join(timeout=60)
 
 
-def demo_spec(out: str, questions: int, rank_engine: str = "endpoint", answers: int | None = None) -> dict:
+def demo_spec(out: str, questions: int, rank_engine: str = "endpoint", answers: int | None = None,
+              trained: bool = True) -> dict:
     """The synthetic pipeline: configs/demo.yaml with the demo's run prefix and question counts."""
     from .stage import load_config_file
 
@@ -121,27 +121,31 @@ def demo_spec(out: str, questions: int, rank_engine: str = "endpoint", answers: 
     spec["run"] = out
     st = spec["stages"]
     st["synth"]["questions"] = questions
-    _answer_stages(spec, out, answers, rank_engine)
+    _answer_stages(spec, out, answers, rank_engine, trained)
     return spec
 
 
-def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str) -> None:
+def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str, trained: bool = True) -> None:
+    """demo.yaml's sections for the demo's flags: ``--answers`` questions ranked and answered (0: the
+    first stage only), the rank engine, the trained ranker's instance left out when its adapter is not
+    installed."""
     st = spec["stages"]
     st["embed"]["dense"] = True  # plain whole-session dense retrieval: the baseline of both tables
     if answers == 0:
-        for name in ("rank", "chat"):
+        for name in ("rank", TRAINED_STAGE, "chat"):
             st.pop(name, None)
         return
-    if answers:
-        st["rank"]["limit"] = answers
-        st["chat"]["limit"] = answers
+    if not trained:
+        st.pop(TRAINED_STAGE, None)
+        st["chat"]["compare"] = [c for c in st["chat"].get("compare", []) if c != TRAINED_STAGE]
+    rankers = [n for n in ("rank", TRAINED_STAGE) if n in st]
+    for name in rankers + ["chat"]:
+        if answers:
+            st[name]["limit"] = answers
     if rank_engine == "vllm":
-        st["rank"]["engine"] = "vllm"
-        st["rank"].pop("endpoint", None)
-    embed = storage.join(run.rstrip("/"), "embed")
-    # Answers with the ranker's context (the chat stage's rankings), then with dense and the default
-    # first stage, then no memory and the gold sessions (the baselines in demo.yaml).
-    st["chat"]["compare"] = [storage.join(embed, "rankings_dense.parquet"), embed]
+        for name in rankers:
+            st[name]["engine"] = "vllm"
+            st[name].pop("endpoint", None)
 
 
 REAL = (  # (name, import config) — subsets of the shipped samples, first questions in file order
@@ -150,7 +154,8 @@ REAL = (  # (name, import config) — subsets of the shipped samples, first ques
 )
 
 
-def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_engine: str = "endpoint") -> dict:
+def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_engine: str = "endpoint",
+              trained: bool = True) -> dict:
     from . import samples
     from .stage import load_config_file
 
@@ -160,52 +165,8 @@ def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_eng
     del st["synth"]
     spec["stages"] = {"import": {"format": imp["format"], "source": samples.path(imp["sample"]), "limit": limit},
                       **st}
-    _answer_stages(spec, spec["run"], answers, rank_engine)
+    _answer_stages(spec, spec["run"], answers, rank_engine, trained)
     return spec
-
-
-def trained_rank_config(rank_cfg: dict, run: str) -> dict:
-    """The trained ranker's rank config: the demo's wired rank section with the shipped adapter in place of
-    the base, free generation with the prompt it was trained with, published at ``<run>/rank-trained``."""
-    cfg = copy.deepcopy(rank_cfg)
-    cfg.update(model=TRAINED, tokenizer=MODEL, prompt_style="direct", answer_prefix="", constrained_output=False,
-               history_order="first_stage", output=storage.join(run.rstrip("/"), TRAINED_STAGE))
-    if cfg.get("engine", "endpoint") == "endpoint":
-        cfg.setdefault("endpoint", {})["model"] = TRAINED   # the name the demo's second server serves it by
-    return cfg
-
-
-def run_with_trained(spec: dict, *, trained: "BackgroundServer | bool | None", force: tuple | list,
-                     replace: tuple | list, before: Callable[[str, dict], None],
-                     echo: Callable[[str], None]) -> dict:
-    """The demo's pipeline; with ``trained`` (its server, or True for a rank engine that loads it itself),
-    the stages through rank, then the trained ranker (a second rank run), then the rest with its
-    rankings answered with (chat ``compare``) and scored (evaluate)."""
-    from .pipeline import run_pipeline, wire
-    from .stage import get_stage, validate_config
-
-    kw = dict(force=force, replace=replace, before=before, echo=echo)
-    if not trained or "rank" not in spec["stages"] or "chat" not in spec["stages"]:
-        return run_pipeline(spec, **kw)
-    results = run_pipeline(spec, until="rank", **kw)
-    plan = dict(wire(spec))
-    cfg = trained_rank_config(plan["rank"], spec["run"])
-    if "endpoint" in cfg and isinstance(trained, BackgroundServer):
-        if not trained.url:
-            echo(f"[demo] waiting for the vLLM server of {TRAINED}…")
-        cfg["endpoint"]["base_url"] = trained.wait()
-    t0 = time.time()
-    m = get_stage("rank").run(validate_config("rank", cfg, source="demo: the trained ranker"),
-                              force="rank" in force, replace="rank" in replace)
-    state = "skipped (already published)" if m.get("skipped") else f"done in {time.time() - t0:.1f}s"
-    echo(f"[pipeline] rank     {state}: {cfg['output']} (the trained adapter {TRAINED})")
-    results[TRAINED_STAGE] = m
-    st = spec["stages"]
-    st["chat"]["compare"] = [cfg["output"], *st["chat"].get("compare", [])]
-    if "evaluate" in st:
-        st["evaluate"]["rankings"] = [*plan["evaluate"]["rankings"], cfg["output"]]
-    results.update(run_pipeline(spec, start="chat", **kw))
-    return results
 
 
 @contextlib.contextmanager
@@ -382,7 +343,8 @@ def answers_table(results: dict[str, dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from . import models
-    from .cli import plain, setup_logging
+    from .console import plain, setup_logging
+    from .pipeline import run_pipeline
 
     p = argparse.ArgumentParser(prog="memsifter demo", description=plain(__doc__))
     p.add_argument("--out", default="./memsifter-demo", help="run prefix (local dir or s3://…)")
@@ -438,21 +400,25 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 trained = True
 
-        def before(name: str, cfg: dict) -> None:
-            if server and name in ("chat", "rank") and "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
-                if not server.url:
-                    echo(f"[demo] waiting for the vLLM server of {MODEL} ({name})…")
-                cfg["endpoint"]["base_url"] = server.wait()
+        def before(name: str, cfg: dict) -> None:   # the URL of the server that serves the section's model
+            if "endpoint" not in cfg or cfg.get("engine", "endpoint") != "endpoint":
+                return
+            srv = trained if cfg["endpoint"].get("model") == TRAINED else server
+            if isinstance(srv, BackgroundServer):
+                if not srv.url:
+                    echo(f"[demo] waiting for the vLLM server of {cfg['endpoint'].get('model')} ({name})…")
+                cfg["endpoint"]["base_url"] = srv.wait()
 
-        every = ["import", "synth", "embed", "rank", "chat", "evaluate"]
-        force = every if args.force else ()
-        replace = every if args.replace else ()
+        def run(spec: dict) -> dict:
+            every = list(spec["stages"])
+            return run_pipeline(spec, force=every if args.force else (), replace=every if args.replace else (),
+                                before=before, echo=echo)
+
         results: dict[str, dict] = {}
         try:
             if args.data == "synth":
-                spec = demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers)
-                results["synthetic"] = run_with_trained(spec, trained=trained, force=force, replace=replace,
-                                                        before=before, echo=echo)
+                results["synthetic"] = run(demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers,
+                                                     bool(trained)))
             else:
                 import ray
 
@@ -469,9 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                          + (f"; the first {min(answers, limits[name])} also ranked and answered" if answers else
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
-                    spec = real_spec(args.out, name, imp, limits[name], answers, args.rank_engine)
-                    results[name] = run_with_trained(spec, trained=trained, force=force, replace=replace,
-                                                     before=before, echo=echo)
+                    results[name] = run(real_spec(args.out, name, imp, limits[name], answers, args.rank_engine,
+                                                  bool(trained)))
         finally:
             for srv in (server, trained):
                 if isinstance(srv, BackgroundServer):

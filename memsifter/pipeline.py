@@ -25,6 +25,20 @@ published in the run. Stages whose output is already published with the same con
 stage registry's manifest check), so re-running a pipeline after a crash redoes only what is missing;
 stages resume their own partial work (``<output>/_work``).
 
+Several instances of one stage (two rankers compared on the same questions) are sections with their
+own names and ``uses: STAGE``::
+
+      rank: {model: smollm2-135m-instruct}
+      rank-trained: {uses: rank, model: smollm2-135m-memsifter-ranker}
+      chat: {rankings: rank}                       # an input may name the instance it reads
+      evaluate: {rankings: [embed, rank, rank-trained]}
+
+An instance publishes to ``<run>/<name>``. An input left out reads every instance of its producers
+(``wire: all`` inputs) or the one instance of its first producer; two instances of that producer are
+one line asking to name one. An input's value that is the name of a section of the pipeline stands for
+that section's output, ``NAME/path`` for a file in it (write ``./rank`` for a local directory of that
+name).
+
 The keys are checked before anything runs: an unknown key (``rey:``, ``datset:``, a stage's
 ``questoins:``) is one line with the nearest known key. ``memsifter pipeline schema`` prints the
 config's JSON schema, generated from :class:`PipelineConfig` and the stage registry.
@@ -36,9 +50,10 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -48,13 +63,14 @@ from .stage import (
     available,
     config_hash,
     derive_needs,
+    derive_order,
     get_stage,
     load_config_file,
     parse_value,
     set_path,
     suggest,
+    upstream,
     validate_config,
-    wired_value,
 )
 
 log = logging.getLogger(__name__)
@@ -105,11 +121,7 @@ def check_spec(spec: Any) -> None:
                                   f"(known: {', '.join(RaySettings.model_fields)})")
     stages = spec.get("stages")
     if isinstance(stages, dict):
-        known = available()
-        for name in stages:
-            if name not in known:
-                raise ConfigError(f"pipeline: unknown stage '{name}'{suggest(name, known)} (known: "
-                                  f"{', '.join(known)})")
+        instances(stages)
     try:
         PipelineConfig.model_validate({k: v for k, v in spec.items() if k != "stages" or isinstance(v, dict)})
     except ValidationError as e:
@@ -151,22 +163,59 @@ def pipeline_schema() -> dict:
                                                description=PipelineConfig.model_fields["stages"].description)))
     schema = model.model_json_schema(by_alias=True)
     schema["title"] = "memsifter pipeline config"
+    # any other section is a second instance of a stage: 'uses: STAGE' plus that stage's config
+    schema["$defs"]["PipelineStages"]["propertyNames"] = {"pattern": "^" + INSTANCE_NAME.pattern + "$"}
+    schema["$defs"]["PipelineStages"]["additionalProperties"] = {
+        "type": "object", "required": ["uses"], "description": "a second instance of a stage (its output: "
+        "<run>/<name>): 'uses: STAGE' and that stage's config",
+        "properties": {"uses": {"enum": list(available())}}}
     return schema
 
 
-def _upstream(name: str, needs: dict[str, list[str]]) -> set[str]:
-    out: set[str] = set()
-    todo = list(needs.get(name, []))
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += needs.get(n, [])
+INSTANCE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
+
+
+def instances(stages: dict) -> dict[str, str]:
+    """Section name -> the stage it runs: a stage's own name, or another name with ``uses: STAGE``
+    (a second instance). One ConfigError line for an unknown stage, a bad name or a ``uses`` that
+    contradicts the section's name."""
+    known = available()
+    out: dict[str, str] = {}
+    for name, section in stages.items():
+        uses = section.get("uses") if isinstance(section, dict) else None
+        if uses is None:
+            if name not in known:
+                raise ConfigError(f"pipeline: unknown stage '{name}'{suggest(name, known)} (known: "
+                                  f"{', '.join(known)}; a second instance of a stage is a section with "
+                                  f"'uses: STAGE')")
+            out[name] = name
+            continue
+        if not isinstance(uses, str) or uses not in known:
+            raise ConfigError(f"pipeline: stages.{name}.uses: unknown stage '{uses}'"
+                              f"{suggest(str(uses), known)} (known: {', '.join(known)})")
+        if name in known and uses != name:
+            raise ConfigError(f"pipeline: stages.{name}.uses: {uses}: the section named after stage {name} "
+                              f"runs {name}; give the {uses} instance another name")
+        if not isinstance(name, str) or not INSTANCE_NAME.fullmatch(name):
+            raise ConfigError(f"pipeline: stages.{name}: an instance name is 1-40 lowercase letters, digits "
+                              f"and '-' (it names the output <run>/{name} and its Kubernetes objects)")
+        out[name] = uses
     return out
 
 
-def wire(spec: dict, run: str | None = None) -> list[tuple[str, dict]]:
-    """The (stage, config dict) list in pipeline order, with outputs and connecting inputs filled in."""
+class Step(NamedTuple):
+    """One stage instance of a plan: its name (the pipeline section), the stage it runs, and its config
+    with output and wired inputs filled in."""
+
+    name: str
+    stage: str
+    config: dict
+
+
+def plan(spec: dict, run: str | None = None) -> list[Step]:
+    """The plan of a run: every stage instance in dependency order, with outputs and the inputs that
+    read another instance's output filled in. The one place a run is wired: the local pipeline runs
+    it, ``pipeline show`` prints it, the chart's wiring is rendered from it at gen time."""
     check_spec(spec)
     run = (run or spec.get("run") or "").rstrip("/")
     if not run:
@@ -175,49 +224,122 @@ def wire(spec: dict, run: str | None = None) -> list[tuple[str, dict]]:
     if not isinstance(stages, dict):
         raise ConfigError("pipeline: 'stages' must be a mapping of stage name -> config")
     known = available()
-    needs = derive_needs(known)
-    order = [n for n in known if n in stages]
-    if not order:
+    uses = instances(stages)
+    if not uses:
         raise ConfigError("pipeline: no stages")
-    cfgs = {n: copy.deepcopy(stages[n] or {}) for n in order}
+    needs = derive_needs(known)
+    rank_of = {n: i for i, n in enumerate(known)}
+    names = sorted(uses, key=lambda n: rank_of[uses[n]])   # stage order; instances of a stage as written
+    cfgs = {n: {k: v for k, v in copy.deepcopy(stages[n] or {}).items() if k != "uses"} for n in names}
     outputs = {}
-    for name in order:
+    for name in names:
         cfgs[name].setdefault("output", storage.join(run, name))
         outputs[name] = cfgs[name]["output"]
+    of_stage: dict[str, list[str]] = {}
+    for name in names:
+        of_stage.setdefault(uses[name], []).append(name)
     # a published dataset named at the top stands in for the stages that start a pipeline (they read
     # no other stage's output: import, synth) when none of them is in it
     roots = [n for n, st in known.items() if not any(i.stages for i in st.inputs)]
-    if spec.get("dataset") and not any(r in outputs for r in roots):
-        outputs.update({r: spec["dataset"] for r in roots})
-    for name in order:
-        cfg = cfgs[name]
-        mine = {p: outputs[p] for p in needs[name] if p in outputs}
-        for inp in get_stage(name).inputs:
-            if inp.field in cfg:
+    dataset = {r: spec["dataset"] for r in roots} if spec.get("dataset") and not any(r in of_stage for r in roots) \
+        else {}
+    reads: dict[str, set[str]] = {n: set() for n in names}
+    for name in names:
+        cfg, st = cfgs[name], uses[name]
+        for inp in get_stage(st).inputs:
+            if inp.field in cfg:   # set by the user: names of sections stand for their outputs
+                if inp.stages:
+                    cfg[inp.field], named = _by_name(cfg[inp.field], outputs, uses, name, inp)
+                    reads[name] |= named
                 continue
+            if inp.wire == "none" or not inp.stages:
+                continue
+            mine = [p for p in inp.stages if p in needs[st] and (p in of_stage or p in dataset)]
             if inp.wire == "first":
-                there = [p for p in inp.stages if p in mine]
-                for a in there:
-                    for b in there:
-                        if a < b and mine[a] != mine[b] and a not in _upstream(b, needs) \
-                                and b not in _upstream(a, needs):
+                for a in mine:
+                    for b in mine:
+                        if a < b and a not in upstream(b, needs) and b not in upstream(a, needs) and \
+                                (a in of_stage or b in of_stage):
                             raise ConfigError(f"pipeline: {name}.{inp.field} could read the output of {a} or "
                                               f"of {b}: keep one of them, or set stages.{name}.{inp.field}")
-            value = wired_value(inp, mine)
-            if value is not None:
-                cfg[inp.field] = value
-            elif inp.required and inp.stages:
+                mine = mine[:1]
+                if mine and len(of_stage.get(mine[0], [])) > 1:
+                    them = of_stage[mine[0]]
+                    raise ConfigError(f"pipeline: {name}.{inp.field} could read the output of "
+                                      f"{' or of '.join(them)}: name one (stages.{name}.{inp.field}: {them[0]})")
+            got = [(m, outputs[m]) for p in mine for m in of_stage.get(p, [])] or \
+                [(None, dataset[p]) for p in mine if p in dataset]
+            if got:
+                values = [v for _, v in got]
+                cfg[inp.field] = values if inp.wire == "all" else [values[0]] if inp.many else values[0]
+                reads[name] |= {m for m, _ in got if m}
+            elif inp.required:
                 alt = ", or give a top-level 'dataset: URI'" if any(p in roots for p in inp.stages) else ""
                 raise ConfigError(f"pipeline: stage {name} needs the output of {' or '.join(inp.stages)} "
                                   f"({name}.{inp.field}): add {'that stage' if len(inp.stages) == 1 else 'one of them'}"
                                   f" to 'stages' or set stages.{name}.{inp.field}{alt}")
-    return [(n, cfgs[n]) for n in order]
+    pos = {n: i for i, n in enumerate(names)}
+    # dependency order; among instances free to run, the stages' order, then as written
+    order = derive_order(reads, key=pos.get)
+    return [Step(n, uses[n], cfgs[n]) for n in order]
 
 
-def select(plan: list[tuple[str, dict]], start: str | None = None,
-           until: str | None = None) -> list[tuple[str, dict]]:
-    """The contiguous part of ``plan`` from ``start`` through ``until`` (either may be None: the ends)."""
-    names = [n for n, _ in plan]
+def _by_name(value: Any, outputs: dict[str, str], uses: dict[str, str], me: str, inp: Any) -> tuple[Any, set[str]]:
+    """An input value set by the user with each string that names a section of the pipeline (``rank``)
+    or a path below one (``embed/rankings_dense.parquet``) replaced by that section's output (and the
+    path below it); and the names so replaced. A named section must run one of the input's producers."""
+    named: set[str] = set()
+
+    def one(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        head, _, rest = v.partition("/")
+        if head not in outputs:
+            return v
+        if head == me:
+            raise ConfigError(f"pipeline: stages.{me}.{inp.field} reads its own output ({v})")
+        if uses[head] not in inp.stages:
+            raise ConfigError(f"pipeline: stages.{me}.{inp.field}: {head} runs {uses[head]}, which this input does "
+                              f"not read (it reads the output of {' or '.join(inp.stages)}; write ./{v} for a "
+                              f"local path)")
+        named.add(head)
+        return storage.join(outputs[head], rest) if rest else outputs[head]
+
+    return ([one(v) for v in value] if isinstance(value, list) else one(value)), named
+
+
+def brief(steps: list[Step]) -> list[str]:
+    """The plan in lines: each instance, the stage it runs, its output and the inputs it reads from
+    other instances of the plan (by name)."""
+    by_output = {s.config["output"]: s.name for s in steps}
+
+    def src(v: Any) -> str:
+        for out, name in by_output.items():
+            if isinstance(v, str) and (v == out or v.startswith(out + "/")):
+                return name + v[len(out):]
+        return str(v)
+
+    w = max(len(s.name) for s in steps)
+    lines = []
+    for s in steps:
+        reads = []
+        for inp in get_stage(s.stage).inputs:
+            v = s.config.get(inp.field)
+            if inp.stages and v:
+                reads.append(f"{inp.field}=" + (",".join(src(x) for x in v) if isinstance(v, list) else src(v)))
+        lines.append(f"{s.name:<{w}}  {s.stage:<10} -> {s.config['output']}" + (f"   reads {' '.join(reads)}" if reads else ""))
+    return lines
+
+
+def wire(spec: dict, run: str | None = None) -> list[tuple[str, dict]]:
+    """:func:`plan` as (section name, config dict) pairs."""
+    return [(s.name, s.config) for s in plan(spec, run)]
+
+
+def select(plan: list, start: str | None = None, until: str | None = None) -> list:
+    """The contiguous part of ``plan`` (steps or (name, config) pairs) from ``start`` through ``until``
+    (section names; either may be None: the ends)."""
+    names = [p[0] for p in plan]
     for opt, v in (("--from", start), ("--until", until)):
         if v is not None and v not in names:
             raise ConfigError(f"pipeline: {opt} {v}: not a stage of this pipeline ({', '.join(names)})")
@@ -240,30 +362,30 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
     driver takes) refuses a second pipeline or driver of the run while this one lives."""
     from . import lease
 
-    plan = wire(spec, run)
-    todo = select(plan, start, until)
-    for name, cfg in todo:  # validate everything before running anything
-        validate_config(name, cfg, source=f"pipeline stage '{name}'")
+    steps = plan(spec, run)
+    todo = select(steps, start, until)
+    for step in todo:  # validate everything before running anything
+        validate_config(step.stage, step.config, source=f"pipeline stage '{step.name}'")
     root = (run or spec.get("run")).rstrip("/")
     storage.ensure_bucket(root)
     with lease.hold(storage.join(root, "_run"), purpose="pipeline", steal=steal_lease):
-        write_plan(root, [(n, c["output"]) for n, c in plan])
+        write_plan(root, [(s.name, s.config["output"], s.stage) for s in steps])
         return _run_plan(spec, todo, root=root, force=force, replace=replace, before=before, echo=echo,
                          steal_lease=steal_lease)
 
 
-def write_plan(root: str, stages: list[tuple[str, str]]) -> None:
-    """``<run>/_run/plan.json``: every stage of a run with its output, written when the run starts by the
-    local pipeline and by the Kubernetes driver alike; what ``memsifter status`` lists as "not started"
-    until each stage shows up in the store."""
+def write_plan(root: str, stages: list[tuple[str, str, str]]) -> None:
+    """``<run>/_run/plan.json``: every stage instance of a run (name, output, the stage it runs),
+    written when the run starts by the local pipeline and by the Kubernetes driver alike; what
+    ``memsifter status`` lists as "not started" until each shows up in the store."""
     from . import lease
 
     storage.write_atomic(storage.join(root, "_run", "plan.json"), json.dumps(
         {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
-         "stages": [{"stage": n, "output": out} for n, out in stages]}, indent=2).encode())
+         "stages": [{"stage": n, "uses": st, "output": out} for n, out, st in stages]}, indent=2).encode())
 
 
-def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001
+def _run_plan(spec: dict, steps: list[Step], *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001
     from .raypool import session
 
     ray_cfg = spec.get("ray") or {}
@@ -274,18 +396,18 @@ def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, ste
         if old.get("run") == root and isinstance(old.get("stages"), dict):
             summary["stages"].update(old["stages"])
     with session(ray_cfg.get("address"), ray_cfg.get("num_cpus")):
-        for name, cfg in plan:
+        for name, stage, cfg in steps:
             if before:
                 before(name, cfg)
-            config = validate_config(name, cfg, source=f"pipeline stage '{name}'")
+            config = validate_config(stage, cfg, source=f"pipeline stage '{name}'")
             if name not in replace:
-                _refuse_other_config(name, config)
+                _refuse_other_config(name, stage, config)
             t0 = time.time()
-            manifest = get_stage(name).run(config, force=name in force, replace=name in replace,
-                                           steal_lease=steal_lease)
+            manifest = get_stage(stage).run(config, force=name in force, replace=name in replace,
+                                            steal_lease=steal_lease)
             secs = time.time() - t0
             state = "skipped (already published)" if manifest.get("skipped") else f"done in {secs:.1f}s"
-            echo(f"[pipeline] {name:<8} {state}: {config.output}")
+            echo(f"[pipeline] {name:<12} {state}: {config.output}")
             results[name] = manifest
             summary["stages"][name] = {"output": config.output, "skipped": bool(manifest.get("skipped")),
                                        "seconds": round(secs, 2), "config_hash": manifest.get("config_hash")}
@@ -294,7 +416,7 @@ def _run_plan(spec: dict, plan: list, *, root, force, replace, before, echo, ste
     return results
 
 
-def _refuse_other_config(name: str, config: Any) -> None:
+def _refuse_other_config(name: str, stage: str, config: Any) -> None:
     """The stage's output holds its output for another config: refused here with the pipeline's own
     hint (``--replace STAGE``: the pipeline's ``--replace`` takes stage names); the stage's own check
     (:meth:`memsifter.stage.Stage.run`) stays the guard."""
@@ -302,8 +424,8 @@ def _refuse_other_config(name: str, config: Any) -> None:
         existing = storage.try_manifest(config.output)
     except storage.BadManifestError:
         return   # the stage says what is wrong with it
-    if existing and existing.get("stage") == name and existing.get("config_hash") != config_hash(config):
-        raise ConfigError(f"{config.output}: holds stage {name}'s output for another config (hash "
+    if existing and existing.get("stage") == stage and existing.get("config_hash") != config_hash(config):
+        raise ConfigError(f"{config.output}: holds stage {stage}'s output for another config (hash "
                           f"{existing.get('config_hash')}, published {existing.get('published_at')} by run "
                           f"{existing.get('run_id')}; this config: {config_hash(config)}); pass --replace {name} "
                           f"to `memsifter pipeline run` to replace it, or choose another run prefix")
@@ -319,10 +441,10 @@ def apply_sets(spec: dict, sets: list[str]) -> dict:
     return spec
 
 
-def check_stage_names(plan: list[tuple[str, dict]], **given: list[str]) -> None:
-    """``--force``/``--replace`` name stages of the part of the pipeline that runs: anything else is one
-    line (with the nearest name) instead of a flag that silently does nothing."""
-    names = [n for n, _ in plan]
+def check_stage_names(plan: list, **given: list[str]) -> None:
+    """``--force``/``--replace`` name sections of the part of the pipeline that runs: anything else is
+    one line (with the nearest name) instead of a flag that silently does nothing."""
+    names = [p[0] for p in plan]
     for opt, values in given.items():
         for v in values:
             if v not in names:
@@ -334,10 +456,7 @@ REPORT = "report.md"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import SuggestingParser, plain, setup_logging
-    from .stage import available_stages
-
-    names = available_stages()
+    from .console import SuggestingParser, plain, setup_logging
     p = SuggestingParser(prog="memsifter pipeline", description=plain(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("schema", help="print the pipeline config's JSON schema (every key, every stage's section)")
@@ -347,9 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--run", help="run prefix (overrides 'run:' in the config)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any field, e.g. stages.rank.model=... or run=s3://b/p")
-        sp.add_argument("--from", dest="start", choices=names, metavar="STAGE",
-                        help="start at this stage (earlier stages' outputs in the run are its inputs)")
-        sp.add_argument("--until", choices=names, metavar="STAGE", help="stop after this stage")
+        sp.add_argument("--from", dest="start", metavar="STAGE",
+                        help="start at this stage or instance (earlier stages' outputs in the run are its inputs)")
+        sp.add_argument("--until", metavar="STAGE", help="stop after this stage or instance")
+        if cmd == "show":
+            sp.add_argument("--brief", action="store_true",
+                            help="one line per stage instance: the stage it runs, its output, what it reads")
         if cmd == "run":
             sp.add_argument("--force", nargs="+", default=[], metavar="STAGE",
                             help="re-run these stages with the same config")
@@ -364,12 +486,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(pipeline_schema(), indent=2))
         return 0
     spec = apply_sets(load_config_file(args.config), args.set)
+    if args.cmd == "show" and args.brief:
+        for line in brief(select(plan(spec, args.run), args.start, args.until)):
+            print(line)
+        return 0
     if args.cmd == "show":
-        for name, cfg in select(wire(spec, args.run), args.start, args.until):
-            print(f"# {name}\n{json.dumps(validate_config(name, cfg).model_dump(mode='json'), indent=2)}")
+        for step in select(plan(spec, args.run), args.start, args.until):
+            head = step.name if step.name == step.stage else f"{step.name} (uses: {step.stage})"
+            config = validate_config(step.stage, step.config, source=f"pipeline stage '{step.name}'")
+            print(f"# {head}\n{json.dumps(config.model_dump(mode='json'), indent=2)}")
         return 0
     setup_logging(-1 if args.quiet else args.verbose)
-    check_stage_names(select(wire(spec, args.run), args.start, args.until), force=args.force,
+    check_stage_names(select(plan(spec, args.run), args.start, args.until), force=args.force,
                       replace=args.replace)
     results = run_pipeline(spec, run=args.run, force=args.force, replace=args.replace, until=args.until,
                            start=args.start, steal_lease=args.steal_lease)

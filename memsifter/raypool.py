@@ -20,7 +20,7 @@ _QUIET = {"on": False}
 
 
 def set_quiet(quiet: bool) -> None:
-    """``-q`` (the CLI's :func:`memsifter.cli.setup_logging`): a Ray instance started from now on keeps
+    """``-q`` (the CLI's :func:`memsifter.console.setup_logging`): a Ray instance started from now on keeps
     its own lines off the terminal (:func:`ensure_ray`)."""
     _QUIET["on"] = bool(quiet)
 

@@ -21,9 +21,9 @@ inside one) is refused. The CLI (``memsifter run NAME``), the RayJob entrypoints
 
 How stages connect is declared once, on the input fields: ``uri_field(..., stage="embed")`` names the
 stage whose output a field reads (a tuple when several can produce it, in order of preference). A
-stage's ``needs``, the pipeline order (:func:`available_stages`), the inputs ``memsifter pipeline`` and
-the chart fill in (:func:`wired_value`) are all derived from those declarations; nothing else names a
-producer. Stage modules are found by importing every module of :data:`STAGE_PACKAGES`: adding a stage is
+stage's ``needs``, the pipeline order (:func:`available_stages`), the inputs ``memsifter pipeline`` fills
+in (:func:`memsifter.pipeline.plan`, whose wiring the chart renders) are all derived from those
+declarations; nothing else names a producer. Stage modules are found by importing every module of :data:`STAGE_PACKAGES`: adding a stage is
 one module with one ``@stage`` registration (then ``memsifter k8s gen-chart && memsifter k8s gen-jobs``).
 """
 
@@ -515,15 +515,7 @@ def derive_needs(stages: Mapping[str, Stage]) -> dict[str, list[str]]:
             for n, fields in ins.items()}
 
     def reaches(a: str, b: str) -> bool:   # a needs b through required inputs
-        seen, todo = {a}, [a]
-        while todo:
-            for y in hard.get(todo.pop(), ()):
-                if y == b:
-                    return True
-                if y not in seen:
-                    seen.add(y)
-                    todo.append(y)
-        return False
+        return b in upstream(a, hard)
 
     needs: dict[str, list[str]] = {}
     for n, fields in ins.items():
@@ -537,33 +529,34 @@ def derive_needs(stages: Mapping[str, Stage]) -> dict[str, list[str]]:
     return {n: sorted(ds, key=order.index) for n, ds in needs.items()}
 
 
-def derive_order(needs: Mapping[str, Iterable[str]]) -> list[str]:
-    """Stages in dependency order: each after every stage it needs (needs outside ``needs`` ignored),
-    ties by name. Raises ConfigError on a cycle."""
+def upstream(name: str, needs: Mapping[str, Iterable[str]]) -> set[str]:
+    """Every node ``name`` needs, directly or through others (the one reachability helper)."""
+    out: set[str] = set()
+    todo = list(needs.get(name, ()))
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += needs.get(n, ())
+    return out
+
+
+def derive_order(needs: Mapping[str, Iterable[str]], key: Callable[[str], Any] | None = None) -> list[str]:
+    """Nodes (stages, stage instances) in dependency order: each after every node it needs (needs
+    outside ``needs`` ignored), ties by ``key`` (default: the name). The one topological sort of the
+    package. Raises ConfigError on a cycle."""
     left = {n: {d for d in ds if d in needs and d != n} for n, ds in needs.items()}
     order: list[str] = []
     while left:
-        ready = sorted(n for n, ds in left.items() if not ds)
+        ready = sorted((n for n, ds in left.items() if not ds), key=key)
         if not ready:
-            raise ConfigError("dependency cycle among stages " + ", ".join(sorted(left)) +
-                              " (their uri_field stage= declarations)")
+            raise ConfigError("dependency cycle among " + ", ".join(sorted(left)) +
+                              " (their inputs: uri_field stage= declarations or names in a pipeline)")
         order.append(ready[0])
         del left[ready[0]]
         for ds in left.values():
             ds.discard(ready[0])
     return order
-
-
-def wired_value(inp: Input, outputs: Mapping[str, Any]) -> Any:
-    """What fills the unset input ``inp`` given ``outputs`` (producer stage -> its output, for the
-    producers at hand): per ``inp.wire``, the first producer's output (a one-element list for a list
-    field), every producer's, or None (nothing to fill it with, or ``wire="none"``)."""
-    got = [outputs[p] for p in inp.stages if p in outputs]
-    if inp.wire == "none" or not got:
-        return None
-    if inp.wire == "all":
-        return got
-    return [got[0]] if inp.many else got[0]
 
 
 # --------------------------------------------------------------------------- config loading

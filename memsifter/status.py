@@ -252,7 +252,7 @@ def _watch_seconds(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import SuggestingParser, plain
+    from .console import SuggestingParser, plain
 
     p = SuggestingParser(prog="memsifter status", description=plain(__doc__))
     p.add_argument("run", help="run prefix (local path or s3://bucket/prefix), or one stage's output")

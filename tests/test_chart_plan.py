@@ -147,7 +147,7 @@ def test_driver_plan_is_listed_by_status(tmp_path):
         drv.run()
     record = json.loads((tmp_path / "store" / "runs" / "st" / "_run" / "plan.json").read_text())
     assert set(record) == {"run", "run_id", "started_at", "stages"} and record["run"] == root
-    assert record["stages"] == [{"stage": n, "output": f"{root}/{n}"} for n in ("import", "embed", "rank")]
+    assert record["stages"] == [{"stage": n, "uses": n, "output": f"{root}/{n}"} for n in ("import", "embed", "rank")]
     report = status.run_status(root)
     assert report["planned"]
     assert [(s["stage"], s["state"]) for s in report["stages"]] == \

@@ -26,7 +26,7 @@ from memsifter.k8s.driver import (
     StagePlan,
     published_hash,
 )
-from memsifter.k8s.registry import topo_order
+from memsifter.errors import ConfigError
 
 NS = "ms-test"
 TOKEN = "test-token"
@@ -90,15 +90,19 @@ def driver(plan, backend, published=()):
 
 
 # --------------------------------------------------------------------------- ordering
-def test_topo_order_needs_first_and_ignores_disabled():
-    order = topo_order({"chat": ["rank", "import"], "rank": ["embed", "import"], "embed": ["import"],
-                        "import": [], "evaluate": ["chat", "rank", "embed"]})
-    assert order.index("import") < order.index("embed") < order.index("rank") < order.index("chat") \
-        < order.index("evaluate")
+def test_plan_order_needs_first_and_ignores_disabled():
+    def order(needs: dict) -> list[str]:
+        return [st.name for st in make_plan(needs).ordered()]
+
+    got = order({"chat": ["rank", "import"], "rank": ["embed", "import"], "embed": ["import"],
+                 "import": [], "evaluate": ["chat", "rank", "embed"]})
+    assert got.index("import") < got.index("embed") < got.index("rank") < got.index("chat") \
+        < got.index("evaluate")
     # a need that is not part of the plan (disabled stage) is read from the run root, not waited for
-    assert topo_order({"rank": ["embed"], "chat": ["rank"]}) == ["rank", "chat"]
-    with pytest.raises(ValueError, match="cycle"):
-        topo_order({"a": ["b"], "b": ["a"]})
+    assert order({"rank": ["embed"], "chat": ["rank"]}) == ["rank", "chat"]
+    assert order({"b": [], "a": [], "c": ["a", "b"]}) == ["b", "a", "c"]   # ties: the plan's order
+    with pytest.raises(ConfigError, match="cycle"):
+        order({"a": ["b"], "b": ["a"]})
 
 
 def test_runs_in_dependency_order_and_succeeds():

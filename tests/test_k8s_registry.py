@@ -44,5 +44,3 @@ def test_capacity_fields_found_in_nested_configs():
     assert registry._default_at(Nested, "trainer.n_gpus_per_node") == 4
 
 
-def test_topo_order_keeps_given_order_for_ties():
-    assert registry.topo_order({"b": [], "a": [], "c": ["a", "b"]}) == ["b", "a", "c"]

@@ -5,6 +5,7 @@ resume partial work and end with the same outputs as an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -80,6 +81,51 @@ def test_wiring_and_errors():
         pipeline.wire({"stages": {"synth": {}}})
 
 
+def test_named_instances_of_one_stage():
+    """Two rankers in one run: sections named freely with ``uses: STAGE``; each publishes to
+    <run>/<name>; an input may name the instance it reads; one ambiguous input is one line."""
+    stages = {"synth": {}, "embed": {}, "rank": {"model": "base"},
+              "rank-trained": {"uses": "rank", "model": "adapter"},
+              "chat": {"rankings": "rank-trained"}, "evaluate": {}}
+    steps = pipeline.plan({"run": "s3://b/r", "stages": stages})
+    assert [(s.name, s.stage) for s in steps] == [
+        ("synth", "synth"), ("embed", "embed"), ("rank", "rank"), ("rank-trained", "rank"), ("chat", "chat"),
+        ("evaluate", "evaluate")]
+    by = {s.name: s.config for s in steps}
+    assert "uses" not in by["rank-trained"] and by["rank-trained"]["model"] == "adapter"
+    assert by["rank-trained"]["output"] == "s3://b/r/rank-trained"
+    assert by["rank-trained"]["embeddings"] == "s3://b/r/embed"          # wired as for the first instance
+    assert by["chat"]["rankings"] == "s3://b/r/rank-trained"             # the instance it names
+    # evaluate reads every instance of its producers when left out, or the ones it names, in its order
+    assert by["evaluate"]["rankings"] == ["s3://b/r/embed", "s3://b/r/rank", "s3://b/r/rank-trained"]
+    lines = pipeline.brief(steps)   # `memsifter pipeline show --brief`
+    assert lines[3].split() == ["rank-trained", "rank", "->", "s3://b/r/rank-trained", "reads", "input=synth",
+                                "embeddings=embed"]
+    assert lines[-1].endswith("reads input=synth rankings=embed,rank,rank-trained answers=chat")
+    named = pipeline.plan({"run": "r", "stages": {**stages, "evaluate": {"rankings": ["rank-trained", "embed",
+                                                                                      "./rank", "s3://x/y"]}}})
+    assert named[-1].config["rankings"] == ["r/rank-trained", "r/embed", "./rank", "s3://x/y"]
+    compare = pipeline.plan({"run": "r", "stages": {**stages, "chat": {"rankings": "rank", "compare": [
+        "rank-trained", "embed/rankings_dense.parquet"]}}})
+    assert [s.config for s in compare if s.name == "chat"][0]["compare"] == ["r/rank-trained",
+                                                                            "r/embed/rankings_dense.parquet"]
+    # an instance listed before its producer still runs after it
+    later = pipeline.plan({"run": "r", "stages": {"evaluate": {"rankings": ["late"]}, "late": {"uses": "rank"},
+                                                  "synth": {}, "embed": {}}})
+    assert [s.name for s in later] == ["synth", "embed", "late", "evaluate"]
+    for bad, words in [
+        ({**stages, "chat": {}}, "chat.rankings could read the output of rank or of rank-trained: name one"),
+        ({**stages, "rank-trained": {"uses": "rnak"}}, "stages.rank-trained.uses: unknown stage 'rnak' (did you mean 'rank'?)"),
+        ({**stages, "embed": {"uses": "rank"}}, "the section named after stage embed runs embed"),
+        ({**stages, "Rank_2": {"uses": "rank"}}, "an instance name is 1-40 lowercase"),
+        ({**stages, "rank-trained": {"uses": "rank", "embeddings": "rank-trained"}}, "reads its own output"),
+        ({"synth": {}, "rnk": {}}, "unknown stage 'rnk'"),
+        ({**stages, "chat": {"rankings": "synth"}}, "chat.rankings: synth runs synth, which this input does not read"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            pipeline.plan({"run": "r", "stages": bad})
+
+
 def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_dir, ray_local, monkeypatch,
                                          capsys):
     # 1) uninterrupted run, through the CLI with a config file stored next to the data
@@ -125,7 +171,9 @@ def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_d
 
 def test_demo_config_is_valid(tmp_path):
     """The demo's pipelines (configs/demo.yaml, synthetic and real, with and without answers) wire and
-    validate; the chat stage answers with the ranker, dense, the default first stage and both baselines."""
+    validate: two rank instances (the untrained base and the trained adapter), chat answering with the
+    base's rankings and, side by side, the adapter's, dense, the default first stage and both baselines;
+    evaluate scoring every instance. demo.py runs this plan as it is (no stage by hand)."""
     from memsifter import demo
     from memsifter.stage import load_config_file, validate_config
 
@@ -133,16 +181,26 @@ def test_demo_config_is_valid(tmp_path):
              demo.demo_spec(str(tmp_path / "run"), 5, "vllm", 3),
              demo.demo_spec("s3://bucket/demo", 5, "endpoint", 3)]
     for spec in specs:
-        plan = pipeline.wire(spec)
-        assert [n for n, _ in plan] == ["synth", "embed", "rank", "chat", "evaluate"]
-        for name, cfg in plan:
-            validate_config(name, cfg)
-    chat = dict(pipeline.wire(specs[1]))["chat"]
-    assert chat["rankings"] == str(tmp_path / "run" / "rank") and chat["limit"] == 3
-    assert chat["compare"] == [str(tmp_path / "run" / "embed" / "rankings_dense.parquet"), str(tmp_path / "run" / "embed")]
+        steps = pipeline.plan(spec)
+        assert [(s.name, s.stage) for s in steps] == [("synth", "synth"), ("embed", "embed"), ("rank", "rank"),
+                                                     ("rank-trained", "rank"), ("chat", "chat"),
+                                                     ("evaluate", "evaluate")]
+        for step in steps:
+            validate_config(step.stage, step.config)
+    run = tmp_path / "run"
+    plan = dict(pipeline.wire(specs[1]))
+    chat, trained = plan["chat"], plan["rank-trained"]
+    assert chat["rankings"] == str(run / "rank") and chat["limit"] == 3
+    assert chat["compare"] == [str(run / "rank-trained"), str(run / "embed" / "rankings_dense.parquet"),
+                               str(run / "embed")]
     assert chat["baselines"] == ["none", "oracle"] and chat["endpoint"]["model"] == demo.MODEL
+    assert trained["model"] == demo.TRAINED and trained["engine"] == "vllm" and trained["limit"] == 3
+    assert trained["embeddings"] == str(run / "embed") and trained["prompt_style"] == "direct"
+    assert plan["evaluate"]["rankings"] == [str(run / "embed"), str(run / "rank"), str(run / "rank-trained")]
     real = demo.real_spec(str(tmp_path / "d"), *demo.REAL[1], 2, 0)
     assert [n for n, _ in pipeline.wire(real)] == ["import", "embed", "evaluate"]  # first stage only
+    untrained = dict(pipeline.wire(demo.demo_spec(str(run), 5, "endpoint", 3, trained=False)))
+    assert "rank-trained" not in untrained and untrained["chat"]["compare"] == chat["compare"][1:]
 
 
 def test_one_pipeline_per_run(tmp_path):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..cli import setup_logging
+from ..console import setup_logging
 from ..errors import MemsifterError
 
 log = logging.getLogger(__name__)

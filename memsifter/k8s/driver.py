@@ -42,7 +42,7 @@ import yaml
 
 from .. import storage
 from ..errors import MemsifterError
-from .registry import topo_order
+from ..stage import derive_order
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class Plan:
 
     def ordered(self) -> list[StagePlan]:
         by = {s.name: s for s in self.stages}
-        return [by[n] for n in topo_order({s.name: s.needs for s in self.stages})]
+        pos = {s.name: i for i, s in enumerate(self.stages)}   # ties: the order the plan lists
+        return [by[n] for n in derive_order({s.name: s.needs for s in self.stages}, key=pos.get)]
 
     @property
     def manifest_uri(self) -> str:
@@ -412,7 +413,7 @@ class Driver:
 
         root = self.plan.run["root"].rstrip("/")
         try:
-            write_plan(root, [(s.name, s.output) for s in self.plan.ordered()])
+            write_plan(root, [(s.name, s.output, s.name) for s in self.plan.ordered()])
         except MemsifterError as e:
             log.warning("could not write the run plan of %s: %s", root, e)
 

@@ -201,28 +201,3 @@ def stage_infos(names: list[str] | None = None) -> list[StageInfo]:
                                       "gpusPerNode": int(_default_at(st.config, gpn) or max(st.gpus, 1))}
         out.append(info)
     return out
-
-
-def topo_order(stages: dict[str, list[str]]) -> list[str]:
-    """Stages in dependency order (needs first); needs outside ``stages`` are ignored.
-
-    Ties keep the given order. Raises ValueError on a cycle.
-    """
-    order: list[str] = []
-    state: dict[str, int] = {}
-
-    def visit(n: str, path: list[str]) -> None:
-        if state.get(n) == 2:
-            return
-        if state.get(n) == 1:
-            raise ValueError("dependency cycle: " + " -> ".join(path + [n]))
-        state[n] = 1
-        for d in stages[n]:
-            if d in stages:
-                visit(d, path + [n])
-        state[n] = 2
-        order.append(n)
-
-    for n in stages:
-        visit(n, [])
-    return order
