@@ -33,7 +33,7 @@ from typing import Callable
 import pytest
 
 from memsifter import lease, storage
-from memsifter.data import importers
+from memsifter.data.importers import reading
 from memsifter.errors import MemsifterError
 from memsifter.stage import get_stage
 
@@ -426,7 +426,7 @@ def test_gzip_input_is_streamed_not_double_buffered(tmp_path, name):
     (tmp_path / name).write_bytes(gzip.compress(body[:-1] + b" " * (size - len(body)) + b"]", 1))
     tracemalloc.start()
     try:
-        data = importers._read_raw(str(tmp_path / name))
+        data = reading._read_raw(str(tmp_path / name))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -440,7 +440,7 @@ def test_gzip_input_over_the_cap_stops_early(tmp_path, monkeypatch):
     tracemalloc.start()
     try:
         with pytest.raises(MemsifterError, match="MEMSIFTER_MAX_INPUT_BYTES"):
-            importers._read_raw(str(tmp_path / "bomb.json"))
+            reading._read_raw(str(tmp_path / "bomb.json"))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

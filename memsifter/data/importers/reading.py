@@ -1,0 +1,349 @@
+"""What every import format shares: reading a source file (gunzipped, capped), parsing JSON with
+one-line errors that name file, list item, line and column, and checking turns.
+
+Bounds: a source file is read up to ``MEMSIFTER_MAX_INPUT_BYTES`` (default 4 GiB) *after
+decompression* (``.gz`` by extension or by magic bytes; counted while inflating, so a small file that
+inflates without bound stops early with one line naming the file; streamed into one buffer, never held
+twice); JSON nested deeper than the parser allows (orjson: 1024 levels) is one line naming the file,
+never a RecursionError; an integer literal over Python's 4300-digit limit is one line naming file, item
+and field; a turn (message) over ``MEMSIFTER_MAX_TURN_BYTES`` (default 1 MiB of UTF-8) stops the import
+with one line naming file, item and field (:func:`check_turn_size`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from typing import Any
+
+import pyarrow.fs as pafs
+from tqdm import tqdm
+
+from ... import storage
+from ...errors import InputError, StorageError
+from ..model import check_role, check_text
+
+try:  # ~3x faster on the 270 MB LongMemEval_S file; the stdlib is the fallback
+    import orjson as _fastjson
+except ImportError:  # pragma: no cover - depends on the installation
+    _fastjson = None
+
+
+def _progress(it=None, **kw):
+    return tqdm(it, disable=None, mininterval=1.0, **kw)
+
+
+def _too_large(uri: str, cap: int) -> InputError:
+    return InputError(f"more than {cap} bytes after decompression: over the input size cap "
+                      f"(MEMSIFTER_MAX_INPUT_BYTES={cap}); raise it if this file is meant to be that large",
+                      file=uri)
+
+
+_CHUNK = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _read_raw(uri: str) -> bytearray:
+    """A source file's bytes, gunzipped, at most ``MEMSIFTER_MAX_INPUT_BYTES`` of them.
+
+    Streamed: the file is read (decompressed by pyarrow by extension, ``.gz``/``.bz2``/``.zst``, then
+    gunzipped when what it reads starts with the gzip magic bytes) in 1 MiB chunks into one buffer,
+    which is all that is held; the cap is checked after each chunk, so a small file that inflates
+    without bound stops early, and nothing is buffered twice (no list of chunks joined at the end, no
+    compressed copy next to the decompressed one)."""
+    cap = int(storage.setting("MEMSIFTER_MAX_INPUT_BYTES"))
+    fs, path = storage.resolve(uri)
+
+    def _read() -> bytearray:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        if info.type == pafs.FileType.Directory:
+            raise StorageError(f"{uri}: is a directory, expected a file")
+        buf = bytearray()
+        with fs.open_input_stream(path) as raw:   # pyarrow inflates *.gz/*.bz2/*.zst by extension
+            first = raw.read(_CHUNK)
+            while 0 < len(first) < 2:   # a stream may answer short reads: the magic needs 2 bytes
+                more = raw.read(_CHUNK)
+                if not more:
+                    break
+                first += more
+            try:
+                if first[:2] == _GZIP_MAGIC:
+                    with gzip.GzipFile(fileobj=_Prepended(first, raw)) as f:
+                        _fill(buf, f, cap, uri)
+                else:
+                    buf += first
+                    if len(buf) > cap:
+                        raise _too_large(uri, cap)
+                    _fill(buf, raw, cap, uri)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+                raise InputError(f"not a valid gzip file ({e})", file=uri) from e
+        return buf
+    return storage.retrying(_read, uri)
+
+
+class _Prepended:
+    """A read-only stream: ``head`` (already read) then the rest of ``rest``."""
+
+    def __init__(self, head: bytes, rest: Any):
+        self._head, self._rest = head, rest
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            if n is None or n < 0:
+                out, self._head = self._head + self._rest.read(), b""
+                return out
+            out, self._head = self._head[:n], self._head[n:]
+            return out
+        return self._rest.read() if n is None or n < 0 else self._rest.read(n)
+
+
+def _fill(buf: bytearray, f: Any, cap: int, uri: str) -> None:
+    while chunk := f.read(_CHUNK):
+        if len(buf) + len(chunk) > cap:
+            raise _too_large(uri, cap)
+        buf += chunk
+
+
+_MAX_INT_DIGITS = 4300   # Python's int <-> str limit (sys.get_int_max_str_digits)
+
+
+class _HugeInt(Exception):
+    """An integer literal longer than Python converts (raised by :func:`_parse_int`)."""
+
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > _MAX_INT_DIGITS:
+        raise _HugeInt(digits)
+    return int(text)
+
+
+_STRICT_DECODER = json.JSONDecoder(parse_int=_parse_int)
+
+
+def _huge_int_error(text: str, uri: str, *, what: str | None, id_key: str, digits: int,
+                    item: str | None = None) -> InputError:
+    """One line for an integer of more than 4300 digits: the file, the list item that holds it (for a
+    JSON list of ``what``) and the key whose value it is."""
+    m = re.search(r'"((?:[^"\\]|\\.){0,200})"\s*:\s*-?\d{%d,}' % (_MAX_INT_DIGITS + 1), text)
+    field = m.group(1) if m else None
+    if item is None and what:
+        pos = m.start() if m else -1
+        item = _list_item_at(text, pos, what, id_key) if pos >= 0 else None
+    return InputError(f"an integer of {digits} digits (more than {_MAX_INT_DIGITS}): too long to read; write "
+                      f"ids as strings", file=uri, item=item, field=field)
+
+
+def _list_item_at(text: str, pos: int, what: str, id_key: str) -> str | None:
+    """``"{what} #i ('id')"``: the item of the JSON list ``text`` that spans character ``pos``."""
+    i = _WS.match(text, 0).end()
+    if i >= len(text) or text[i] != "[":
+        return None
+    i = _WS.match(text, i + 1).end()
+    idx = 0
+    while i < len(text):
+        start = i
+        try:
+            obj, i = _STRICT_DECODER.raw_decode(text, i)
+        except _HugeInt:
+            obj, i = None, len(text)
+        except ValueError:
+            return None
+        if start <= pos < i:
+            ident = obj.get(id_key) if isinstance(obj, dict) else _guess_id(text, start, len(text), id_key)
+            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+        i = _WS.match(text, i).end()
+        if i >= len(text) or text[i] != ",":
+            return None
+        i = _WS.match(text, i + 1).end()
+        idx += 1
+    return None
+
+
+def _too_deep(uri: str, item: str | None = None) -> InputError:
+    return InputError("JSON nested too deeply to parse (more than 1024 levels)", file=uri, item=item)
+
+
+def _text(data: bytes, uri: str, *, what: str | None = None, id_key: str = "") -> str:
+    """UTF-8 text of a source file; bytes that are not UTF-8 are an error naming byte, line and, for a
+    JSON list of ``what`` items, the item that holds them."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        item = _item_at(data, e.start, what, id_key) if what else None
+        raise InputError(f"not UTF-8 text (byte {e.start}, line {line}: {e.reason})", file=uri, item=item) from None
+
+
+def _item_at(data: bytes, byte: int, what: str, id_key: str) -> str | None:
+    """Which item of a JSON list holds byte ``byte`` (the file decoded with replacement characters)."""
+    text = data.decode("utf-8-sig", errors="replace")
+    pos = len(data[:byte].decode("utf-8-sig", errors="replace"))
+    dec = _STRICT_DECODER
+    i = _WS.match(text, 0).end()
+    if i >= len(text) or text[i] != "[":
+        return None
+    i = _WS.match(text, i + 1).end()
+    idx = 0
+    while i < len(text):
+        start = i
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except (ValueError, _HugeInt):
+            return None
+        if start <= pos < i:
+            ident = obj.get(id_key) if isinstance(obj, dict) else None
+            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+        i = _WS.match(text, i).end()
+        if i >= len(text) or text[i] != ",":
+            return None
+        i = _WS.match(text, i + 1).end()
+        idx += 1
+    return None
+
+
+def _line_col(text: str, pos: int) -> tuple[int, int]:
+    line = text.count("\n", 0, pos) + 1
+    return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _guess_id(text: str, start: int, end: int, key: str) -> str | None:
+    m = re.search(r'"%s"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)' % re.escape(key), text[start:min(end, start + 1_000_000)])
+    if not m:
+        return None
+    try:
+        return str(json.loads(m.group(1)))
+    except ValueError:
+        return None
+
+
+def _json_error_kind(e: json.JSONDecodeError, n: int) -> str:
+    # JSON strings cannot hold raw newlines, so an unterminated string ran into the end of the text.
+    return "truncated JSON" if e.pos >= n or e.msg.startswith("Unterminated string") else "invalid JSON"
+
+
+def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
+    """Parse a JSON list; on failure, name the list item (number and id) and line/column."""
+    try:
+        obj = _fastjson.loads(data) if _fastjson is not None else json.loads(data)
+    except RecursionError:
+        raise _too_deep(uri) from None
+    except ValueError as e:
+        if "recursion" in str(e).lower():   # orjson's depth limit
+            raise _too_deep(uri) from None
+        text = _text(data, uri, what=what, id_key=id_key)
+        try:  # what orjson refuses (a BOM, huge integers) the stdlib may still read
+            obj = _STRICT_DECODER.decode(text)
+        except RecursionError:
+            raise _too_deep(uri) from None
+        except _HugeInt as e:
+            raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.digits) from None
+        except ValueError:
+            try:
+                _locate_json_error(text, uri, what=what, id_key=id_key)
+            except RecursionError:
+                raise _too_deep(uri) from None
+            raise AssertionError("unreachable")  # _locate_json_error always raises here
+    if not isinstance(obj, list):
+        raise InputError(f"expected a JSON list of {what}s, got {type(obj).__name__}", file=uri)
+    return obj
+
+
+def _locate_json_error(text: str, uri: str, *, what: str, id_key: str) -> None:
+    """Re-parse item by item with the stdlib decoder to say where the JSON is broken."""
+    dec = _STRICT_DECODER
+    n = len(text)
+    pos = _WS.match(text, 0).end()
+    if pos >= n:
+        raise InputError("empty file (no JSON)", file=uri)
+    if text[pos] != "[":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", file=uri) from e
+        raise InputError(f"expected a JSON list of {what}s", file=uri)
+    pos = _WS.match(text, pos + 1).end()
+    idx = 0
+    if pos < n and text[pos] == "]":
+        pos += 1
+    else:
+        while True:
+            start = pos
+            try:
+                obj, pos = dec.raw_decode(text, pos)
+            except _HugeInt as e:
+                raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.digits) from None
+            except json.JSONDecodeError as e:
+                ident = _guess_id(text, start, e.pos, id_key)
+                item = f"{what} #{idx}" + (f" ('{ident}')" if ident else "")
+                kind = _json_error_kind(e, n)
+                raise InputError(f"{kind} at line {e.lineno} column {e.colno}: {e.msg}", file=uri,
+                                 item=item) from e
+            ident = obj.get(id_key) if isinstance(obj, dict) else None
+            pos = _WS.match(text, pos).end()
+            if pos >= n:
+                line, col = _line_col(text, pos)
+                raise InputError(f"truncated JSON at line {line} column {col}: the list ends without ']' "
+                                 f"after {what} #{idx}" + (f" ('{ident}')" if ident else ""), file=uri)
+            if text[pos] == ",":
+                pos = _WS.match(text, pos + 1).end()
+                idx += 1
+                continue
+            if text[pos] == "]":
+                pos += 1
+                break
+            line, col = _line_col(text, pos)
+            raise InputError(f"invalid JSON at line {line} column {col}: expected ',' or ']' after this "
+                             f"{what}", file=uri, item=f"{what} #{idx}" + (f" ('{ident}')" if ident else ""))
+    pos = _WS.match(text, pos).end()
+    if pos < n:
+        line, col = _line_col(text, pos)
+        raise InputError(f"invalid JSON at line {line} column {col}: extra data after the list", file=uri)
+    raise InputError("invalid JSON", file=uri)  # the fast parser refused what the stdlib accepts
+
+
+def _turn(t: Any, *, uri: str, item: str, field: str) -> dict:
+    if not isinstance(t, dict):
+        raise InputError(f"a turn must be an object, got {type(t).__name__}", file=uri, item=item, field=field)
+    for k in ("role", "content"):
+        if k not in t:
+            raise InputError("missing", file=uri, item=item, field=f"{field}.{k}")
+        if not isinstance(t[k], str):
+            raise InputError(f"expected str, got {type(t[k]).__name__}", file=uri, item=item,
+                             field=f"{field}.{k}")
+    check_role(t["role"], file=uri, item=item, field=f"{field}.role")
+    check_text(t["content"], file=uri, item=item, field=f"{field}.content")
+    check_turn_size(t["content"], file=uri, item=item, field=f"{field}.content")
+    return {"role": t["role"], "content": t["content"]}
+
+
+def check_turn_size(text: str, *, file: str, item: str | None, field: str) -> None:
+    """Refuse a turn longer than ``MEMSIFTER_MAX_TURN_BYTES`` (UTF-8 bytes, default 1 MiB) at import:
+    a 50 MB message would otherwise pass the import and blow up rendering and ranking later."""
+    cap = int(storage.setting("MEMSIFTER_MAX_TURN_BYTES"))
+    if len(text) * 4 <= cap:   # no UTF-8 character is longer than 4 bytes: surely under the cap
+        return
+    n = len(text.encode("utf-8", errors="surrogatepass"))
+    if n > cap:
+        raise InputError(f"a turn of {n} bytes: over the per-turn cap (MEMSIFTER_MAX_TURN_BYTES={cap}); raise it "
+                         f"if turns this long are meant to be there", file=file, item=item, field=field)
+
+
+def _opt_str(obj: dict, key: str, *, uri: str, item: str) -> str | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise InputError(f"expected str, got {type(v).__name__}", file=uri, item=item, field=key)
+    return str(v)
