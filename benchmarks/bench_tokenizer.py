@@ -46,7 +46,7 @@ def sessions(limit: int) -> list[str]:
     from memsifter.render import render_session
     from memsifter import samples
 
-    src = SHARED if os.path.exists(SHARED) else samples.path("longmemeval_s_dev30")
+    src = SHARED if os.path.exists(SHARED) else samples.path("longmemeval_s_dev30.json.gz")
     ds, _ = convert_longmemeval(src)
     return [render_session(ds.sessions[s].turns) for s in sorted(ds.sessions)[:limit]]
 
