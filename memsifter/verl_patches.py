@@ -11,8 +11,8 @@ of a whole DAPO step took ~1 s and ~3 s, verl's ``old_log_prob`` and ``update_ac
 :func:`logprobs_rows` computes the same values over blocks of rows (``block_rows``), so each block is a
 few large kernels; it keeps the fallback's numerics (``log_softmax`` in the input dtype for 16-bit
 logits, ``x - logsumexp(x)`` for float32/64) and its memory: autograd keeps the same per-row tensors,
-only grouped. The train stage turns it on with ``dapo.fast_logprobs`` (default on); the pods' image
-normally carries no flash-attn (it needs a CUDA build), so the fallback is the path they run.
+only grouped. The train stage turns it on with its ``fast_logprobs`` setting (default on); the pods'
+image normally carries no flash-attn (it needs a CUDA build), so the fallback is the path they run.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def install() -> bool:
     except ImportError:
         return False
     if not callable(getattr(vf, "logprobs_from_logits_v2", None)):  # another verl: leave it as it is
-        log.warning("memsifter: verl %s has no logprobs_from_logits_v2; dapo.fast_logprobs changes nothing",
+        log.warning("memsifter: verl %s has no logprobs_from_logits_v2; fast_logprobs changes nothing",
                     getattr(sys.modules.get("verl"), "__version__", "?"))
         return False
     if vf.logprobs_from_logits_v2 is not logprobs_rows:

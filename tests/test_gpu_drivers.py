@@ -241,13 +241,13 @@ def test_ranker_test_datasets_are_named_and_prepared_once(tmp_path):
     assert calls == ["import-test_lme_test", "embed-test_lme_test"]  # published: nothing ran again
 
 
-def test_ranker_dapo_settings_parse_as_yaml():
-    """run_ranker.py --dapo KEY=VALUE (an A/B of one train setting on one machine, e.g. fast_logprobs=false)."""
+def test_ranker_train_settings_parse_as_yaml():
+    """run_ranker.py --set KEY=VALUE (an A/B of one train setting on one machine, e.g. fast_logprobs=false)."""
     run_ranker = importlib.import_module("run_ranker")
-    assert run_ranker.dapo_setting("fast_logprobs=false") == ("fast_logprobs", False)
-    assert run_ranker.dapo_setting("rollout_n=4") == ("rollout_n", 4)
+    assert run_ranker.train_setting("fast_logprobs=false") == ("fast_logprobs", False)
+    assert run_ranker.train_setting("verl.actor_rollout_ref.rollout.n=4") == ("verl.actor_rollout_ref.rollout.n", 4)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
-        run_ranker.dapo_setting("fast_logprobs")
+        run_ranker.train_setting("fast_logprobs")
 
 
 def test_dapo_ab_table_ratios(tmp_path):

@@ -234,7 +234,7 @@ def test_train_dry_run_makes_no_store_call(tmp_path):
     cfg = tmp_path / "train.yaml"
     cfg.write_text("data: s3://bucket/run/prepare-rl\noutput: s3://bucket/run/train\n"
                    "init_adapter: s3://bucket/run/sft\nlocal_dir: /scratch\n"
-                   "reward:\n  mode: dcg\ndapo:\n  lora_rank: 8\n")
+                   "reward:\n  mode: dcg\nverl:\n  actor_rollout_ref.model.lora_rank: 8\n")
     ep = _CountingEndpoint()
     try:
         p, took = cli(["run", "train", "--config", str(cfg), "--dry-run"], tmp_path,

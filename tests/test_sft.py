@@ -121,7 +121,7 @@ def test_partial_format_scores_short_rankings_exact_does_not():
 
 
 def test_lora_settings_compose_in_verl(tmp_path):
-    """dapo.lora_rank / init_adapter become verl's LoRA keys, which verl's Hydra config accepts."""
+    """verl's LoRA keys under `verl:` and init_adapter reach verl's Hydra config, which accepts them."""
     from memsifter.errors import ConfigError  # noqa: F401
     from memsifter.stages import train
     from memsifter.stages.train import TrainConfig, verl_overrides
@@ -130,8 +130,9 @@ def test_lora_settings_compose_in_verl(tmp_path):
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text("{}")
     cfg = TrainConfig(output=str(tmp_path / "t"), data="/x", init_adapter=str(tmp_path / "sft"),
-                      dapo={"lora_rank": 16, "lora_alpha": 32, "ulysses_sequence_parallel_size": 1,
-                            "entropy_coeff": 0.001})
+                      verl={"actor_rollout_ref": {"model": {"lora_rank": 16, "lora_alpha": 32},
+                                                  "actor": {"ulysses_sequence_parallel_size": 1,
+                                                            "entropy_coeff": 0.001}}})
     ovs = verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"])
     c = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
     m, r = c["actor_rollout_ref"]["model"], c["actor_rollout_ref"]["rollout"]
@@ -140,7 +141,7 @@ def test_lora_settings_compose_in_verl(tmp_path):
     # the sync sends merged whole weights (verl's adapter-only sync is empty under FSDP1: test_train_lora_sync)
     assert r["load_format"] == "safetensors" and m["lora"]["merge"] is True
     assert c["actor_rollout_ref"]["actor"]["entropy_coeff"] == 0.001
-    with pytest.raises(ValueError, match="init_adapter needs dapo.lora_rank"):
+    with pytest.raises(ValueError, match="init_adapter needs verl.actor_rollout_ref.model.lora_rank"):
         TrainConfig(output="o", data="d", init_adapter=str(tmp_path / "sft"))
     full = TrainConfig(output="o", data="d")
     c = yaml.safe_load(train.compose(full, verl_overrides(full, ["/x/a.parquet"], ["/x/b.parquet"]), in_process=True))

@@ -339,7 +339,7 @@ def test_every_stage_has_a_flag_for_every_leaf_field_with_its_default_once():
             assert "(default: None)" not in a.help and "--" + dotted.replace("_", "-") in a.option_strings
         assert issubclass(stg.get_stage(name).config, Model)
     flags = {o for a in cli.stage_parser("train")._actions for o in a.option_strings}
-    assert {"--dapo.lr", "--reward.mode", "--dapo.no-use-kl", "--nnodes"} <= flags
+    assert {"--verl", "--verl-overrides-file", "--no-fast-logprobs", "--reward.mode", "--nnodes"} <= flags
     assert {"--vllm.replicas", "--endpoint.base-url", "--vllm.engine-kwargs"} <= {
         o for a in cli.stage_parser("rank")._actions for o in a.option_strings}
 

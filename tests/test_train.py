@@ -40,7 +40,7 @@ def fake_model_dir(root) -> str:
     return d
 
 
-def test_overrides_carry_every_dapo_setting(tmp_path, monkeypatch):
+def test_overrides_carry_every_recipe_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "very-secret-value")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     monkeypatch.setenv("MEMSIFTER_S3_ENDPOINT", "http://s3.local:8333")
@@ -78,8 +78,288 @@ def test_overrides_carry_every_dapo_setting(tmp_path, monkeypatch):
     assert ov["+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_S3_ENDPOINT"] == "'http://s3.local:8333'"
     joined = " ".join(verl_overrides(cfg))
     assert "very-secret-value" not in joined and "sk-secret" not in joined  # secrets stay in the pods' env
-    with pytest.raises(ConfigError, match="multiple"):
-        verl_overrides(TrainConfig(output="x", data=str(tmp_path / "rl"), dapo={"gen_batch_size": 20}))
+    with pytest.raises(ConfigError, match=r"verl.data.gen_batch_size \(20\) must be a multiple of "
+                                          r"verl.data.train_batch_size \(16\)"):
+        TrainConfig(output="x", data=str(tmp_path / "rl"), verl={"data": {"gen_batch_size": 20}})
+
+
+# verl's command line of the default train config, captured from the code before the `verl:` block
+# replaced the `dapo:` settings (issue 31 item 5): the default run's verl command must not change.
+DEFAULT_OVERRIDES = [
+    "data.train_files=['/tmp/memsifter-train/data/train_00000.parquet']",
+    "data.val_files=['/tmp/memsifter-train/data/test.parquet']",
+    "data.prompt_key='prompt'",
+    "data.reward_fn_key='data_source'",
+    "data.max_prompt_length=135168",
+    "data.max_response_length=16384",
+    "data.train_batch_size=16",
+    "data.gen_batch_size=32",
+    "data.filter_overlong_prompts=true",
+    "data.truncation='error'",
+    "data.shuffle=true",
+    "data.return_raw_chat=true",
+    "algorithm.adv_estimator='grpo'",
+    "algorithm.use_kl_in_reward=false",
+    "algorithm.kl_ctrl.kl_coef=0.0",
+    "algorithm.filter_groups.enable=true",
+    "algorithm.filter_groups.metric='acc'",
+    "algorithm.filter_groups.max_num_gen_batches=10",
+    "algorithm.filter_groups.max_inflight_gen_batches=2",
+    "actor_rollout_ref.model.path='Qwen/Qwen3-4B-Thinking-2507'",
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    "actor_rollout_ref.model.lora_rank=0",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.model.target_modules='all-linear'",
+    "actor_rollout_ref.model.lora_adapter_path=null",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "actor_rollout_ref.actor.kl_loss_coef=0.0",
+    "actor_rollout_ref.actor.entropy_coeff=0.0",
+    "actor_rollout_ref.actor.clip_ratio_low=0.2",
+    "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    "actor_rollout_ref.actor.clip_ratio_c=10.0",
+    "actor_rollout_ref.actor.loss_agg_mode='token-mean'",
+    "actor_rollout_ref.actor.optim.lr=1e-06",
+    "actor_rollout_ref.actor.optim.weight_decay=0.1",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+    "actor_rollout_ref.actor.optim.clip_grad=1.0",
+    "actor_rollout_ref.actor.grad_clip=1.0",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=151552",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=151552",
+    "actor_rollout_ref.rollout.name='vllm'",
+    "actor_rollout_ref.rollout.mode='async'",
+    "actor_rollout_ref.rollout.n=6",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.top_p=1.0",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.max_model_len=151552",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=151552",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=151552",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+    "actor_rollout_ref.rollout.val_kwargs.top_p=0.95",
+    "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "reward.reward_manager.name='dapo'",
+    "reward.custom_reward_function.path='pkg://memsifter.rewards'",
+    "reward.custom_reward_function.name='compute_score'",
+    "trainer.nnodes=1",
+    "trainer.n_gpus_per_node=8",
+    "trainer.project_name='memsifter'",
+    "trainer.experiment_name='dapo-ranker'",
+    "trainer.logger=['console']",
+    "trainer.save_freq=5",
+    "trainer.test_freq=5",
+    "trainer.resume_mode='auto'",
+    "trainer.total_epochs=1",
+    "trainer.total_training_steps=null",
+    "trainer.val_before_train=false",
+    "trainer.default_local_dir='/tmp/memsifter-train/checkpoints'",
+    "trainer.max_actor_ckpt_to_keep=2",
+    "trainer.checkpoint_callback_class='memsifter.stages.train.S3CheckpointCallback'",
+    "+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+    "+reward.reward_kwargs.overlong_buffer_cfg.len=4096",
+    "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+    "+reward.reward_kwargs.overlong_buffer_cfg.log=true",
+    "+reward.reward_kwargs.max_resp_len=16384",
+    "+reward.custom_reward_function.reward_kwargs.mode='dcg'",
+    "+reward.custom_reward_function.reward_kwargs.model='gpt-4o-mini'",
+    "+reward.custom_reward_function.reward_kwargs.api_key_env='OPENAI_API_KEY'",
+    "+reward.custom_reward_function.reward_kwargs.temperature=0.3",
+    "+reward.custom_reward_function.reward_kwargs.max_tokens=512",
+    "+reward.custom_reward_function.reward_kwargs.concurrency=64",
+    "+reward.custom_reward_function.reward_kwargs.max_retries=4",
+    "+reward.custom_reward_function.reward_kwargs.top_k=10",
+    "+reward.custom_reward_function.reward_kwargs.cache_uri='s3://b/run/train/_work/reward_cache'",
+    "+reward.custom_reward_function.reward_kwargs.format='exact'",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI='s3://b/run/train/checkpoints'",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='memsifter.verl_patches'",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_FLASHINFER_SAMPLER='0'",
+    "++actor_rollout_ref.model.override_config.attn_implementation='flash_attention_2'",
+]
+
+
+def test_default_verl_command_is_unchanged(monkeypatch):
+    import importlib.util
+
+    for k in (*train.FORWARD_ENV, "VERL_USE_EXTERNAL_MODULES", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.delenv(k, raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n in ("flash_attn", "flashinfer") else real(n, *a))
+    cfg = TrainConfig(output="s3://b/run/train", data="s3://b/run/rl")
+    got = verl_overrides(cfg, ["/tmp/memsifter-train/data/train_00000.parquet"],
+                         ["/tmp/memsifter-train/data/test.parquet"])
+    # Hydra applies overrides of distinct keys independently of their order: the same set, each key once
+    assert sorted(got) == sorted(DEFAULT_OVERRIDES)
+    assert len({o.lstrip("+").split("=", 1)[0] for o in got}) == len(got)
+
+
+# --------------------------------------------------------------------------- verl's own names
+def test_verl_block_merges_over_the_recipe_in_verls_names(tmp_path):
+    """A `verl:` block in verl's key names (nested, or dotted keys) is merged over the platform's DAPO recipe
+    (memsifter/configs/verl/dapo.yaml); what the platform derives follows the merged values."""
+    cfg = TrainConfig(output="s3://b/t", data="s3://b/rl", verl={
+        "actor_rollout_ref": {"rollout": {"n": 16, "tensor_model_parallel_size": 1}},
+        "data": {"train_batch_size": 32, "gen_batch_size": 96, "max_response_length": 1024},
+        "actor_rollout_ref.actor.optim.lr": 5e-6,
+        "trainer": {"total_training_steps": 40}})
+    ov = dict(o.split("=", 1) for o in verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"]))
+    assert ov["actor_rollout_ref.rollout.n"] == "16" and ov["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "1"
+    assert ov["data.train_batch_size"] == "32" and ov["actor_rollout_ref.actor.optim.lr"] == "5e-06"
+    assert ov["trainer.total_training_steps"] == "40"
+    assert ov["algorithm.filter_groups.max_inflight_gen_batches"] == "3"  # 96 / 32
+    assert ov["actor_rollout_ref.rollout.max_model_len"] == str(135168 + 1024)  # prompt + response
+    assert ov["+reward.reward_kwargs.max_resp_len"] == "1024"
+    assert ov["actor_rollout_ref.actor.clip_ratio_high"] == "0.28"  # the recipe's, untouched
+    # a derived value the user sets is theirs
+    mine = TrainConfig(output="s3://b/t", data="s3://b/rl",
+                       verl={"actor_rollout_ref": {"rollout": {"max_model_len": 4096}}})
+    ov = dict(o.split("=", 1) for o in verl_overrides(mine, ["/x/a.parquet"], ["/x/b.parquet"]))
+    assert ov["actor_rollout_ref.rollout.max_model_len"] == "4096"
+    assert ov["actor_rollout_ref.rollout.max_num_batched_tokens"] == str(135168 + 16384)
+
+
+def test_every_recipe_key_is_a_key_of_verls_config():
+    """The recipe and the names of the former `dapo:` settings point at keys verl's composed config has (or
+    the few it reads without declaring), so a verl upgrade that renames one fails here."""
+    schema = train.verl_schema()
+    if schema is None:
+        pytest.skip("verl is not installed")
+    for path, value in train.leaves(train.merged()):
+        train.check_key(path, value, f"recipe {path}")
+    import yaml as _yaml
+    from importlib import resources
+
+    legacy = _yaml.safe_load(resources.files("memsifter").joinpath(*train.LEGACY).read_text())
+    for old, new in legacy.items():
+        for path in ([new] if isinstance(new, str) else new if isinstance(new, list) else []):
+            train.check_key(path, None, f"legacy {old}")
+
+
+def test_a_typo_under_verl_is_one_line_with_a_suggestion(tmp_path):
+    if train.verl_schema() is None:
+        pytest.skip("verl is not installed")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(output="o", data="d", verl={"actor_rollout_ref": {"rollout": {"tensor_parallel_size": 2}}})
+    msg = str(e.value)
+    assert msg.startswith("train.verl.actor_rollout_ref.rollout.tensor_parallel_size: ") and "\n" not in msg
+    assert "(did you mean 'tensor_model_parallel_size'?)" in msg
+    with pytest.raises(ConfigError, match=r"train.verl.actor_rollout_ref.rolout.n: .*did you mean 'rollout'"):
+        TrainConfig(output="o", data="d", verl={"actor_rollout_ref.rolout.n": 2})
+    with pytest.raises(ConfigError, match=r"train.verl.data.train_batch_size: expected a number"):
+        TrainConfig(output="o", data="d", verl={"data": {"train_batch_size": "many"}})
+    with pytest.raises(ConfigError, match=r"train.extra_overrides\[1\]: actor_rollout_ref.actor.no_such_knob: "):
+        TrainConfig(output="o", data="d", extra_overrides=["trainer.save_freq=2", "actor_rollout_ref.actor.no_such_knob=1"])
+    # keys under a mapping verl leaves open (its own empty defaults, reward_kwargs) are verl's to read
+    ok = TrainConfig(output="o", data="d", verl={"actor_rollout_ref": {"rollout": {"engine_kwargs": {"vllm": {
+        "enable_sleep_mode": True}}}}, "reward": {"reward_kwargs": {"overlong_buffer_cfg": {"len": 512}}}})
+    ov = verl_overrides(ok, ["/x/a.parquet"], ["/x/b.parquet"])
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_sleep_mode=true" in ov
+    assert "+reward.reward_kwargs.overlong_buffer_cfg.len=512" in ov
+    # the command line: exit 2, one line, no traceback
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "train", "--dry-run", "--data", str(tmp_path),
+                        "--output", str(tmp_path / "t"), "--set", "verl.actor_rollout_ref.rollout.tensor_parallel_size=1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "train.verl.actor_rollout_ref.rollout.tensor_parallel_size: " in p.stderr
+    assert "did you mean 'tensor_model_parallel_size'" in p.stderr
+
+
+def test_keys_the_platform_sets_are_refused_under_verl():
+    cases = {"trainer.nnodes": "`nnodes`", "trainer.n_gpus_per_node": "`n_gpus_per_node`",
+             "actor_rollout_ref.model.path": "`model`", "data.train_files": "`data`",
+             "trainer.default_local_dir": "`local_dir`", "reward.custom_reward_function.path": "`reward`",
+             "actor_rollout_ref.model.lora_adapter_path": "`init_adapter`",
+             "trainer.checkpoint_callback_class": "`output`", "trainer.logger": "`logger`"}
+    for key, field in cases.items():
+        with pytest.raises(ConfigError, match=rf"^train.verl.{key}: set by the train config's {field}"):
+            TrainConfig(output="o", data="d", verl={key: 1})
+    with pytest.raises(ConfigError, match=r"^train.extra_overrides\[0\]: trainer.nnodes: set by the train config's `nnodes`"):
+        TrainConfig(output="o", data="d", extra_overrides=["trainer.nnodes=4"])
+
+
+def test_cross_field_checks_read_the_merged_verl_values():
+    def bad(block, match, **kw):
+        with pytest.raises((ConfigError, ValueError), match=match):
+            TrainConfig(output="o", data="d", verl=block, **kw)
+
+    bad({"data.gen_batch_size": 40}, r"verl.data.gen_batch_size \(40\) must be a multiple of verl.data.train_batch_size \(16\)")
+    bad({"data.train_batch_size": 0}, r"verl.data.train_batch_size must be a positive integer")
+    bad({"actor_rollout_ref.model.lora_rank": -1}, r"verl.actor_rollout_ref.model.lora_rank must be >= 0")
+    bad({"actor_rollout_ref.model.lora_alpha": 0}, r"verl.actor_rollout_ref.model.lora_alpha must be > 0")
+    bad({"actor_rollout_ref.actor.entropy_coeff": -0.1}, r"verl.actor_rollout_ref.actor.entropy_coeff must be >= 0")
+    bad({"actor_rollout_ref.model.override_config.attn_implementation": "sdpa"},
+        r"verl.actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 needs flash_attention_2")
+    bad({}, r"init_adapter needs verl.actor_rollout_ref.model.lora_rank > 0", init_adapter="/a")
+    # the checks see extra_overrides too
+    with pytest.raises(ConfigError, match=r"verl.data.gen_batch_size \(24\) must be a multiple"):
+        TrainConfig(output="o", data="d", extra_overrides=["data.gen_batch_size=24"])
+    assert TrainConfig(output="o", data="d", init_adapter="/a", verl={"actor_rollout_ref.model.lora_rank": 8})
+
+
+def test_a_users_verl_override_file_works_as_is(tmp_path):
+    """The file a user passes to verl on the command line (one override a line, '+'/'++', comments) goes
+    to verl verbatim, after the recipe; what the platform derives and checks sees its values."""
+    f = tmp_path / "my.overrides"
+    f.write_text("# my verl settings\n\n"
+                 "actor_rollout_ref.rollout.n=12  \n"
+                 "data.max_response_length=2048\n"
+                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4\n"
+                 "++reward.reward_kwargs.overlong_buffer_cfg.len=256\n"
+                 "  # every 7 steps\ntrainer.save_freq=7\n")
+    cfg = TrainConfig(output=str(tmp_path / "t"), data=fake_prepare_rl(str(tmp_path / "rl")),
+                      verl_overrides_file=str(f), extra_overrides=["trainer.test_freq=3"],
+                      verl={"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": 1}}})
+    ovs = verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"])
+    assert ovs[-6:] == ["actor_rollout_ref.rollout.n=12", "data.max_response_length=2048",
+                        "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+                        "++reward.reward_kwargs.overlong_buffer_cfg.len=256", "trainer.save_freq=7",
+                        "trainer.test_freq=3"]  # the file's lines, then extra_overrides
+    keys = [o.lstrip("+").split("=", 1)[0] for o in ovs]
+    assert len(keys) == len(set(keys)), "each key once: the recipe's value gives way to the file's"
+    ov = dict(o.split("=", 1) for o in ovs)
+    assert ov["actor_rollout_ref.rollout.max_model_len"] == str(135168 + 2048)  # derived from the file's value
+    assert ov["+reward.reward_kwargs.max_resp_len"] == "2048"
+    composed = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
+    assert composed["actor_rollout_ref"]["rollout"]["n"] == 12 and composed["trainer"]["save_freq"] == 7
+    assert composed["trainer"]["test_freq"] == 3 and composed["data"]["max_response_length"] == 2048
+    assert composed["reward"]["reward_kwargs"]["overlong_buffer_cfg"]["len"] == 256
+    assert composed["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]["swap_space"] == 4
+    # a bad line names the file and the line
+    f.write_text("# ok\ndata.gen_batch_size=30\n")
+    with pytest.raises(ConfigError, match=rf"verl.data.gen_batch_size \(30\) must be a multiple"):
+        verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
+    f.write_text("# ok\ntrainer.nnodes=2\n")
+    with pytest.raises(ConfigError, match=rf"^{f}: line 2: trainer.nnodes: set by the train config's `nnodes`"):
+        verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
+    if train.verl_schema() is not None:
+        f.write_text("actor_rollout_ref.rollout.temprature=0.5\n")
+        with pytest.raises(ConfigError, match=rf"^{f}: line 1: actor_rollout_ref.rollout.temprature: .*'temperature'"):
+            verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
+    f.write_text("trainer.save_freq=1,2\n")
+    with pytest.raises(ConfigError, match="a sweep"):
+        verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
+
+
+def test_the_former_dapo_section_is_refused_with_its_replacement():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(output="o", data="d", dapo={"rollout_tensor_parallel_size": 1, "lr": 2e-5, "fast_logprobs": False})
+    msg = str(e.value)
+    assert msg.startswith("train.dapo: ") and "\n" not in msg
+    assert "verl: {actor_rollout_ref: {rollout: {tensor_model_parallel_size: 1}, actor: {optim: {lr: 2.0e-05}}}}" in msg
+    assert "fast_logprobs: false" in msg
+    with pytest.raises(ConfigError, match=r"train.dapo.rollout_tp: no such former setting \(did you mean 'rollout_top_p'"):
+        TrainConfig(output="o", data="d", dapo={"rollout_tp": 1})
+    block, fields = train.from_dapo({"use_kl": True, "grad_clip": 0.5})
+    assert block == {"algorithm": {"use_kl_in_reward": True}, "actor_rollout_ref": {"actor": {
+        "use_kl_loss": True, "optim": {"clip_grad": 0.5}}}} and fields == {}
 
 
 def test_placement_request_matches_verls_resource_pool():
@@ -123,10 +403,14 @@ def test_dry_run_composes_a_config_verl_accepts(tmp_path):
     assert t["default_local_dir"] == "/scratch/checkpoints"
     assert t["checkpoint_callback_class"] == "memsifter.stages.train.S3CheckpointCallback"
     assert not os.path.exists(os.path.join(out, "_SUCCESS"))  # a dry run publishes nothing
-    # and an override of a key verl does not have is refused
-    bad = TrainConfig(output=out, data=data, extra_overrides=["actor_rollout_ref.actor.no_such_knob=1"])
+    # an override of a key verl does not have is refused when the config is read, and by verl's Hydra
+    with pytest.raises(ConfigError, match=r"train.extra_overrides\[0\]: actor_rollout_ref.actor.no_such_knob: "
+                                          "verl has no key 'no_such_knob' under actor_rollout_ref.actor"):
+        TrainConfig(output=out, data=data, extra_overrides=["actor_rollout_ref.actor.no_such_knob=1"])
+    good = TrainConfig(output=out, data=data)
     with pytest.raises(ConfigError, match="Could not override 'actor_rollout_ref.actor.no_such_knob'"):
-        train.compose(bad, verl_overrides(bad, ["/x/train.parquet"], ["/x/test.parquet"]), in_process=True)
+        train.compose(good, [*verl_overrides(good, ["/x/train.parquet"], ["/x/test.parquet"]),
+                             "actor_rollout_ref.actor.no_such_knob=1"], in_process=True)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -240,8 +524,8 @@ def test_example_train_config_validates_and_matches_the_defaults():
     data = load_config_file(str(resources.files("memsifter").joinpath("configs", "train_example.yaml")))
     c = validate_config("train", data)
     assert c.nnodes == 2 and c.reward.mode == "task" and c.reward.api_key_env == "WORKING_LLM_API_KEY"
-    defaults = train.DapoSettings().model_dump()
-    assert all(defaults[k] == v for k, v in data["dapo"].items()), "the example repeats the defaults"
+    recipe, shown = train.merged(), list(train.leaves(data["verl"]))
+    assert shown and all(train.get(recipe, k) == v for k, v in shown), "the example repeats the recipe's values"
     collect_merge = load_config_file(str(resources.files("memsifter").joinpath("configs",
                                                                               "collect_merge_example.yaml")))
     validate_config("collect", collect_merge["collect"])
@@ -305,28 +589,34 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     data = fake_prepare_rl(str(tmp_path / "rl"))
 
-    def ov(have: bool, **dapo) -> dict:
+    def ov(have: bool, sp: int = 2, attn: str | None = None) -> dict:
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda n, *a: (real("json") if have else None) if n == "flash_attn" else real(n, *a))
+        block = {"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": sp},
+                                       **({"model": {"override_config": {"attn_implementation": attn}}} if attn else {})}}
         return dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output=str(tmp_path / "t"), data=data,
-                                                                          dapo=dapo)))
+                                                                          verl=block)))
 
     key, rp = "++actor_rollout_ref.model.override_config.attn_implementation", "actor_rollout_ref.model.use_remove_padding"
-    o = ov(False, ulysses_sequence_parallel_size=1)
+    o = ov(False, sp=1)
     assert (o[key], o[rp]) == ("'sdpa'", "false")
-    o = ov(True, ulysses_sequence_parallel_size=1)
+    o = ov(True, sp=1)
     assert (o[key], o[rp]) == ("'flash_attention_2'", "true")
     o = ov(False)  # the default recipe (Ulysses 2) keeps flash attention: the image must carry it
     assert (o[key], o[rp]) == ("'flash_attention_2'", "true")
-    o = ov(True, attn_implementation="eager", ulysses_sequence_parallel_size=1)
+    o = ov(True, sp=1, attn="eager")
     assert (o[key], o[rp]) == ("'eager'", "false")
-    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 needs flash_attention_2"):
-        ov(True, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="verl.actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 needs "
+                                          "flash_attention_2"):
+        ov(True, attn="sdpa")
+    with pytest.raises(ConfigError, match="attn_implementation: expected one of auto, flash_attention_2, sdpa, eager"):
+        ov(True, sp=1, attn="flash")
 
     # a user's own override of the key (with '+', as before this setting existed) wins and composes
     from memsifter.stages import train
 
-    cfg = TrainConfig(output=str(tmp_path / "t"), data=data, dapo={"ulysses_sequence_parallel_size": 1},
+    cfg = TrainConfig(output=str(tmp_path / "t"), data=data,
+                      verl={"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": 1}}},
                       extra_overrides=["+actor_rollout_ref.model.override_config.attn_implementation=eager"])
     ovs = verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"])
     assert [o for o in ovs if "attn_implementation" in o] == cfg.extra_overrides
@@ -421,7 +711,7 @@ def test_training_metrics_replayed_from_a_recorded_verl_log(tmp_path):
 
 
 def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
-    """dapo.fast_logprobs (default on) sets VERL_USE_EXTERNAL_MODULES in every Ray worker of the run, so that
+    """fast_logprobs (default on) sets VERL_USE_EXTERNAL_MODULES in every Ray worker of the run, so that
     `import verl` installs memsifter.verl_patches there (tests/test_verl_patches.py); a user's own modules stay."""
     from memsifter import verl_patches
 
@@ -431,7 +721,7 @@ def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
     on = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
     assert on[key] == f"'{verl_patches.MODULE}'"
     off = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data,
-                                                                    dapo={"fast_logprobs": False})))
+                                                                    fast_logprobs=False)))
     assert key not in off
     monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_models")
     kept = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
@@ -456,24 +746,28 @@ def test_collapse_guard_on_the_recorded_collapsing_run():
     through 3,561 discarded groups (306 s). The guard stops at the first step over 10 x 32 prompts."""
     recs = _recorded_steps()
     assert [r["step"] for r in recs] == list(range(0, 9))  # step 0: validation before training
-    d = train.DapoSettings(rollout_n=8, train_batch_size=16, gen_batch_size=32)
+    d = train.merged({"actor_rollout_ref.rollout.n": 8, "data": {"train_batch_size": 16, "gen_batch_size": 32}})
     check = train.collapse_guard(d)
     verdicts = [check(r) for r in recs]
     assert verdicts[:6] == [None] * 6  # 2 … 192 discarded groups: under 320 - 16
     assert verdicts[6] and verdicts[6].startswith("step 6: dynamic sampling discarded 501 prompt groups")
     assert "10 x 32 = 320" in verdicts[6] and "actor/entropy 0.056" in verdicts[6]
     # the bound follows the settings; 0 or no dynamic sampling turns it off
-    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 200}))(recs[-1]) is None
-    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 2}))(recs[4])  # 55 + 16 > 64
-    assert train.collapse_guard(d.model_copy(update={"max_num_gen_batches": 0})) is None
-    assert train.collapse_guard(d.model_copy(update={"filter_groups": False})) is None
+    def with_(**fg):
+        return train.merged({"actor_rollout_ref.rollout.n": 8, "algorithm": {"filter_groups": fg}})
+
+    assert train.collapse_guard(with_(max_num_gen_batches=200))(recs[-1]) is None
+    assert train.collapse_guard(with_(max_num_gen_batches=2))(recs[4])  # 55 + 16 > 64
+    assert train.collapse_guard(with_(max_num_gen_batches=0)) is None
+    assert train.collapse_guard(with_(enable=False)) is None
+    assert "set verl.algorithm.filter_groups.max_num_gen_batches=0 (no limit)" in verdicts[6]
     from memsifter import trainmetrics  # the curves show it: entropy and discarded groups are panels
 
     summ = trainmetrics.summary(recs)
     assert summ["training/filter_groups/evicted_samples"]["last"] == 3561.0
     assert summ["actor/entropy"]["first"] > 4 * summ["actor/entropy"]["last"]
-    with pytest.raises(Exception):
-        train.DapoSettings(max_num_gen_batches=-1)
+    with pytest.raises(ConfigError, match="verl.algorithm.filter_groups.max_num_gen_batches must be >= 0"):
+        TrainConfig(output="o", data="d", verl={"algorithm.filter_groups.max_num_gen_batches": -1})
 
 
 def test_run_verl_stops_a_collapsing_child_and_keeps_its_metrics(tmp_path):
@@ -492,7 +786,7 @@ def test_run_verl_stops_a_collapsing_child_and_keeps_its_metrics(tmp_path):
               f"for ln in open({str(feed)!r}):\n    print(ln, end=''); sys.stdout.flush(); time.sleep(0.05)\n"
               "time.sleep(30)\n")
     sink = trainmetrics.MetricsSink(str(tmp_path / "metrics.jsonl"), flush_every_s=0)
-    d = train.DapoSettings(rollout_n=8, train_batch_size=16, gen_batch_size=32)
+    d = train.merged({"actor_rollout_ref": {"rollout": {"n": 8}}})
     import time as _t
 
     t0 = _t.time()
@@ -530,7 +824,8 @@ def test_train_stage_reports_a_collapse_stop_and_publishes(s3_env, s3_root, tmp_
     monkeypatch.setattr(train, "_run_verl", fake_verl)
     monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
     m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"), "model": fake_model_dir(tmp_path),
-                   "dapo": {"rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32}})
+                   "verl": {"actor_rollout_ref": {"rollout": {"n": 8}},
+                            "data": {"train_batch_size": 16, "gen_batch_size": 32}}})
     stop = m["stats"]["stopped_early"]
     assert stop["reason"].startswith("step 6:") and stop["last_complete_step"] == 4
     assert m["stats"]["complete_steps"] == [4] and m["stats"]["metrics"]["steps"] == 7  # with step 0

@@ -1,6 +1,6 @@
 """memsifter.verl_patches: verl's log-prob fallback computed in blocks, with the same values and gradients,
 installed in verl's own processes through ``VERL_USE_EXTERNAL_MODULES`` (a real ``import verl`` in a fresh
-interpreter, the way verl's Ray workers start); the train stage's ``dapo.fast_logprobs``
+interpreter, the way verl's Ray workers start); the train stage's ``fast_logprobs``
 wiring is tested in test_train.py."""
 from __future__ import annotations
 

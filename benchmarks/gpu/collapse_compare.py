@@ -8,8 +8,10 @@
 
 Each run is ``LABEL=METRICS_JSONL`` (the train stage's ``metrics.jsonl``, verl's metric lines by step).
 Its train config is read from ``configs/train-<kind>.yaml`` beside the metrics file when it exists
-(``run_ranker.py`` keeps it there), else the stage's defaults are used; the stop step is found with the
-train stage's own :func:`memsifter.stages.train.collapse_guard`, so the bound is defined in one place.
+(``run_ranker.py`` keeps it there): its ``verl:`` block, or the ``dapo:`` section of configs recorded
+before the train stage took verl's names (read through the stage's table of the former names); else the
+stage's recipe is used. The stop step is found with the train stage's own
+:func:`memsifter.stages.train.collapse_guard`, so the bound is defined in one place.
 
 Per step and run: groups discarded by dynamic sampling (prompts whose samples all scored the same),
 actor token entropy, sampled reward mean, step seconds, and the greedy validation on the held-out split.
@@ -32,8 +34,9 @@ COLS = (("discarded", EVICTED, "{:.0f}"), ("entropy", "actor/entropy", "{:.3f}")
 
 
 def read_run(spec: str) -> dict:
-    """``LABEL=PATH`` -> {label, path, steps: {step: merged metrics}, dapo: DapoSettings, stop: (step, why)}."""
-    from memsifter.stages.train import DapoSettings, collapse_guard
+    """``LABEL=PATH`` -> {label, path, steps: {step: merged metrics}, verl: verl settings (verl's names, the
+    recipe merged with the run's), stop: (step, why)}."""
+    from memsifter.stages.train import collapse_guard, merged
 
     label, sep, path = spec.partition("=")
     if not sep or not label or not path:
@@ -52,20 +55,23 @@ def read_run(spec: str) -> dict:
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 raise SystemExit(f"{path}: line {n}: field 'step': expected an integer step number")
             steps.setdefault(rec["step"], {}).update(rec)
-    dapo = DapoSettings(**_dapo_config(path))
-    guard = collapse_guard(dapo)
+    verl = merged(_verl_config(path))
+    guard = collapse_guard(verl)
     stop = None
     for s in sorted(steps):
         why = guard(steps[s]) if guard else None
         if why:
             stop = (s, why)
             break
-    return {"label": label, "path": path, "steps": steps, "dapo": dapo, "stop": stop}
+    return {"label": label, "path": path, "steps": steps, "verl": verl, "stop": stop}
 
 
-def _dapo_config(metrics_path: str) -> dict:
-    """The ``dapo`` block of ``configs/train-<kind>.yaml`` next to ``train_<kind>_metrics.jsonl``, or {}."""
+def _verl_config(metrics_path: str) -> dict:
+    """The ``verl:`` block of ``configs/train-<kind>.yaml`` next to ``train_<kind>_metrics.jsonl`` (its
+    former ``dapo:`` section in verl's names for a config recorded before), or {}."""
     import yaml
+
+    from memsifter.stages.train import from_dapo
 
     name = os.path.basename(metrics_path)
     if not (name.startswith("train_") and name.endswith("_metrics.jsonl")):
@@ -74,7 +80,17 @@ def _dapo_config(metrics_path: str) -> dict:
     if not os.path.isfile(cfg):
         return {}
     with open(cfg) as f:
-        return (yaml.safe_load(f) or {}).get("dapo") or {}
+        data = yaml.safe_load(f) or {}
+    return data.get("verl") or from_dapo(data.get("dapo") or {}, f"{cfg}: dapo")[0]
+
+
+def _bound(verl: dict) -> tuple[int, tuple[int, int, int]]:
+    """The guard's bound on discarded groups, and (max_num_gen_batches, gen batch, train batch)."""
+    from memsifter.stages.train import get
+
+    most, tb = get(verl, "algorithm.filter_groups.max_num_gen_batches"), get(verl, "data.train_batch_size")
+    gb = get(verl, "data.gen_batch_size") or tb
+    return most * gb - tb, (most, gb, tb)
 
 
 def _validation(rec: dict) -> str:
@@ -98,13 +114,16 @@ def table(runs: list[dict]) -> str:
             cells.append(cell)
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     notes = []
+    from memsifter.stages.train import get
+
     for r in runs:
-        d = r["dapo"]
-        bound = d.max_num_gen_batches * d.gen_batch_size - d.train_batch_size
+        v = r["verl"]
+        bound, (most, gb, tb) = _bound(v)
         val = {s: _validation(rec) for s, rec in sorted(r["steps"].items()) if _validation(rec)}
-        notes.append(f"- {r['label']}: lr {d.lr:g}, entropy_coeff {d.entropy_coeff:g}, {d.rollout_n} samples x "
-                     f"{d.train_batch_size} prompts per step; the guard stops past {bound} discarded groups "
-                     f"({d.max_num_gen_batches} x {d.gen_batch_size} - {d.train_batch_size}); "
+        notes.append(f"- {r['label']}: lr {get(v, 'actor_rollout_ref.actor.optim.lr'):g}, entropy_coeff "
+                     f"{get(v, 'actor_rollout_ref.actor.entropy_coeff'):g}, {get(v, 'actor_rollout_ref.rollout.n')} "
+                     f"samples x {tb} prompts per step; the guard stops past {bound} discarded groups "
+                     f"({most} x {gb} - {tb}); "
                      + (f"stopped at step {r['stop'][0]}" if r["stop"] else "no guard stop")
                      + ("; greedy validation NDCG@10 (held-out parts, alphabetical) by step: "
                         + ", ".join(f"{s}: {v}" for s, v in val.items()) if val else ""))
@@ -129,9 +148,7 @@ def plot(runs: list[dict], title: str) -> bytes:
             line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=r["label"])
             if r["stop"] and key == EVICTED:
                 ax.axvline(r["stop"][0], color=line.get_color(), ls=":", lw=1)
-    d = runs[0]["dapo"]
-    axes[0].axhline(d.max_num_gen_batches * d.gen_batch_size - d.train_batch_size, color="k", ls="--", lw=1,
-                    label="guard bound")
+    axes[0].axhline(_bound(runs[0]["verl"])[0], color="k", ls="--", lw=1, label="guard bound")
     axes[0].set_yscale("log")
     for ax, t in zip(axes, ("groups discarded by dynamic sampling", "actor token entropy", "sampled reward mean")):
         ax.set_title(t, fontsize=9)
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "collapse.md"), "w") as f:
         f.write(text)
     with open(os.path.join(a.out, "collapse.json"), "w") as f:
-        json.dump([{"label": r["label"], "metrics": r["path"], "dapo": r["dapo"].model_dump(),
+        json.dump([{"label": r["label"], "metrics": r["path"], "verl": r["verl"],
                     "guard_stop_step": r["stop"][0] if r["stop"] else None,
                     "guard_reason": r["stop"][1] if r["stop"] else None,
                     "steps": [{"step": s, **{c[0]: rec.get(c[1]) for c in COLS}}

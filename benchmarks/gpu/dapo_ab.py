@@ -5,7 +5,7 @@
         --run results/.../train_dcg_fast_metrics.jsonl [--out ab.md]
 
 Used for issue 20, item 3: the same phase (``run_ranker.py --phases dcg``) run twice on one machine, once
-with ``--dapo fast_logprobs=false`` (verl's row-by-row log-prob fallback) and once with the default.
+with ``--set fast_logprobs=false`` (verl's row-by-row log-prob fallback) and once with the default.
 Per metric: median (min–max) over the training steps of each run, and baseline / run for times.
 """
 from __future__ import annotations

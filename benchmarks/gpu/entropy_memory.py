@@ -4,11 +4,11 @@
     python3 benchmarks/gpu/entropy_memory.py                      # on the GPU host (torch + transformers only)
     python3 benchmarks/gpu/entropy_memory.py --device cpu --tiny  # CPU smoke (tests/test_train.py)
 
-Why (issue 17; results/2026-11-24-h100-m11): with ``dapo.entropy_coeff`` 0.01 the 135M ranker's actor update ran out of
+Why (issue 17; results/2026-11-24-h100-m11): with ``verl.actor_rollout_ref.actor.entropy_coeff`` 0.01 the 135M ranker's actor update ran out of
 memory on an H100 (a 6.99 GiB allocation with 69.97 GiB in use). Without flash-attn verl's FSDP engine
 runs padded batches and takes the entropy of every position's full-vocabulary distribution
 (``verl.utils.torch_functional.entropy_from_logits``); with the entropy in the loss its intermediates are
-kept for the backward pass. ``dapo.entropy_checkpointing`` turns on verl's switch that wraps the same
+kept for the backward pass. ``verl.actor_rollout_ref.actor.entropy_checkpointing`` turns on verl's switch that wraps the same
 function in ``torch.utils.checkpoint``.
 
 One forward + backward of a SmolLM2-135M-shaped model (random weights: memory does not depend on them)

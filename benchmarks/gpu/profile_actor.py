@@ -16,7 +16,7 @@ forward + backward, median of ``--repeats`` after a warm-up, and x ``--micro-bat
 step of ~213k tokens). ``--lora R`` wraps the model in peft LoRA r R on all linear layers (the
 actor of ``run_ranker.py``); ``--profile`` prints the torch profiler's kernel table of one
 forward + backward; ``--verl-logprobs`` times verl's ``logprobs_from_logits`` on the response rows
-(the function ``dapo.fast_logprobs`` replaces when flash-attn is missing; needs verl).
+(the function the train stage's ``fast_logprobs`` replaces when flash-attn is missing; needs verl).
 
 Results of 2026-11-24 (H100 80GB, the real SmolLM2 weights): ``results/2026-11-24-h100-m8/profile_forward.log``
 and ``profile_lora.log``, tabled in README.md ("Where a DAPO step's actor time goes").

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import glob
 import json
 import os
@@ -66,13 +67,24 @@ W_PORT, T_PORT = 8011, 8012
 # Training settings (chosen in the closing note of issue 17; kept in results/configs/)
 SFT = {"target": "gold_first", "lora_rank": 16, "lora_alpha": 32, "lr": 2e-4, "epochs": 2, "batch_tokens": 32768,
        "eval_generate": 0}  # greedy HF generate ran minutes on the GPU; the rank stage measures format and NDCG
-DAPO = {"lora_rank": 16, "lora_alpha": 32, "lr": 5e-5, "lr_warmup_steps": 0, "weight_decay": 0.0,
-        "max_prompt_length": 2600, "max_response_length": 64, "overlong_buffer_len": 16,
-        "rollout_n": 8, "train_batch_size": 16, "gen_batch_size": 32, "ppo_mini_batch_size": 16,
-        "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1, "param_offload": False,
-        "optimizer_offload": False, "gradient_checkpointing": False, "rollout_gpu_memory_utilization": 0.3,
-        "val_temperature": 0.0, "val_top_p": 1.0, "val_before_train": True, "test_freq": 4,
-        "total_epochs": 20}  # total_training_steps ends the run; one epoch is only ~7 steps of 64 prompts
+# the train stage's `verl:` block (verl's names, over the platform's DAPO recipe)
+VERL = {
+    "data": {"max_prompt_length": 2600, "max_response_length": 64, "train_batch_size": 16, "gen_batch_size": 32},
+    "actor_rollout_ref": {
+        "model": {"lora_rank": 16, "lora_alpha": 32, "enable_gradient_checkpointing": False},
+        "actor": {"optim": {"lr": 5e-5, "lr_warmup_steps": 0, "weight_decay": 0.0}, "ppo_mini_batch_size": 16,
+                  "ulysses_sequence_parallel_size": 1,
+                  "fsdp_config": {"param_offload": False, "optimizer_offload": False},
+                  # micro-batches of up to 32k tokens (the stage's default, one max-length sequence, is for
+                  # 130k prompts; with 2.6k-token rows it ran one row per forward)
+                  "ppo_max_token_len_per_gpu": 32768},
+        "ref": {"log_prob_max_token_len_per_gpu": 32768},
+        "rollout": {"n": 8, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.3, "enforce_eager": True,
+                    "log_prob_max_token_len_per_gpu": 32768, "val_kwargs": {"temperature": 0.0, "top_p": 1.0}}},
+    "reward": {"reward_kwargs": {"overlong_buffer_cfg": {"len": 16}}},
+    # total_training_steps ends the run; one epoch is only ~7 steps of 64 prompts
+    "trainer": {"val_before_train": True, "test_freq": 4, "total_epochs": 20},
+}
 
 
 def log(msg: str) -> None:
@@ -190,13 +202,14 @@ def phase_sft(a) -> None:
         shutil.copy(os.path.join(out, f), os.path.join(RES, f"sft_{f}" if not f.startswith("sft") else f))
 
 
-def dapo_setting(spec: str) -> tuple[str, object]:
-    """``--dapo KEY=VALUE`` (VALUE read as YAML: numbers, true/false) -> (key, value) of the train config's dapo."""
+def train_setting(spec: str) -> tuple[str, object]:
+    """``--set KEY=VALUE`` (a dotted key of the train config, e.g. ``fast_logprobs`` or
+    ``verl.actor_rollout_ref.rollout.n``; VALUE read as YAML: numbers, true/false) -> (key, value)."""
     import yaml
 
     key, sep, value = spec.partition("=")
     if not sep or not key:
-        raise SystemExit(f"--dapo {spec!r}: expected KEY=VALUE, e.g. fast_logprobs=false")
+        raise SystemExit(f"--set {spec!r}: expected KEY=VALUE, e.g. fast_logprobs=false")
     return key, yaml.safe_load(value)
 
 
@@ -205,28 +218,31 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
 
     kind = kind + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
     out = f"s3://memsifter/ranker/train-{kind}"
-    model, dapo = BASE, {**DAPO, "total_training_steps": steps, "save_freq": max(1, steps // 2),
-                         "test_freq": max(1, steps // 2), **dict(dapo_setting(x) for x in a.dapo or [])}
+    from memsifter.stage import set_path
+    from memsifter.stages.train import get
+
+    verl = copy.deepcopy(VERL)
+    verl["trainer"].update(total_training_steps=steps, save_freq=max(1, steps // 2), test_freq=max(1, steps // 2))
+    model = BASE
     if a.full:  # every weight, from the sft adapter merged onto the base (no LoRA weight sync)
         from memsifter import models
 
         model, init = models.resolve(init), None
-        dapo.update(lora_rank=0, lr=a.full_lr, test_freq=max(1, steps // 2), save_freq=steps)
-    actor_tokens = 16384 if float(dapo.get("entropy_coeff") or 0) > 0 else 32768
-    cfg = config(f"train-{kind}", {
+        verl["actor_rollout_ref"]["model"]["lora_rank"] = 0
+        verl["actor_rollout_ref"]["actor"]["optim"]["lr"] = a.full_lr
+        verl["trainer"]["save_freq"] = steps
+    data = {
         "output": out, "data": f"{DATA}/rl", "model": model, "init_adapter": init, "nnodes": 1,
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
         "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
-        "dapo": dapo,
-        # micro-batches of up to 32k tokens (the stage's default, one max-length sequence, is for 130k
-        # prompts; with 2.6k-token rows it ran one row per forward)
-        "extra_overrides": ["actor_rollout_ref.rollout.enforce_eager=True",
-                            # an entropy bonus adds ~12 GiB to a 32k-token micro-batch's peak (36.3 -> 48.1
-                            # GiB, entropy_memory.py on machine 12; machine 11 ran out of memory): halve it
-                            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={actor_tokens}",
-                            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768",
-                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
-                            *(a.train_extra or [])]})
+        "verl": verl, "extra_overrides": list(a.train_extra or [])}
+    for key, value in (train_setting(x) for x in a.set or []):
+        set_path(data, key, value)
+    if float(get(data["verl"], "actor_rollout_ref.actor.entropy_coeff") or 0) > 0:
+        # an entropy bonus adds ~12 GiB to a 32k-token micro-batch's peak (36.3 -> 48.1 GiB,
+        # entropy_memory.py on machine 12; machine 11 ran out of memory): halve it
+        data["verl"]["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] = 16384
+    cfg = config(f"train-{kind}", data)
     # the curves while it runs: the stage keeps verl's metric lines under <output>/_work/metrics.jsonl
     stop = {"done": False}
 
@@ -471,7 +487,9 @@ def main() -> int:
     ap.add_argument("--full-lr", type=float, default=5e-6)
     ap.add_argument("--train-extra", action="append", metavar="OVERRIDE",
                     help="a verl override added to the train phases' extra_overrides (e.g. a profiler setting)")
-    ap.add_argument("--dapo", action="append", metavar="KEY=VALUE", help="a dapo setting of the train phases")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="a setting of the train phases' config (e.g. fast_logprobs=false, "
+                         "verl.actor_rollout_ref.rollout.n=4)")
     ap.add_argument("--tag", default="", help="suffix of the train phases' outputs (train-dcg<TAG>)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--max-s", type=float, default=540)
@@ -481,7 +499,7 @@ def main() -> int:
         args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--dcg-steps", str(a.dcg_steps),
                 "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
         args += sum((["--train-extra", o] for o in a.train_extra or []), []) + (["--tag", a.tag] if a.tag else [])
-        args += sum((["--dapo", o] for o in a.dapo or []), [])
+        args += sum((["--set", o] for o in a.set or []), [])
         with open(os.path.join(RES, "driver.log"), "ab") as f:
             p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")

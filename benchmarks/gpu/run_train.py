@@ -180,16 +180,19 @@ def main() -> None:
                 "output": f"{run}/train", "data": f"{run}/rl", "model": model,
                 "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "gpu-proof",
                 "reward": {"mode": "dcg"}, "local_dir": local, "keep_local_checkpoints": 2,
-                "dapo": {"max_prompt_length": a.prompt, "max_response_length": a.response,
-                         "overlong_buffer_len": a.response // 4, "train_batch_size": a.batch,
-                         "gen_batch_size": a.batch, "ppo_mini_batch_size": a.batch, "rollout_n": a.n,
-                         "ulysses_sequence_parallel_size": 1, "rollout_tensor_parallel_size": 1,
-                         "param_offload": False, "optimizer_offload": False,
-                         # a random model never writes a valid ranking: every group would be
-                         # filtered as zero-variance and the run would only generate
-                         "filter_groups": False,
-                         "rollout_gpu_memory_utilization": 0.4, "save_freq": a.steps, "test_freq": -1,
-                         "total_training_steps": total, "lr_warmup_steps": 0},
+                "verl": {  # verl's names, over the platform's DAPO recipe
+                    "data": {"max_prompt_length": a.prompt, "max_response_length": a.response,
+                             "train_batch_size": a.batch, "gen_batch_size": a.batch},
+                    # a random model never writes a valid ranking: every group would be
+                    # filtered as zero-variance and the run would only generate
+                    "algorithm": {"filter_groups": {"enable": False}},
+                    "actor_rollout_ref": {
+                        "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
+                                  "fsdp_config": {"param_offload": False, "optimizer_offload": False},
+                                  "optim": {"lr_warmup_steps": 0}},
+                        "rollout": {"n": a.n, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.4}},
+                    "reward": {"reward_kwargs": {"overlong_buffer_cfg": {"len": a.response // 4}}},
+                    "trainer": {"save_freq": a.steps, "test_freq": -1, "total_training_steps": total}},
                 "extra_overrides": list(a.extra),
             })
 

@@ -11,9 +11,9 @@ Only what the merger needs is downloaded (``model_world_size_*_rank_*.pt``, ``fs
 ``_COMPLETE.json`` after all ranks' shards are in S3) unless ``require_complete`` is false.
 
 Output: ``global_step_<N>/`` per step (config, safetensors, tokenizer): the same directory names as
-train and merge use. A LoRA run (``train``'s ``dapo.lora_rank > 0``) is exported as the adapter:
-``global_step_<N>/adapter/`` (PEFT layout, bf16, ``base_model_name_or_path`` = the train stage's
-``model`` as the user gave it, e.g. ``smollm2-135m-instruct``), which every stage taking a model
+train and merge use. A LoRA run (``train``'s ``verl.actor_rollout_ref.model.lora_rank > 0``) is
+exported as the adapter: ``global_step_<N>/adapter/`` (PEFT layout, bf16, ``base_model_name_or_path`` =
+the train stage's ``model`` as the user gave it, e.g. ``smollm2-135m-instruct``), which every stage taking a model
 accepts (:func:`memsifter.models.resolve` merges it onto its base); the whole weights verl's merger
 writes beside it are the untouched base and are dropped, unless ``merged: true`` asks for the base
 with the adapter merged in (written as the step's model files). Each converted step is kept under ``<output>/_work/global_step_<N>/`` with a

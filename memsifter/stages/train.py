@@ -1,8 +1,16 @@
 """Stage ``train``: DAPO training of the ranker with verl ``main_ppo`` (MEMSIFTER.md §6).
 
 A pydantic config (:class:`TrainConfig`) becomes a list of Hydra overrides for
-``python -m verl.trainer.main_ppo`` (:func:`verl_overrides`); every DAPO setting of §6 is a field of
-:class:`DapoSettings` with the paper's value as its default.
+``python -m verl.trainer.main_ppo`` (:func:`verl_overrides`). verl's settings keep verl's own names:
+the DAPO settings of §6 are a recipe in verl's key names (``memsifter/configs/verl/dapo.yaml``), the
+config's ``verl:`` block is merged over it (nested as in verl's ``ppo_trainer.yaml``, or dotted keys),
+then come the lines of ``verl_overrides_file`` (a file of Hydra overrides, exactly what one passes to
+verl on its command line) and ``extra_overrides``, passed to verl as written. What a user sets is
+checked when the config is read: each key against verl's composed config (a typo is one line with a
+suggestion), keys that the config's own fields set (model, data, nnodes, ...) are refused naming the
+field, and the platform's checks across keys run on the merged values (gen batch a multiple of the
+train batch, Ulysses needs flash attention, ranges); the token budgets, KL coefficients and a few
+more are derived from verl's values unless set (:func:`verl_overrides`).
 
 What the launcher does, in order:
 
@@ -42,6 +50,9 @@ after a step that needed more prompts, checkpoints kept, ``stopped_early`` in th
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -52,16 +63,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from .. import storage
 from ..checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
 from ..errors import ConfigError, InputError
 from ..reward_settings import RewardSettings
-from ..stage import StageConfig, runtime_field, stage, uri_field
+from ..stage import StageConfig, runtime_field, stage, suggest, uri_field
 from ..vllm_env import engine_env
 
 log = logging.getLogger(__name__)
@@ -72,98 +83,58 @@ FORWARD_ENV = ("MEMSIFTER_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL
                "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
 
 
-class DapoSettings(BaseModel):
-    """Every DAPO setting of MEMSIFTER.md §6 (defaults = the original run)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    adv_estimator: str = "grpo"
-    use_kl: bool = Field(False, description="KL loss / KL in reward (DAPO: none)")
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 10.0
-    loss_agg_mode: str = "token-mean"
-    filter_groups: bool = Field(True, description="dynamic sampling: drop groups with zero score variance")
-    filter_metric: str = "acc"
-    max_num_gen_batches: int = Field(10, ge=0, description=(
-        "collapse guard: a step whose dynamic sampling went through more prompts than max_num_gen_batches x "
-        "gen_batch_size (discarded zero-variance groups + train_batch_size) stops training there, keeping "
-        "every checkpoint: the policy's samples agree on almost every prompt, and each further step costs "
-        "more generation for no gradient. verl 0.9.1's V1 trainer ignores this setting, so the stage enforces "
-        "it from verl's per-step metrics; 0: no limit"))
-    overlong_buffer: bool = True
-    overlong_buffer_len: int = 4096
-    overlong_penalty_factor: float = 1.0
-    max_response_length: int = 16384
-    max_prompt_length: int = 135168
-    lr: float = 1e-6
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    lr_warmup_steps: int = 10
-    rollout_n: int = Field(6, description="rollouts per prompt")
-    train_batch_size: int = Field(16, description="prompts per step")
-    gen_batch_size: int = Field(32, description="prompts per generation batch")
-    ppo_mini_batch_size: int = 16
-    ulysses_sequence_parallel_size: int = 2
-    param_offload: bool = True
-    optimizer_offload: bool = True
-    gradient_checkpointing: bool = True
-    lora_rank: int = Field(0, ge=0, description="LoRA rank of the actor (0: full fine-tuning, MemSifter's run); "
-                           "the trained ranker is then an adapter, exported by collect")
-    lora_alpha: int = Field(32, gt=0, description="LoRA scaling numerator (alpha / rank scales the update)")
-    lora_target_modules: str | list[str] = Field("all-linear", description="modules given LoRA adapters")
-    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus of the actor loss (DAPO: 0)")
-    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="actor/ref attention (auto: flash_attention_2 where the flash-attn package is "
-        "installed, else sdpa with padded batches; verl's default, flash_attention_2, fails to load without it)")
-    fast_logprobs: bool = Field(True, description="compute the actor's token log-probs in blocks instead of "
-                                "verl's row-by-row fallback (used without flash-attn; memsifter.verl_patches)")
-    rollout_name: str = "vllm"
-    rollout_mode: str = "async"
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_tensor_parallel_size: int = 2
-    rollout_gpu_memory_utilization: float = 0.6
-    val_temperature: float = 0.6
-    val_top_p: float = 0.95
-    save_freq: int = 5
-    test_freq: int = 5
-    resume_mode: str = "auto"
-    total_epochs: int = 1
-    total_training_steps: int | None = None
-    val_before_train: bool = False
-
-
 class TrainConfig(StageConfig):
     model: str = Field("Qwen/Qwen3-4B-Thinking-2507", description="base model: hub id, local dir, s3:// URI or a name of `memsifter models list`")
     data: str = uri_field("prepare-rl output (train_*.parquet + test.parquet)", stage="prepare-rl")
     init_adapter: str | None = uri_field("a LoRA adapter to start from (the sft stage's output, its adapter/ "
-                                         "directory is used); needs dapo.lora_rank > 0", None,
-                                         stage=("sft", "collect"), wire="none")
+                                         "directory is used); needs verl.actor_rollout_ref.model.lora_rank > 0",
+                                         None, stage=("sft", "collect"), wire="none")
     nnodes: int = Field(1, ge=1, description="GPU nodes (trainer.nnodes)")
     n_gpus_per_node: int = Field(8, ge=1, description="GPUs per node (trainer.n_gpus_per_node)")
     project_name: str = "memsifter"
     experiment_name: str = "dapo-ranker"
-    dapo: DapoSettings = Field(default_factory=DapoSettings)
+    verl: dict[str, Any] = Field(default_factory=dict, description=(
+        "verl main_ppo settings in verl's own key names (nested as in verl's ppo_trainer.yaml, or dotted keys), "
+        "merged over the platform's DAPO recipe memsifter/configs/verl/dapo.yaml; every key is checked against "
+        "verl's config"))
+    verl_overrides_file: str | None = uri_field(
+        "a file of Hydra overrides for verl main_ppo, one a line as on verl's command line (key=value, "
+        "+key=value, ++key=value, ~key; # comment lines): applied after verl:, passed to verl as written", None)
+    fast_logprobs: bool = Field(True, description="compute the actor's token log-probs in blocks instead of "
+                                "verl's row-by-row fallback (used without flash-attn; memsifter.verl_patches)")
     reward: RewardSettings = Field(default_factory=RewardSettings)
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
     keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
                                         "(trainer.max_actor_ckpt_to_keep); S3 keeps every one")
-    extra_overrides: list[str] = Field(default_factory=list,
-                                       description="more Hydra overrides for verl main_ppo (appended last)")
+    extra_overrides: list[str] = Field(default_factory=list, description=(
+        "more Hydra overrides for verl main_ppo, as on its command line (after verl_overrides_file; "
+        "passed to verl as written)"))
     local_dir: str = runtime_field("/tmp/memsifter-train", "local scratch on every node (data, model, checkpoints)")
     dry_run: bool = runtime_field(False, "print the composed verl config and exit; start and publish nothing")
     node_wait_s: float = runtime_field(600.0, "how long to wait for nnodes GPU nodes to join the Ray cluster")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _former_dapo(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "dapo" in data:
+            block, fields = from_dapo(data["dapo"])
+            say = ([f"verl: {_flow(block)}"] if block else []) + [f"{k}: {_flow(v)}" for k, v in fields.items()]
+            raise ConfigError("train.dapo: the DAPO settings are verl's own keys under `verl:` now (merged over "
+                              "memsifter/configs/verl/dapo.yaml); write instead: " + "; ".join(say or ["nothing"]))
+        return data
+
     @model_validator(mode="after")
-    def _safe_reward(self) -> "TrainConfig":
+    def _checks(self) -> "TrainConfig":
         # A task reward calls the working LLM for every rollout: without an explicit endpoint the calls
         # would go to $OPENAI_BASE_URL or api.openai.com. Say so before anything starts.
         if self.reward.mode == "task" and not self.reward.base_url:
             raise ValueError("reward.mode 'task' needs reward.base_url (the working LLM's OpenAI-compatible "
                              "URL) and reward.model; or use reward.mode 'dcg' (no LLM calls)")
-        if self.init_adapter and self.dapo.lora_rank <= 0:
-            raise ValueError("init_adapter needs dapo.lora_rank > 0 (the adapter is trained further as LoRA)")
+        # the verl: block and extra_overrides, checked (the override file is read when verl is started)
+        s = settings(self)
+        if self.init_adapter and not (s.get("actor_rollout_ref.model.lora_rank") or 0) > 0:
+            raise ValueError("init_adapter needs verl.actor_rollout_ref.model.lora_rank > 0 (the adapter is "
+                             "trained further as LoRA)")
         return self
 
     def preflight(self) -> None:
@@ -194,6 +165,334 @@ def check_loggers(config: "TrainConfig") -> None:
                               "in this environment (the stage's image); install it or drop the logger")
 
 
+# --------------------------------------------------------------------------- verl's settings
+RECIPE = ("configs", "verl", "dapo.yaml")  # the platform's DAPO recipe, in verl's key names
+LEGACY = ("configs", "verl", "legacy_dapo.yaml")  # the former `dapo:` names -> verl's (migration only)
+ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
+ATTN_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+ENV_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
+# What the train config's own fields set: refused under `verl:` (and in override lines), naming the field.
+OWNED = {
+    "data.train_files": "data", "data.val_files": "data", "actor_rollout_ref.model.path": "model",
+    "actor_rollout_ref.model.lora_adapter_path": "init_adapter", "reward.custom_reward_function": "reward",
+    "trainer.nnodes": "nnodes", "trainer.n_gpus_per_node": "n_gpus_per_node", "trainer.project_name": "project_name",
+    "trainer.experiment_name": "experiment_name", "trainer.logger": "logger", "trainer.default_local_dir": "local_dir",
+    "trainer.max_actor_ckpt_to_keep": "keep_local_checkpoints", "trainer.checkpoint_callback_class": "output",
+    f"{ENV_KEY}.{ENV_CHECKPOINT_URI}": "output",
+}
+OWNED_WHY = {"data": " (a prepare-rl output; its files are staged to local_dir)",
+             "output": " (checkpoints go to <output>/checkpoints through the stage's own callback)",
+             "reward": " (memsifter's reward function and its settings)"}
+# Mappings verl reads without declaring them in its config: keys under them are added with '+'.
+UNDECLARED = ("reward.reward_kwargs", "reward.custom_reward_function.reward_kwargs", ENV_KEY)
+
+
+def _under(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def get(tree: Mapping, path: str, default: Any = None) -> Any:
+    """The value at a dotted verl path of a nested mapping, else ``default``."""
+    cur: Any = tree
+    for part in path.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def _has(tree: Mapping, path: str) -> bool:
+    return get(tree, path, _MISSING) is not _MISSING
+
+
+_MISSING = object()
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    *head, last = path.split(".")
+    cur = tree
+    for part in head:
+        if not isinstance(cur.get(part), dict):
+            cur[part] = {}
+        cur = cur[part]
+    cur[last] = value
+
+
+def _delete(tree: dict, path: str) -> None:
+    *head, last = path.split(".")
+    parent = get(tree, ".".join(head)) if head else tree
+    if isinstance(parent, dict):
+        parent.pop(last, None)
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    """``over`` merged into ``base`` (in place): mappings merge key by key, anything else replaces."""
+    for k, v in over.items():
+        if isinstance(v, Mapping) and v and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = copy.deepcopy(dict(v) if isinstance(v, Mapping) else v)
+    return base
+
+
+def expand(block: Mapping, where: str = "train.verl") -> dict:
+    """A ``verl:`` block as nested mappings: a dotted key (``actor_rollout_ref.rollout.n: 8``) is split."""
+    out: dict = {}
+    for k, v in block.items():
+        if not isinstance(k, str) or not k or any(not p for p in k.split(".")):
+            raise ConfigError(f"{where}: key {k!r}: expected a verl key name (a.b.c)")
+        if isinstance(v, Mapping) and v:
+            v = expand(v, f"{where}.{k}")
+        nested: dict = {}
+        _set(nested, k, v)
+        _merge(out, nested)
+    return out
+
+
+def leaves(tree: Mapping, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every leaf; an empty mapping is a leaf."""
+    for k, v in tree.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            yield from leaves(v, path)
+        else:
+            yield path, v
+
+
+@functools.lru_cache(maxsize=None)
+def _yaml_resource(parts: tuple[str, ...]) -> Any:
+    import yaml
+    from importlib import resources
+
+    return yaml.safe_load(resources.files("memsifter").joinpath(*parts).read_text(encoding="utf-8"))
+
+
+def merged(block: Mapping | None = None) -> dict:
+    """The platform's DAPO recipe with ``block`` (verl's names, nested or dotted) merged over it; unchecked."""
+    return _merge(copy.deepcopy(_yaml_resource(RECIPE)), expand(block or {}))
+
+
+@functools.lru_cache(maxsize=1)
+def verl_schema() -> dict | None:
+    """verl's ``ppo_trainer`` config composed with Hydra (every key ``main_ppo`` declares, with its default;
+    interpolations unresolved); None where verl or Hydra is not installed (verl then checks the keys when it
+    composes). Reads verl's config directory without importing verl (~0.5 s, once per process)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        from hydra import compose as hydra_compose
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import OmegaConf
+    except ImportError:
+        return None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=os.path.join(os.path.dirname(spec.origin), "trainer", "config"),
+                                   version_base=None):
+            cfg = hydra_compose(config_name="ppo_trainer")
+    finally:
+        GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+
+
+def _declared(path: str, schema: dict | None) -> bool:
+    """Whether verl's config declares ``path`` (a plain override) or not (added with '+')."""
+    if schema is None:
+        return not _under(path, UNDECLARED)
+    return get(schema, path, _MISSING) is not _MISSING
+
+
+def _owned(path: str, where: str, ancestors: bool = False) -> None:
+    """Refuse a key the train config's own fields set (``ancestors``: or a mapping holding one)."""
+    for key, field in OWNED.items():
+        if _under(path, (key,)) or (ancestors and _under(key, (path,))):
+            raise ConfigError(f"{where}: set by the train config's `{field}`{OWNED_WHY.get(field, '')}, "
+                              "not under verl")
+
+
+def check_key(path: str, value: Any, where: str) -> None:
+    """A verl key a user set: not one the platform sets, a key of verl's composed config (or under a mapping
+    verl leaves open), and a value of the default's kind. One ConfigError line naming ``where``."""
+    _owned(path, where)
+    schema = verl_schema()
+    if schema is None:
+        return
+    cur: Any = schema
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i])
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+            continue
+        if _under(".".join(parts[:i + 1]), UNDECLARED) or (isinstance(cur, dict) and not cur):
+            return  # a mapping verl reads without declaring its keys (engine_kwargs, override_config, ...)
+        if not isinstance(cur, dict):
+            raise ConfigError(f"{where}: verl's {here} is a single value ({cur!r}), not a mapping")
+        raise ConfigError(f"{where}: verl has no key '{part}' under {here or 'the top level'}"
+                          f"{suggest(part, cur)}; a key verl reads without declaring it goes in "
+                          f"extra_overrides as '+{path}=...'")
+    _check_kind(value, cur, where)
+
+
+def _check_kind(value: Any, default: Any, where: str) -> None:
+    if value is None or (isinstance(value, str) and "${" in value):
+        return
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, (int, float)):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, dict) and default:
+        ok, want = isinstance(value, Mapping), "a mapping"
+    else:
+        return  # strings, lists, nulls and interpolations: verl's own validation decides
+    if not ok:
+        said = "" if isinstance(default, dict) else f" (verl's default is {default!r})"
+        raise ConfigError(f"{where}: expected {want}{said}, got {value!r}")
+
+
+@dataclasses.dataclass
+class VerlSettings:
+    """What verl gets, in verl's names: ``tree``, the recipe with the ``verl:`` block and the user's
+    override lines merged over it (what the platform checks and derives from); ``raw``, those override
+    lines, passed to verl verbatim after everything else; ``raw_keys``, the keys they set or delete."""
+
+    tree: dict
+    raw: list[str]
+    raw_keys: list[str]
+
+    def get(self, path: str, default: Any = None) -> Any:
+        return get(self.tree, path, default)
+
+
+def override_lines(config: "TrainConfig") -> list[str]:
+    """The lines of ``verl_overrides_file`` ([] when unset)."""
+    if not config.verl_overrides_file:
+        return []
+    return storage.read_text(config.verl_overrides_file).splitlines()
+
+
+def _fold(tree: dict, raw: list[str], raw_keys: list[str], where: str, text: str) -> None:
+    """One Hydra override a user wrote: kept verbatim for verl; its value merged into ``tree`` so the
+    checks and the derived values see it."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+    except ImportError:  # no verl here: verl reads the line itself
+        raw.append(text)
+        return
+    try:
+        o = OverridesParser.create().parse_override(text)
+    except Exception as e:  # noqa: BLE001 - Hydra's grammar errors
+        raise ConfigError(f"{where}: {text!r} is not a Hydra override ({str(e).splitlines()[0][:200]})") from None
+    key = o.key_or_group
+    if o.is_sweep_override():
+        raise ConfigError(f"{where}: {text!r} is a sweep; verl runs one job: give one value")
+    raw.append(text)
+    if o.package is not None or "/" in key:
+        return  # a config group choice (e.g. actor@actor_rollout_ref.actor=...): verl composes it
+    if o.is_delete():
+        _owned(key, f"{where}: {key}", ancestors=True)
+        _delete(tree, key)
+    else:
+        value = o.value()
+        for path, v in leaves({key: value}) if isinstance(value, dict) and value else [(key, value)]:
+            if o.is_add() or o.is_force_add():
+                _owned(path, f"{where}: {path}")  # '+'/'++': the user says verl reads a key it does not declare
+            else:
+                check_key(path, v, f"{where}: {path}")
+        if isinstance(value, dict) and isinstance(get(tree, key), dict):
+            _merge(get(tree, key), value)
+        else:
+            _set(tree, key, copy.deepcopy(value))
+    raw_keys.append(key)
+
+
+def settings(config: "TrainConfig", file_lines: list[str] | None = None) -> VerlSettings:
+    """The verl settings of a train config: the recipe, its ``verl:`` block, then the lines of its
+    ``verl_overrides_file`` (``file_lines``; None: not read) and its ``extra_overrides``; checked."""
+    tree = merged()
+    block = expand(config.verl)
+    for path, value in leaves(block):
+        check_key(path, value, f"train.verl.{path}")
+    _merge(tree, block)
+    raw: list[str] = []
+    raw_keys: list[str] = []
+    lines = [(f"{config.verl_overrides_file}: line {n}", t) for n, t in enumerate(file_lines or [], 1)]
+    lines += [(f"train.extra_overrides[{i}]", t) for i, t in enumerate(config.extra_overrides)]
+    for where, text in lines:
+        text = text.strip()
+        if text and not text.startswith("#"):
+            _fold(tree, raw, raw_keys, where, text)
+    s = VerlSettings(tree, raw, raw_keys)
+    check_settings(s)
+    return s
+
+
+def _number(s: VerlSettings, path: str, *, minimum: float, strict: bool = False, integer: bool = False) -> Any:
+    """The merged value at ``path``, checked: a number (an integer) >= ``minimum`` (> when ``strict``)."""
+    v = s.get(path)
+    if v is None or (isinstance(v, str) and "${" in v):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise ConfigError(f"train: verl.{path} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if v <= minimum if strict else v < minimum:
+        what = "a positive integer" if integer and strict and minimum == 0 else \
+            f"{'>' if strict else '>='} {minimum:g}"
+        raise ConfigError(f"train: verl.{path} must be {what}, got {v!r}")
+    return v
+
+
+def check_settings(s: VerlSettings) -> None:
+    """The platform's checks across verl's keys (what verl itself would only find at start, or not at all)."""
+    tb = _number(s, "data.train_batch_size", minimum=0, strict=True, integer=True)
+    gb = _number(s, "data.gen_batch_size", minimum=0, strict=True, integer=True)
+    if isinstance(tb, int) and isinstance(gb, int) and gb % tb:
+        raise ConfigError(f"train: verl.data.gen_batch_size ({gb}) must be a multiple of "
+                          f"verl.data.train_batch_size ({tb})")
+    for path in ("data.max_prompt_length", "data.max_response_length"):
+        _number(s, path, minimum=0, strict=True, integer=True)
+    _number(s, "algorithm.filter_groups.max_num_gen_batches", minimum=0, integer=True)
+    _number(s, "actor_rollout_ref.model.lora_rank", minimum=0, integer=True)
+    _number(s, "actor_rollout_ref.model.lora_alpha", minimum=0, strict=True)
+    _number(s, "actor_rollout_ref.actor.entropy_coeff", minimum=0)
+    _number(s, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", minimum=1, integer=True)
+    attn = s.get(ATTN_KEY)
+    if attn is not None and attn not in ATTENTION:
+        raise ConfigError(f"train: verl.{ATTN_KEY}: expected one of {', '.join(ATTENTION)}, got {attn!r}")
+    if attn not in (None, "auto"):
+        attention(s)  # an explicit choice is checked now; auto depends on the machine that runs verl
+
+
+def from_dapo(old: Any, where: str = "train.dapo") -> tuple[dict, dict]:
+    """A former ``dapo:`` section -> (its ``verl:`` block, fields of the train config), by
+    memsifter/configs/verl/legacy_dapo.yaml."""
+    table = _yaml_resource(LEGACY)
+    if not isinstance(old, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of settings")
+    block: dict = {}
+    fields: dict = {}
+    for k, v in old.items():
+        if k not in table:
+            raise ConfigError(f"{where}.{k}: no such former setting{suggest(k, table)}")
+        target = table[k]
+        if isinstance(target, dict):
+            fields[target["field"]] = v
+        else:
+            for path in [target] if isinstance(target, str) else target:
+                _set(block, path, v)
+    return block, fields
+
+
+def _flow(data: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(data, default_flow_style=True, sort_keys=False, width=10**6).strip()
+    return text.removesuffix("...").strip()  # a scalar's document end marker
+
+
 # --------------------------------------------------------------------------- overrides
 def _q(v: Any) -> str:
     """A Hydra override value."""
@@ -205,6 +504,8 @@ def _q(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_q(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ",".join(f"{k}:{_q(x)}" for k, x in v.items()) + "}"
     s = str(v).replace("\\", "\\\\").replace("'", "\\'")
     return f"'{s}'"
 
@@ -273,8 +574,9 @@ def reward_kwargs(config: TrainConfig) -> dict:
     return {k: v for k, v in r.items() if v is not None}
 
 
-def attention(d: DapoSettings) -> tuple[str, bool]:
-    """(attn_implementation, use_remove_padding) for the FSDP actor and ref.
+def attention(s: VerlSettings) -> tuple[str, bool]:
+    """(attn_implementation, use_remove_padding) for the FSDP actor and ref, from
+    ``verl.actor_rollout_ref.model.override_config.attn_implementation`` (unset or ``auto``: chosen here).
 
     verl 0.9.1 loads the model with ``flash_attention_2`` unless ``model.override_config`` says
     otherwise, and transformers refuses that without the ``flash-attn`` package (seen on the first
@@ -285,130 +587,108 @@ def attention(d: DapoSettings) -> tuple[str, bool]:
     """
     import importlib.util
 
-    impl = d.attn_implementation
+    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    sp = s.get(key)
+    sp = sp if isinstance(sp, int) and not isinstance(sp, bool) else 1
+    impl = s.get(ATTN_KEY) or "auto"
     if impl == "auto":
         have = importlib.util.find_spec("flash_attn") is not None
-        impl = "flash_attention_2" if have or d.ulysses_sequence_parallel_size > 1 else "sdpa"
+        impl = "flash_attention_2" if have or sp > 1 else "sdpa"
         if not have and impl == "flash_attention_2":
-            log.warning("train: flash-attn is not installed here, but dapo.ulysses_sequence_parallel_size=%d "
-                        "needs flash_attention_2: the GPU pods' image must carry flash-attn (or set "
-                        "dapo.ulysses_sequence_parallel_size=1 for SDPA)", d.ulysses_sequence_parallel_size)
-    if impl != "flash_attention_2" and d.ulysses_sequence_parallel_size > 1:
-        raise ConfigError(f"dapo.ulysses_sequence_parallel_size={d.ulysses_sequence_parallel_size} needs "
-                          f"flash_attention_2 (remove padding), not {impl!r}")
-    return impl, impl == "flash_attention_2"
+            log.warning("train: flash-attn is not installed here, but verl.%s=%d needs flash_attention_2: the GPU "
+                        "pods' image must carry flash-attn (or set verl.%s=1 for SDPA)", key, sp, key)
+    if impl != "flash_attention_2" and sp > 1:
+        raise ConfigError(f"train: verl.{key}={sp} needs flash_attention_2 (remove padding), not {impl!r} "
+                          f"(verl.{ATTN_KEY})")
+    remove_padding = s.get("actor_rollout_ref.model.use_remove_padding")
+    if remove_padding is None:
+        remove_padding = impl == "flash_attention_2"
+    elif not remove_padding and sp > 1:
+        raise ConfigError(f"train: verl.{key}={sp} needs verl.actor_rollout_ref.model.use_remove_padding: true")
+    return impl, remove_padding
 
 
 def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
-                   val_files: list[str] | None = None) -> list[str]:
-    """The Hydra overrides for ``verl.trainer.main_ppo`` (MEMSIFTER.md §6)."""
-    d = config.dapo
+                   val_files: list[str] | None = None, file_lines: list[str] | None = None) -> list[str]:
+    """The Hydra overrides for ``verl.trainer.main_ppo`` (MEMSIFTER.md §6): the recipe with the config's
+    ``verl:`` block merged over it, what the config's own fields set, what is derived from verl's values
+    (unless set), then the lines of ``verl_overrides_file`` (``file_lines``; None: read it) and
+    ``extra_overrides`` as written. A key verl reads but does not declare gets '+'."""
     p = local_paths(config)
     if train_files is None or val_files is None:
         tr, te = data_files(config)
         train_files = [f"{p['data']}/{f}" for f in tr]
         val_files = [f"{p['data']}/{f}" for f in te]
-    if d.gen_batch_size % d.train_batch_size:
-        raise ConfigError(f"dapo.gen_batch_size ({d.gen_batch_size}) must be a multiple of "
-                          f"dapo.train_batch_size ({d.train_batch_size})")
-    max_len = d.max_prompt_length + d.max_response_length
-    attn, remove_padding = attention(d)
+    s = settings(config, override_lines(config) if file_lines is None else file_lines)
+    attn, remove_padding = attention(s)
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-    o: list[tuple[str, Any]] = [
-        # data
-        ("data.train_files", train_files), ("data.val_files", val_files),
-        ("data.prompt_key", "prompt"), ("data.reward_fn_key", "data_source"),
-        ("data.max_prompt_length", d.max_prompt_length), ("data.max_response_length", d.max_response_length),
-        ("data.train_batch_size", d.train_batch_size), ("data.gen_batch_size", d.gen_batch_size),
-        ("data.filter_overlong_prompts", True), ("data.truncation", "error"), ("data.shuffle", True),
-        ("data.return_raw_chat", True),
-        # algorithm: GRPO advantages, no KL, dynamic sampling
-        ("algorithm.adv_estimator", d.adv_estimator), ("algorithm.use_kl_in_reward", d.use_kl),
-        ("algorithm.kl_ctrl.kl_coef", 0.0 if not d.use_kl else 0.001),
-        ("algorithm.filter_groups.enable", d.filter_groups), ("algorithm.filter_groups.metric", d.filter_metric),
-        ("algorithm.filter_groups.max_num_gen_batches", d.max_num_gen_batches),
-        ("algorithm.filter_groups.max_inflight_gen_batches", d.gen_batch_size // d.train_batch_size),
-        # model
-        ("actor_rollout_ref.model.path", model_path(config)),
+    final: dict = {"data": {"train_files": train_files, "val_files": val_files}}
+    _merge(final, s.tree)
+    # what the train config's own fields set (refused under verl:)
+    for path, value in (
+            ("actor_rollout_ref.model.path", model_path(config)),
+            ("actor_rollout_ref.model.lora_adapter_path", adapter_local(config)),
+            ("reward.custom_reward_function", {"path": "pkg://memsifter.rewards", "name": "compute_score",
+                                               "reward_kwargs": reward_kwargs(config)}),
+            ("trainer.nnodes", config.nnodes), ("trainer.n_gpus_per_node", config.n_gpus_per_node),
+            ("trainer.project_name", config.project_name), ("trainer.experiment_name", config.experiment_name),
+            ("trainer.logger", config.logger), ("trainer.default_local_dir", p["checkpoints"]),
+            ("trainer.max_actor_ckpt_to_keep", config.keep_local_checkpoints),
+            ("trainer.checkpoint_callback_class", "memsifter.stages.train.S3CheckpointCallback"),
+            (ATTN_KEY, attn)):
+        _set(final, path, value)
+    # derived from verl's values, unless the user set them
+    tb = s.get("data.train_batch_size")
+    gb = s.get("data.gen_batch_size") or tb
+    prompt, response = s.get("data.max_prompt_length"), s.get("data.max_response_length")
+    derived: list[tuple[str, Any]] = [
+        ("algorithm.kl_ctrl.kl_coef", 0.001 if s.get("algorithm.use_kl_in_reward") else 0.0),
         ("actor_rollout_ref.model.use_remove_padding", remove_padding),
-        ("actor_rollout_ref.model.enable_gradient_checkpointing", d.gradient_checkpointing),
-        ("actor_rollout_ref.model.lora_rank", d.lora_rank),
-        ("actor_rollout_ref.model.lora_alpha", d.lora_alpha),
-        ("actor_rollout_ref.model.target_modules", d.lora_target_modules),
-        ("actor_rollout_ref.model.lora_adapter_path", adapter_local(config)),
-        # actor: clipped surrogate, token-mean loss, optimiser
-        (f"{a}.use_kl_loss", d.use_kl), (f"{a}.kl_loss_coef", 0.0 if not d.use_kl else 0.001),
-        (f"{a}.entropy_coeff", d.entropy_coeff), (f"{a}.clip_ratio_low", d.clip_ratio_low),
-        (f"{a}.clip_ratio_high", d.clip_ratio_high), (f"{a}.clip_ratio_c", d.clip_ratio_c),
-        (f"{a}.loss_agg_mode", d.loss_agg_mode),
-        (f"{a}.optim.lr", d.lr), (f"{a}.optim.weight_decay", d.weight_decay),
-        (f"{a}.optim.lr_warmup_steps", d.lr_warmup_steps), (f"{a}.optim.clip_grad", d.grad_clip),
-        (f"{a}.grad_clip", d.grad_clip),
-        (f"{a}.ppo_mini_batch_size", d.ppo_mini_batch_size), (f"{a}.use_dynamic_bsz", True),
-        (f"{a}.ppo_max_token_len_per_gpu", max_len),
-        (f"{a}.ulysses_sequence_parallel_size", d.ulysses_sequence_parallel_size),
-        (f"{a}.fsdp_config.param_offload", d.param_offload),
-        (f"{a}.fsdp_config.optimizer_offload", d.optimizer_offload),
-        ("actor_rollout_ref.ref.fsdp_config.param_offload", d.param_offload),
-        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", max_len),
-        # rollout: vLLM, async, n per prompt
-        (f"{r}.name", d.rollout_name), (f"{r}.mode", d.rollout_mode), (f"{r}.n", d.rollout_n),
-        (f"{r}.temperature", d.rollout_temperature), (f"{r}.top_p", d.rollout_top_p),
-        (f"{r}.tensor_model_parallel_size", d.rollout_tensor_parallel_size),
-        (f"{r}.gpu_memory_utilization", d.rollout_gpu_memory_utilization),
-        (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
-        (f"{r}.log_prob_max_token_len_per_gpu", max_len),
-        # LoRA: the actor merges the adapter into its weights for each sync and sends whole weights (vLLM
-        # runs without LoRA); only the adapter is trained and exported. verl 0.9.1's adapter-only sync
-        # sends an EMPTY adapter under FSDP1 with peft >= 0.21 (peft derives key prefixes from module
-        # names that keep FSDP's inner '_fsdp_wrapped_module.', so no state-dict key matches), and vLLM
-        # 0.24 then stops in _create_merged_loras_inplace with StopIteration: seen on the H100
-        # (benchmarks/gpu/results/2026-11-24-h100-m2), reproduced on CPU (tests/test_train_lora_sync.py).
-        *([("actor_rollout_ref.model.lora.merge", True), (f"{r}.load_format", "safetensors")]
-          if d.lora_rank > 0 else []),
-        (f"{r}.val_kwargs.do_sample", True), (f"{r}.val_kwargs.temperature", d.val_temperature),
-        (f"{r}.val_kwargs.top_p", d.val_top_p), (f"{r}.val_kwargs.n", 1),
-        # reward: our function under the DAPO manager
-        ("reward.reward_manager.name", "dapo"),
-        ("reward.custom_reward_function.path", "pkg://memsifter.rewards"),
-        ("reward.custom_reward_function.name", "compute_score"),
-        # trainer
-        ("trainer.nnodes", config.nnodes), ("trainer.n_gpus_per_node", config.n_gpus_per_node),
-        ("trainer.project_name", config.project_name), ("trainer.experiment_name", config.experiment_name),
-        ("trainer.logger", config.logger),
-        ("trainer.save_freq", d.save_freq), ("trainer.test_freq", d.test_freq),
-        ("trainer.resume_mode", d.resume_mode), ("trainer.total_epochs", d.total_epochs),
-        ("trainer.total_training_steps", d.total_training_steps),
-        ("trainer.val_before_train", d.val_before_train),
-        ("trainer.default_local_dir", p["checkpoints"]),
-        ("trainer.max_actor_ckpt_to_keep", config.keep_local_checkpoints),
-        ("trainer.checkpoint_callback_class", "memsifter.stages.train.S3CheckpointCallback"),
+        (f"{a}.kl_loss_coef", 0.001 if s.get(f"{a}.use_kl_loss") else 0.0),
+        (f"{a}.grad_clip", s.get(f"{a}.optim.clip_grad")),
+        ("actor_rollout_ref.ref.fsdp_config.param_offload", s.get(f"{a}.fsdp_config.param_offload")),
+        ("reward.reward_kwargs.max_resp_len", response),
     ]
-    out = [f"{k}={_q(v)}" for k, v in o]
-    # Keys verl reads but does not declare: added with '+'.
-    added: list[tuple[str, Any]] = [
-        ("reward.reward_kwargs.overlong_buffer_cfg.enable", d.overlong_buffer),
-        ("reward.reward_kwargs.overlong_buffer_cfg.len", d.overlong_buffer_len),
-        ("reward.reward_kwargs.overlong_buffer_cfg.penalty_factor", d.overlong_penalty_factor),
-        ("reward.reward_kwargs.overlong_buffer_cfg.log", True),
-        ("reward.reward_kwargs.max_resp_len", d.max_response_length),
-    ]
-    added += [(f"reward.custom_reward_function.reward_kwargs.{k}", v) for k, v in reward_kwargs(config).items()]
-    env = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
+    if isinstance(tb, int) and isinstance(gb, int):  # (not an interpolation verl resolves)
+        derived.append(("algorithm.filter_groups.max_inflight_gen_batches", gb // tb))
+    if isinstance(prompt, int) and isinstance(response, int):
+        max_len = prompt + response  # one sequence of the longest prompt and response fits every budget
+        derived += [(f"{a}.ppo_max_token_len_per_gpu", max_len),
+                    ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", max_len),
+                    (f"{r}.max_model_len", max_len), (f"{r}.max_num_batched_tokens", max_len),
+                    (f"{r}.log_prob_max_token_len_per_gpu", max_len)]
+    # LoRA: the actor merges the adapter into its weights for each sync and sends whole weights (vLLM
+    # runs without LoRA); only the adapter is trained and exported. verl 0.9.1's adapter-only sync
+    # sends an EMPTY adapter under FSDP1 with peft >= 0.21 (peft derives key prefixes from module
+    # names that keep FSDP's inner '_fsdp_wrapped_module.', so no state-dict key matches), and vLLM
+    # 0.24 then stops in _create_merged_loras_inplace with StopIteration: seen on the H100
+    # (benchmarks/gpu/results/2026-11-24-h100-m2), reproduced on CPU (tests/test_train_lora_sync.py).
+    if (s.get("actor_rollout_ref.model.lora_rank") or 0) > 0:
+        derived += [("actor_rollout_ref.model.lora.merge", True), (f"{r}.load_format", "safetensors")]
+    for path, value in derived:
+        if not _has(final, path):
+            _set(final, path, value)
+    # the Ray job's environment: the checkpoint URI, non-secret store settings, vLLM's, and the user's
+    user_env = get(s.tree, ENV_KEY) or {}
+    env: dict[str, Any] = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
     env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
-    if d.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
+    env.update(user_env)
+    if config.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
         from memsifter import verl_patches
 
-        env["VERL_USE_EXTERNAL_MODULES"] = verl_patches.external_modules(os.environ.get("VERL_USE_EXTERNAL_MODULES"))
-    added += [(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v) for k, v in sorted(env.items())]
-    out += [f"+{k}={_q(v)}" for k, v in added]
-    # A user's own override of the same key in extra_overrides (the workaround before this setting
-    # existed, usually with '+') wins: ours is left out, or Hydra would refuse to add the key twice.
-    key = "actor_rollout_ref.model.override_config.attn_implementation"
-    if not any(o.lstrip("+").split("=", 1)[0] == key for o in config.extra_overrides):
-        out.append(f"++{key}={_q(attn)}")
-    return out + list(config.extra_overrides)
+        env["VERL_USE_EXTERNAL_MODULES"] = verl_patches.external_modules(
+            user_env.get("VERL_USE_EXTERNAL_MODULES") or os.environ.get("VERL_USE_EXTERNAL_MODULES"))
+    _set(final, ENV_KEY, dict(sorted(env.items())))
+    schema = verl_schema()
+    out = []
+    for path, value in leaves(final):
+        if _under(path, s.raw_keys):
+            continue  # the user's line sets it, as written, after ours
+        # '++' for the attention key: it adds or replaces, as before this setting was the user's
+        prefix = "++" if path == ATTN_KEY else "" if _declared(path, schema) else "+"
+        out.append(f"{prefix}{path}={_q(value)}")
+    return out + s.raw
 
 
 def placement_request(config: TrainConfig) -> dict:
@@ -498,8 +778,15 @@ def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False
             if unchecked is not None:
                 unchecked.append(f"data {config.data}: not read ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:200]}); file names assumed: {train + test}")
+    lines = None  # read the override file (a local one cannot stall)
+    if config.verl_overrides_file and storage.is_s3(config.verl_overrides_file):
+        lines = []
+        if unchecked is not None:
+            unchecked.append(f"verl_overrides_file {config.verl_overrides_file}: not read (a dry run makes no "
+                             "object-store call); composed without its lines")
     p = local_paths(config)
-    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
+    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test],
+                               lines)
     text = compose(config, overrides, in_process=in_process)
     if validate:
         validate_composed(text)
@@ -687,30 +974,40 @@ def sync_checkpoint(local_step_dir: str, ckpt_uri: str, step: int) -> dict:
 EVICTED_KEY = "training/filter_groups/evicted_samples"  # verl V1: DAPO-filtered groups (prompts) per step
 
 
-def collapse_guard(d: DapoSettings) -> Callable[[dict], str | None] | None:
-    """The bound verl's V1 trainer does not apply (``max_num_gen_batches``): given one step's metrics,
+def collapse_guard(tree: Mapping) -> Callable[[dict], str | None] | None:
+    """The bound verl's V1 trainer does not apply (``algorithm.filter_groups.max_num_gen_batches``), from
+    the verl settings ``tree`` (verl's names, e.g. :attr:`VerlSettings.tree`): given one step's metrics,
     the reason to stop when dynamic sampling went through more than ``max_num_gen_batches x
     gen_batch_size`` prompts to fill the step's ``train_batch_size`` groups, else None.
 
     When almost every prompt's samples score the same, the policy has collapsed (measured on an H100,
     2026-11-24 machine 10: LoRA lr 2e-4, discarded groups per step 2, 4, 32, 55, 192, 501, 706, 3,561
     while the token entropy fell 0.18 -> 0.04 and the step grew from 21 s to 306 s)."""
-    if not d.filter_groups or d.max_num_gen_batches <= 0:
+    fg = "algorithm.filter_groups"
+    most = get(tree, f"{fg}.max_num_gen_batches") or 0
+    train_bs = get(tree, "data.train_batch_size")
+    gen_bs = get(tree, "data.gen_batch_size") or train_bs
+    if not all(isinstance(x, int) for x in (most, train_bs, gen_bs)):
+        log.warning("train: the collapse guard needs the batch sizes and max_num_gen_batches as numbers; off")
         return None
-    limit = d.max_num_gen_batches * d.gen_batch_size
+    if not get(tree, f"{fg}.enable") or most <= 0:
+        return None
+    n = get(tree, "actor_rollout_ref.rollout.n")
+    limit = most * gen_bs
 
     def check(rec: dict) -> str | None:
         evicted = rec.get(EVICTED_KEY)
-        if evicted is None or evicted + d.train_batch_size <= limit:
+        if evicted is None or evicted + train_bs <= limit:
             return None
         entropy = rec.get("actor/entropy")
         return (f"step {rec['step']}: dynamic sampling discarded {int(evicted)} prompt groups whose "
-                f"{d.rollout_n} samples all scored the same to fill {d.train_batch_size}, more than "
-                f"max_num_gen_batches x gen_batch_size = {d.max_num_gen_batches} x {d.gen_batch_size} = {limit} "
+                f"{n} samples all scored the same to fill {train_bs}, more than "
+                f"max_num_gen_batches x gen_batch_size = {most} x {gen_bs} = {limit} "
                 f"prompts: the policy has collapsed"
                 + (f" (actor/entropy {entropy:.3f})" if entropy is not None else "")
-                + ". Training stops here; the checkpoints saved so far are kept. To go on: lower dapo.lr, "
-                  "raise dapo.entropy_coeff, or set dapo.max_num_gen_batches=0 (no limit)")
+                + ". Training stops here; the checkpoints saved so far are kept. To go on: lower "
+                  "verl.actor_rollout_ref.actor.optim.lr, raise verl.actor_rollout_ref.actor.entropy_coeff, or "
+                  f"set verl.{fg}.max_num_gen_batches=0 (no limit)")
     return check
 
 
@@ -793,11 +1090,14 @@ def preview(config: TrainConfig) -> dict:
 def run(config: TrainConfig, out: storage.Publication) -> dict:
     train, test = data_files(config)
     p = local_paths(config)
-    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test])
+    lines = override_lines(config)
+    overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test],
+                               lines)
+    verl = settings(config, lines)
     composed = compose(config, overrides)
     ckpt_uri = checkpoint_uri(config)
     steps = complete_steps(ckpt_uri)
-    resume = steps[-1] if steps and config.dapo.resume_mode == "auto" else None
+    resume = steps[-1] if steps and verl.get("trainer.resume_mode") == "auto" else None
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
@@ -818,7 +1118,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
     # run continues the curves)
     sink = MetricsSink(storage.join(out.work, "metrics.jsonl"))
-    stopped = _run_verl(overrides, sink, collapse_guard(config.dapo))
+    stopped = _run_verl(overrides, sink, collapse_guard(verl.tree))
     steps = complete_steps(ckpt_uri)
     out.write_text("verl_config.yaml", composed)
     out.write_text("overrides.txt", "\n".join(overrides) + "\n")
