@@ -50,6 +50,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("memsifter.status", "what each stage of a run is doing: published / running / failed / not started"),
     "models": ("memsifter.models", "real models that install offline from PyPI (list, path, verify)"),
     "k8s": ("memsifter.k8s.cli", "render RayJobs and drive a pipeline on Kubernetes"),
+    "serve": ("memsifter.service.cli", "memory retrieval online: Search-R1's /retrieve and a memory API (Ray Serve)"),
 }
 
 

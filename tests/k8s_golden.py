@@ -142,10 +142,12 @@ def load(name: str, src: Path = GOLDEN) -> dict[str, Any]:
 
 def expected(name: str, src: Path = GOLDEN) -> dict[str, Any]:
     """The golden normalized render ``name``. Without the driver, the RayJobs are the plan's, created by helm
-    directly, and nothing else is rendered; with the NetworkPolicy on, the full render plus the policy."""
+    directly, and nothing else is rendered but the memory service's RayService (helm creates it either way);
+    with the NetworkPolicy on, the full render plus the policy."""
     if name.endswith("+nodriver"):
         base = load(name[:-len("+nodriver")], src)
-        return {f"RayJob/{rj['metadata']['name']}": rj for k, rj in base.items() if k.startswith("PlanStage/")}
+        return {**{f"RayJob/{rj['metadata']['name']}": rj for k, rj in base.items() if k.startswith("PlanStage/")},
+                **{k: v for k, v in base.items() if k.startswith("RayService/")}}
     if name == "full+netpol":
         return {**load("full", src), **load("netpol", src)}
     return load(name, src)

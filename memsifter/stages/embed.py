@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -277,15 +277,26 @@ def rrf(rank_lists: list[list[int]], n: int, k: int) -> np.ndarray:
     return score
 
 
-def bm25_scores(docs: list[list[str]], question: str, stop: frozenset[str], stem: bool = False) -> np.ndarray:
-    """BM25 (bm25s defaults) of each tokenised document for the question; zeros when no question
-    word occurs in the documents."""
+def bm25_index(docs: list[list[str]]):  # noqa: ANN201 - a bm25s.BM25
+    """A BM25 index (bm25s defaults) of tokenised documents (an empty one indexed as ``<empty>``)."""
     import bm25s
 
     retriever = bm25s.BM25()
     retriever.index([d or ["<empty>"] for d in docs], show_progress=False)
+    return retriever
+
+
+def bm25_query(retriever, n: int, question: str, stop: frozenset[str], stem: bool = False) -> np.ndarray:  # noqa: ANN001
+    """BM25 of each of the ``n`` documents of ``retriever`` for the question; zeros when no question
+    word occurs in the documents."""
     qt = [w for w in bm25_tokens(question, stop, stem) if w in retriever.vocab_dict]
-    return np.asarray(retriever.get_scores(qt), dtype=float) if qt else np.zeros(len(docs))
+    return np.asarray(retriever.get_scores(qt), dtype=float) if qt else np.zeros(n)
+
+
+def bm25_scores(docs: list[list[str]], question: str, stop: frozenset[str], stem: bool = False) -> np.ndarray:
+    """BM25 (bm25s defaults) of each tokenised document for the question; zeros when no question
+    word occurs in the documents."""
+    return bm25_query(bm25_index(docs), len(docs), question, stop, stem)
 
 
 def max_per_owner(values: np.ndarray, owner: list[int], n: int) -> np.ndarray:
@@ -320,23 +331,58 @@ class Lexical:
             self._session[sid] = self._tok(render_session(turns))
             self._units[sid] = [self._tok(u) for u in turn_units(turns, self.words)]
 
+    def index(self, hay: list[str], dates: list[str | None],
+              views: Iterable[str] = ("bm25", "bm25_dated", "bm25_window")) -> "HaystackLexical":
+        """The BM25 views of the sessions ``hay`` (ids of ``ds.sessions``), each with its date."""
+        for s in hay:
+            self._load(s)
+        return HaystackLexical([self._session[s] for s in hay], [self._units[s] for s in hay],
+                               [self._tok(d or "") for d in dates], self.stop, self.stem, views)
+
     def scores(self, q) -> dict[str, np.ndarray]:
         """``bm25`` (sessions rendered as in §2), ``bm25_dated`` (date + ``"<speaker>: <content>"``
         lines) and ``bm25_window`` (best window of three consecutive units, with the date)."""
         hay = q.haystack_session_ids
-        for s in hay:
-            self._load(s)
-        dates = [self._tok(q.date_of(s, self.ds.sessions) or "") for s in hay]
-        out = {"bm25": bm25_scores([self._session[s] for s in hay], q.question, self.stop, self.stem),
-               "bm25_dated": bm25_scores([d + [w for u in self._units[s] for w in u] for d, s in zip(dates, hay)],
-                                         q.question, self.stop, self.stem)}
-        windows, owner = [], []
-        for i, (d, s) in enumerate(zip(dates, hay)):
-            ut = self._units[s]
-            for j in range(len(ut)):
-                windows.append(d + [w for u in ut[max(0, j - 1):j + 2] for w in u])
-                owner.append(i)
-        out["bm25_window"] = max_per_owner(bm25_scores(windows, q.question, self.stop, self.stem), owner, len(hay))
+        return self.index(hay, [q.date_of(s, self.ds.sessions) for s in hay]).scores(q.question)
+
+
+class HaystackLexical:
+    """The BM25 views of one haystack, indexed once (a view's documents do not depend on the question):
+    :meth:`scores` of any question over it. The embed stage builds one per question (:class:`Lexical`);
+    the retrieval service (:mod:`memsifter.service`) keeps one per corpus, so both score with this code.
+
+    ``session_tokens``: per session, its words as rendered (§2); ``unit_tokens``: per session, the words
+    of each of its units (:func:`turn_units`); ``date_tokens``: per session, the words of its date."""
+
+    def __init__(self, session_tokens: list[list[str]], unit_tokens: list[list[list[str]]],
+                 date_tokens: list[list[str]], stop: frozenset[str], stem: bool,
+                 views: Iterable[str] = ("bm25", "bm25_dated", "bm25_window")):
+        views = set(views)
+        self.n, self.stop, self.stem = len(session_tokens), stop, stem
+        self.views: dict = {}
+        if "bm25" in views:
+            self.views["bm25"] = bm25_index(session_tokens)
+        if "bm25_dated" in views:
+            self.views["bm25_dated"] = bm25_index([d + [w for u in ut for w in u]
+                                                   for d, ut in zip(date_tokens, unit_tokens)])
+        self.owner: list[int] = []
+        if "bm25_window" in views:
+            windows = []
+            for i, (d, ut) in enumerate(zip(date_tokens, unit_tokens)):
+                for j in range(len(ut)):
+                    windows.append(d + [w for u in ut[max(0, j - 1):j + 2] for w in u])
+                    self.owner.append(i)
+            self.views["bm25_window"] = bm25_index(windows)
+
+    def scores(self, question: str) -> dict[str, np.ndarray]:
+        """Per view, the score of each session (``bm25_window``: its best window)."""
+        out = {}
+        for view in ("bm25", "bm25_dated"):
+            if view in self.views:
+                out[view] = bm25_query(self.views[view], self.n, question, self.stop, self.stem)
+        if "bm25_window" in self.views:
+            out["bm25_window"] = max_per_owner(bm25_query(self.views["bm25_window"], len(self.owner), question,
+                                                          self.stop, self.stem), self.owner, self.n)
         return out
 
 
@@ -379,6 +425,38 @@ def zsum_scores(lexical: dict[str, np.ndarray], candidates: list[int], dense: di
     floor = min(dense[i] for i in candidates) if candidates else 0.0
     leg = np.array([dense.get(i, floor) for i in range(n)], dtype=float)
     return sum(zscore(lexical[m]) for m in LEXICAL_LEGS) + zscore(leg)
+
+
+def rescored_scores(lexical: dict[str, np.ndarray], max_sim: Callable[[int], float], *, cascade_k: int = 0,
+                    zsum_k: int = 0, rrf_k: int = 60) -> dict[str, np.ndarray]:
+    """``cascade`` (``cascade_k`` > 0) and ``zsum`` (``zsum_k`` > 0) of one question over its haystack:
+    the dense leg ``max_sim(i)`` (the max-sim of the question vector over haystack session ``i``'s
+    :func:`cascade_units`) is asked only for the lexical top max(cascade_k, zsum_k) sessions
+    (:func:`cascade_candidates`), and each method takes its own prefix of them."""
+    k = max(cascade_k, zsum_k)
+    if not k:
+        return {}
+    cand = cascade_candidates(lexical, k, rrf_k)   # the top of one lexical order: each top k is a prefix
+    dense = {i: max_sim(i) for i in cand}
+    out = {}
+    if cascade_k:
+        top = cand[:cascade_k]
+        out["cascade"] = cascade_scores(lexical, top, {i: dense[i] for i in top}, rrf_k)
+    if zsum_k:
+        top = cand[:zsum_k]
+        out["zsum"] = zsum_scores(lexical, top, {i: dense[i] for i in top})
+    return out
+
+
+def score_haystack(question: str, lexical: HaystackLexical, max_sim: Callable[[int], float], *,
+                   cascade_k: int = 0, zsum_k: int = 0, rrf_k: int = 60) -> dict[str, np.ndarray]:
+    """One question against one haystack: its BM25 views (:meth:`HaystackLexical.scores`), then
+    :func:`rescored_scores`. What the embed stage computes for a question, in two passes (the BM25
+    views of every question first, to know which units to embed), and what the retrieval service
+    computes per query."""
+    scores = lexical.scores(question)
+    scores.update(rescored_scores(scores, max_sim, cascade_k=cascade_k, zsum_k=zsum_k, rrf_k=rrf_k))
+    return scores
 
 
 @stage("embed", EmbedConfig, family="embed", gpus=1,
@@ -462,14 +540,10 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
             scores["fusion"] = rrf([order_by(scores[m]) for m in ("turns", "bm25_dated", "bm25_window")],
                                    n, config.rrf_k)
         if config.rescored_k():
-            cand = cands[q.question_id]   # the top of one lexical order: cascade's top k is a prefix
-            dense = {i: float((vecs(c_units[hay[i]]) @ qv).max()) for i in cand}
-            if "cascade" in methods:
-                top = cand[:config.cascade_k]
-                scores["cascade"] = cascade_scores(scores, top, {i: dense[i] for i in top}, config.rrf_k)
-            if "zsum" in methods:
-                top = cand[:config.zsum_k]
-                scores["zsum"] = zsum_scores(scores, top, {i: dense[i] for i in top})
+            scores.update(rescored_scores(
+                lexical[q.question_id], lambda i: float((vecs(c_units[hay[i]]) @ qv).max()),
+                cascade_k=config.cascade_k if "cascade" in methods else 0,
+                zsum_k=config.zsum_k if "zsum" in methods else 0, rrf_k=config.rrf_k))
         row = {"question_id": q.question_id, "haystack_session_ids": hay}
         for m in METHODS:
             row[m] = [float(x) for x in scores[m]] if m in scores else None

@@ -41,7 +41,14 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{- if not (get $cfg "output") }}
 {{- $_ := set $cfg "output" (include "memsifter.stageOutput" .) }}
 {{- end }}
-{{- range $field, $in := ($facts.wiring | default dict) }}
+{{- include "memsifter.wireInputs" (dict "root" .root "cfg" $cfg "wiring" $facts.wiring) }}
+{{- end }}
+
+{{/* A config document (JSON) with its unset input fields wired from the enabled stages' outputs, by a
+     wiring table of files/stages.json (or files/serve.json); see memsifter.stageConfig. dict root cfg wiring */}}
+{{- define "memsifter.wireInputs" -}}
+{{- $cfg := .cfg }}
+{{- range $field, $in := (.wiring | default dict) }}
 {{- if not (hasKey $cfg $field) }}
 {{- $on := list }}
 {{- range $in.from }}{{ if (index $.root.Values.stages . | default dict).enabled }}{{ $on = append $on . }}{{ end }}{{ end }}

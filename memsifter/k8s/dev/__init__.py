@@ -6,9 +6,10 @@ A stage image runs ``memsifter run <stage>`` (and the driver image ``memsifter k
 
 * :mod:`.chart` — ``memsifter k8s gen-chart`` / ``gen-jobs``: the chart's generated files from the stage
   registry (:mod:`.values`: values.yaml, README and stage facts from one table; :mod:`.schema`:
-  values.schema.json; :mod:`.scenarios`: ci/ and jobs/ example values), ``helm template`` rendering, size
-  targets;
-* :mod:`.validate` — ``memsifter k8s validate``: RayJob checks (CRD schema strict, CEL, KubeRay admission);
+  values.schema.json; :mod:`.scenarios`: ci/ and jobs/ example values; :mod:`.serve`: the memory service's
+  RayService values, facts and examples), ``helm template`` rendering, size targets;
+* :mod:`.validate` — ``memsifter k8s validate``: RayJob checks (CRD schema strict, CEL, KubeRay admission), and
+  the same for the RayService;
 * :mod:`.policy` — checkov over every rendered scenario (``python -m memsifter.k8s.dev.policy``);
 * :mod:`.tools` — the ``helm`` binary (``scripts/helm``) and ``checkov``.
 

@@ -1,7 +1,8 @@
 """Example values: the ``ci/`` scenarios of the chart and the values ``jobs/`` are rendered with.
 
-Scenarios (inference-only, training-only, full, minimal-cpu) are derived from the stages' families, GPU
-counts and needs only, less the alternatives the pipeline refuses to run together (import and synth);
+Scenarios (inference-only, training-only, full, minimal-cpu; serve: the memory service over the stages
+that publish its index) are derived from the stages' families, GPU counts and needs only, less the
+alternatives the pipeline refuses to run together (import and synth);
 each enabled stage gets placeholders for the config fields a user must set (and those its own
 cross-field validation asks for), and inputs produced by disabled stages point at an earlier run. Like
 ``values.yaml``, configs hold only what differs from the stages' defaults.
@@ -13,6 +14,7 @@ import copy
 from typing import Any
 
 from ..registry import StageInfo, preferred
+from .serve import INDEX_STAGE, jobs_serve, scenario_serve
 from .values import resources
 
 
@@ -160,7 +162,20 @@ def scenario_sets(infos: list[StageInfo]) -> dict[str, set[str]]:
         "full": without_refused(infos, allnames),
         "minimal-cpu": without_refused(infos, {n for n in allnames if by[n].gpus == 0 and not by[n].capacity},
                                        prefer_ready=True),
+        "serve": without_refused(infos, _producers_of(infos, INDEX_STAGE), prefer_ready=True),
     }
+
+
+def _producers_of(infos: list[StageInfo], name: str) -> set[str]:
+    """``name`` and, transitively, every stage its inputs may read from."""
+    by = {i.name: i for i in infos}
+    out, todo = set(), [name] if name in by else []
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += [p for w in by[n].wiring.values() for p in w["from"]]
+    return out
 
 
 _SCENARIO_DOC = {
@@ -168,6 +183,7 @@ _SCENARIO_DOC = {
     "training-only": "the training stages; inputs produced by disabled stages come from a previous run",
     "full": "every stage (of alternative producers of one input, the preferred one: the pipeline refuses both)",
     "minimal-cpu": "only stages without GPUs, small CPU pods, no GPU pool: a smoke test on any cluster",
+    "serve": "the memory service (RayService, ranker on GPUs) over the index its embed stage publishes",
 }
 
 
@@ -200,6 +216,8 @@ def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dic
         if cfg:
             block["config"] = cfg
         out["stages"][info.name] = block
+    if name == "serve":
+        out["serve"] = scenario_serve(bucket)
     return out
 
 
@@ -212,4 +230,4 @@ def jobs_values(infos: list[StageInfo]) -> dict:
         cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
         stages[info.name] = {"config": cfg} if cfg else {}
     return {"run": {"id": "example"}, "s3": {"bucket": bucket, "endpoint": "", "region": "us-east-1"},
-            "driver": {"enabled": False}, "stages": stages}
+            "driver": {"enabled": False}, "stages": stages, "serve": jobs_serve()}

@@ -71,13 +71,33 @@ def config_schema(info: StageInfo, defs: dict) -> dict:
     """The stage config's pydantic JSON schema, nested definitions hoisted into ``defs`` (shared between
     stages when identical, e.g. an LLM endpoint; else prefixed with the stage); ``required`` dropped (see
     the module docstring)."""
-    sch = _compact(info.config.model_json_schema(mode="validation"))
-    for fname in _coercing_fields(info.config):
+    sch = model_schema(info.config, f"{info.name.replace('-', '_')}__", defs)
+    sch["description"] = (f"Config of stage '{info.name}': only what differs from the defaults "
+                          f"(memsifter run {info.name} --schema).")
+    return sch
+
+
+def serve_config_schema(defs: dict) -> dict:
+    """``serve.config``: the service's :class:`~memsifter.service.config.ServeConfig` (``index`` not required:
+    the chart wires it from the embed stage, or fails naming it)."""
+    from ...service.config import ServeConfig
+
+    sch = model_schema(ServeConfig, "serve__", defs)
+    sch["description"] = ("Config of the memory service (memsifter.service.config.ServeConfig): only what differs "
+                          "from the defaults.")
+    return sch
+
+
+def model_schema(cls: Any, prefix: str, defs: dict) -> dict:
+    """A pydantic model's JSON schema for values: compact, fields with coercing validators widened, nested
+    definitions hoisted into ``defs`` (``prefix`` + name unless an identical one is there), ``required``
+    dropped, unknown keys rejected."""
+    sch = _compact(cls.model_json_schema(mode="validation"))
+    for fname in _coercing_fields(cls):
         prop = sch.get("properties", {}).get(fname)
         if prop is not None:  # the stage accepts more than the type says (e.g. a URI for a mapping)
             sch["properties"][fname] = {k: v for k, v in prop.items()
                                         if k in ("description", "default", "uri", "runtime", "stage", "wire")}
-    prefix = f"{info.name.replace('-', '_')}__"
     names = {}
     own = sch.pop("$defs", {}) or {}
     for name, d in own.items():
@@ -88,8 +108,6 @@ def config_schema(info: StageInfo, defs: dict) -> dict:
     sch = _rename_refs(sch, names)
     sch.pop("required", None)
     sch["additionalProperties"] = False
-    sch["description"] = (f"Config of stage '{info.name}': only what differs from the defaults "
-                          f"(memsifter run {info.name} --schema).")
     return sch
 
 
@@ -164,6 +182,7 @@ def values_schema(infos: list[StageInfo]) -> dict:
     assert set(defs["stage"]["properties"]) == {"enabled", "config", *STAGE_KEYS}
     props = {k: _node(v) for k, v in global_tree(infos).items()}
     stages = {i.name: stage_schema(i, defs) for i in infos}
+    defs["serve__config"] = serve_config_schema(defs)
     props["global"] = {"type": "object", "description": "Helm's global values (unused)."}
     props["stages"] = {"type": "object", "additionalProperties": False, "properties": stages,
                        "description": "One block per registered stage."}

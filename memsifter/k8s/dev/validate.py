@@ -1,4 +1,4 @@
-"""RayJob checks that run without a Kubernetes API server.
+"""RayJob and RayService checks that run without a Kubernetes API server.
 
 * :func:`strict_schema` — the CRD's ``openAPIV3Schema`` with ``additionalProperties: false`` added to
   every object schema that lists properties (the CRD has none of its own, so a misspelt field would be
@@ -12,6 +12,9 @@
   of v1.7.0) re-stated in Python, plus what the submitter needs: its shell splices ``entrypoint`` into
   ``ray job submit ... -- <entrypoint>``, so the entrypoint must be one simple command (no ``;``,
   ``&&``, pipes or redirections, which the submitter would run itself).
+* :func:`rayservice_errors` — the same for a RayService (``ValidateRayServiceMetadata``,
+  ``ValidateRayServiceSpec``, ``ValidateClusterUpgradeOptions``) and a parseable ``serveConfigV2``;
+  :func:`validate_rayservice` runs them with the rayservices CRD's schema and CEL rules.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import yaml
 from ..driver import submitted_entrypoint  # noqa: F401 - what the submitter runs, re-exported
 
 MAX_RAYJOB_NAME = 47
+MAX_RAYSERVICE_NAME = 47   # MaxRayClusterNameLength (53) - 6
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 DNS1123_SUB = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -323,6 +327,89 @@ def kuberay_errors(rayjob: dict) -> list[str]:
     return errs
 
 
+UPGRADE_TYPES = ("NewCluster", "NewClusterWithIncrementalUpgrade", "None")
+INITIALIZING_TIMEOUT = "ray.io/initializing-timeout"
+
+
+def _duration_ok(text: str) -> bool:
+    """A positive Go duration ("90s", "1h30m") or positive integer seconds."""
+    if re.fullmatch(r"[0-9]+", text):
+        return int(text) > 0
+    m = re.fullmatch(r"(?:[0-9]+(?:\.[0-9]+)?(?:ns|us|µs|ms|s|m|h))+", text)
+    return bool(m) and any(c in "123456789" for c in text)
+
+
+def rayservice_errors(rs: dict) -> list[str]:
+    """KubeRay's RayService admission checks (``ValidateRayServiceMetadata``, ``ValidateRayServiceSpec``,
+    ``ValidateClusterUpgradeOptions`` of v1.7.0, the RayServiceIncrementalUpgrade gate on, its default), plus
+    what the operator parses later: ``serveConfigV2`` must be a YAML mapping with ``applications``."""
+    errs = []
+    meta = rs.get("metadata") or {}
+    name = meta.get("name", "")
+    if len(name) > MAX_RAYSERVICE_NAME:
+        errs.append(f"RayService name should be no more than {MAX_RAYSERVICE_NAME} characters ({name!r}: {len(name)})")
+    if not DNS1035.match(name):
+        errs.append(f"RayService name should be a valid DNS1035 label ({name!r})")
+    for k, v in (meta.get("labels") or {}).items():
+        if not _qualified_name(k) or not LABEL_VALUE.match(str(v)) or len(str(v)) > 63:
+            errs.append(f"invalid label {k}={v!r}")
+    timeout = (meta.get("annotations") or {}).get(INITIALIZING_TIMEOUT)
+    if timeout and not _duration_ok(str(timeout)):
+        errs.append(f"annotation {INITIALIZING_TIMEOUT} must be a positive duration or integer seconds ({timeout!r})")
+    spec = rs.get("spec") or {}
+    rcc = spec.get("rayClusterConfig") or {}
+    if (rcc.get("authOptions") or {}).get("enableK8sTokenAuth"):
+        errs.append("K8s token auth mode is currently not supported for RayService")
+    errs += [f"rayClusterConfig: {e}" for e in raycluster_spec_errors(rcc, meta.get("annotations"))]
+    if (((rcc.get("headGroupSpec") or {}).get("headService") or {}).get("metadata") or {}).get("name"):
+        errs.append("spec.rayClusterConfig.headGroupSpec.headService.metadata.name should not be set")
+    up = spec.get("upgradeStrategy") or {}
+    kind = up.get("type")
+    if kind is not None and kind not in UPGRADE_TYPES:
+        errs.append(f"Spec.UpgradeStrategy.Type value {kind} is invalid, valid options are "
+                    f"{', '.join(UPGRADE_TYPES)}")
+    delay = spec.get("rayClusterDeletionDelaySeconds")
+    if isinstance(delay, int) and delay < 0:
+        errs.append("Spec.RayClusterDeletionDelaySeconds should be a non-negative integer")
+    if kind == "NewClusterWithIncrementalUpgrade":
+        opts = up.get("clusterUpgradeOptions")
+        if not rcc.get("enableInTreeAutoscaling"):
+            errs.append("Ray Autoscaler is required for NewClusterWithIncrementalUpgrade")
+        elif opts is None:
+            errs.append("ClusterUpgradeOptions are required for NewClusterWithIncrementalUpgrade")
+        else:
+            surge, step, every = opts.get("maxSurgePercent", 100), opts.get("stepSizePercent"), opts.get("intervalSeconds")
+            if not 0 <= _int(surge) <= 100:
+                errs.append("maxSurgePercent must be between 0 and 100")
+            if step is None or not 0 <= _int(step) <= 100:
+                errs.append("stepSizePercent must be between 0 and 100")
+            elif _int(step) > _int(surge):
+                errs.append("stepSizePercent must be less than or equal to maxSurgePercent")
+            if every is None or _int(every) <= 0:
+                errs.append("intervalSeconds must be greater than 0")
+            if not opts.get("gatewayClassName"):
+                errs.append("gatewayClassName is required for NewClusterWithIncrementalUpgrade")
+    text = spec.get("serveConfigV2")
+    if text is not None:
+        try:
+            sc = yaml.safe_load(text)
+            if not isinstance(sc, dict) or not isinstance(sc.get("applications"), list):
+                errs.append("serveConfigV2 is not a Serve config (a mapping with 'applications')")
+        except yaml.YAMLError as e:
+            errs.append(f"serveConfigV2 is not valid YAML: {str(e).splitlines()[0]}")
+    return errs
+
+
+def validate_rayservice(rs: dict, schema: dict | None = None) -> list[str]:
+    """All checks of a RayService; ``schema`` is the rayservices CRD's openAPIV3Schema (made strict here)."""
+    errs = []
+    if schema is not None:
+        errs += [f"schema: {e}" for e in schema_errors(rs, strict_schema(schema))]
+        errs += [f"CEL: {e}" for e in cel_errors(rs, schema)]
+    errs += [f"kuberay: {e}" for e in rayservice_errors(rs)]
+    return errs
+
+
 def validate_rayjob(rayjob: dict, schema: dict | None = None) -> list[str]:
     """All checks; ``schema`` is the CRD's openAPIV3Schema (made strict here)."""
     errs = []
@@ -335,7 +422,7 @@ def validate_rayjob(rayjob: dict, schema: dict | None = None) -> list[str]:
 
 # --------------------------------------------------------------------------- policy scanning
 def _rayjobs_in(doc: dict) -> list[dict]:
-    if doc.get("kind") == "RayJob":
+    if doc.get("kind") in ("RayJob", "RayService"):
         return [doc]
     if doc.get("kind") == "ConfigMap" and "plan.json" in (doc.get("data") or {}):
         import json
@@ -351,14 +438,15 @@ def workload_manifests(docs: list[dict]) -> list[dict]:
     ConfigMap. For each RayJob this adds what KubeRay will create from it: a ``Pod`` for the head (with the
     autoscaler sidecar as a second container when in-tree autoscaling is on, as KubeRay adds it), a ``Pod``
     per worker group, and a ``Job`` for the submitter (``submitterPodTemplate``). Names are
-    ``<rayjob>-head``, ``<rayjob>-<group>-worker`` and ``<rayjob>-submitter``.
+    ``<rayjob>-head``, ``<rayjob>-<group>-worker`` and ``<rayjob>-submitter``. A RayService's cluster
+    (``rayClusterConfig``) is expanded the same way (no submitter).
     """
     out = list(docs)
     for doc in docs:
         for rj in _rayjobs_in(doc):
             meta, spec = rj.get("metadata") or {}, rj.get("spec") or {}
             name, ns = meta.get("name", "rayjob"), meta.get("namespace")
-            rcs = spec.get("rayClusterSpec") or {}
+            rcs = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or {}
 
             def pod(suffix: str, template: dict, extra: list[dict] | None = None) -> dict:
                 tpl = copy.deepcopy(template or {})

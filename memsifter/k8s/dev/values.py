@@ -92,6 +92,8 @@ def profile_group(family: str, infos: list[StageInfo]) -> Group:
 
 
 def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
+    from .serve import serve_group
+
     families = image_families(infos)
     return {
         "nameOverride": Value("", "Replaces the chart name in resource names.", _STR),
@@ -203,6 +205,7 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
                                      "checkpoints).", _NONNEG),
             "capacityTimeoutSeconds": Value(1800, "How long the entrypoint waits for the GPU nodes "
                                                   "(`memsifter k8s await-capacity`).", _POS)}),
+        "serve": serve_group([f for f in families if f != "driver"]),
     }
 
 
@@ -410,4 +413,15 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
         out.append(f"\n### {i.name}\n\n{_cell(i.help)}\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
         for name, default, desc in _config_rows(i.config):
             out.append(f"| `{name}` | {default} | {desc} |\n")
+    from ...service.config import ServeConfig
+
+    out.append("\n## The memory service (`serve`)\n\n`serve.enabled` renders a KubeRay RayService (templates/"
+               "rayservice.yaml): one Ray Serve application whose args are `serve.config` (only what differs from "
+               "the defaults below, `memsifter serve --help`) plus `index`, the output of the embed stage of this "
+               "run when it is enabled, else required; a head, a CPU worker group and, when `config.ranker` asks "
+               "for GPUs, a GPU worker group, Ray-autoscaled; API keys from a Secret (`serve.apiKeys`). KubeRay's "
+               "Service `<fullname>-serve-svc` listens on 8000 (`kubectl port-forward`, then `POST /retrieve`).\n\n"
+               "### serve.config\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
+    for name, default, desc in _config_rows(ServeConfig):
+        out.append(f"| `{name}` | {default} | {desc} |\n")
     return "".join(out)

@@ -1,0 +1,161 @@
+"""The memory retrieval service (``memsifter serve``) in the chart: the ``serve`` values, ``files/serve.json``
+and the examples of ``ci/serve.yaml`` and ``jobs/serve.yaml``.
+
+``templates/rayservice.yaml`` renders, with ``serve.enabled``, one KubeRay RayService: ``serveConfigV2`` holds
+one Serve application (``import_path`` the service's application builder, ``args`` a
+:class:`memsifter.service.config.ServeConfig` mapping: ``serve.config`` plus the wired ``index``) and the
+autoscaling and actor options of its deployments, read from the same config; ``rayClusterConfig`` a head, a CPU
+worker group (the first stage and the HTTP ingress) and, when the ranker asks for GPUs, a GPU worker group,
+with the RayJobs' pod conventions (``memsifter.podTemplate``).
+
+What the templates cannot compute is written here at gen time into ``files/serve.json`` (:func:`serve_facts`):
+the application's name, builder and deployment names (read from :mod:`memsifter.service.app`), the config
+defaults the deployment options fall back to (from the pydantic models), and how ``index`` is wired
+(:func:`index_wiring`): as ``memsifter pipeline``'s plan gives the embed stage its output (its
+``config.output``, else ``<run root>/embed``), in the shape of a stage input's wiring in ``files/stages.json``
+so that the same template code (``memsifter.wireInputs``) fills it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .values import Group, Value, resources
+
+# The stage whose publication the service loads (memsifter.service.index reads an embed stage's output:
+# its _SUCCESS, config and vector store).
+INDEX_STAGE = "embed"
+UPGRADE_TYPES = ["auto", "NewCluster", "NewClusterWithIncrementalUpgrade", "None"]
+# Fields of ServeConfig / RankerSettings the template reads to write the deployments' options.
+FIRST_STAGE_FIELDS = ("num_cpus", "min_replicas", "max_replicas", "target_ongoing_requests")
+RANKER_FIELDS = ("num_cpus", "num_gpus", "min_replicas", "max_replicas", "max_batch_size")
+EXAMPLE_KEY = {"MEMSIFTER_KEY_TRAINER": "trainer"}
+
+
+def index_wiring() -> dict:
+    """``serve.config.index``'s wiring table (the shape of :attr:`memsifter.k8s.registry.StageInfo.wiring`):
+    filled from :data:`INDEX_STAGE`'s output when that stage is enabled, else the install fails naming the
+    field. The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
+    rule the templates apply (``memsifter.stageOutput``: ``<run root>/<stage>`` unless its config sets one)."""
+    from ... import pipeline, storage
+    from ... import stage as stg
+    from ..registry import WIRE_ROOT, _stand_in
+
+    st = stg.get_stage(INDEX_STAGE)
+    own = f"{WIRE_ROOT}/elsewhere"
+    for given in (None, own):
+        section = {i.field: _stand_in(i) for i in st.inputs if i.stages}
+        if given:
+            section["output"] = given
+        out = dict(pipeline.wire({"run": WIRE_ROOT, "stages": {INDEX_STAGE: section}}))[INDEX_STAGE]["output"]
+        want = given or storage.join(WIRE_ROOT, INDEX_STAGE)
+        if out != want:
+            raise RuntimeError(f"pipeline.plan gives {INDEX_STAGE} the output {out}, the chart's rule {want}: "
+                               "update memsifter.stageOutput and this wiring together")
+    return {"from": [INDEX_STAGE], "list": False, "cases": {
+        "": (f"serve.config.index is required: set it (an {INDEX_STAGE} stage's output, e.g. s3://<bucket>/runs/"
+             f"<run>/{INDEX_STAGE}) or enable stages.{INDEX_STAGE}, whose output this release then serves"),
+        INDEX_STAGE: [INDEX_STAGE]}}
+
+
+def serve_facts() -> dict:
+    """files/serve.json: what the RayService template knows about the service (code, not settings)."""
+    from ...service import app
+    from ...service.config import RankerSettings, ServeConfig
+
+    def defaults(cls: Any, names: tuple[str, ...]) -> dict:
+        return {n: cls.model_fields[n].get_default(call_default_factory=True) for n in names}
+
+    return {"application": {"name": app.APP_NAME, "importPath": f"{app.build_app.__module__}:{app.build_app.__name__}",
+                            "firstStage": app.FirstStageDeployment.name, "ranker": app.RankerDeployment.name},
+            "defaults": defaults(ServeConfig, FIRST_STAGE_FIELDS),
+            "rankerDefaults": defaults(RankerSettings, RANKER_FIELDS),
+            "wiring": {"index": index_wiring()}}
+
+
+# --------------------------------------------------------------------------- values
+def _group_schema(*extra: str) -> dict:
+    nonneg = {"type": "integer", "minimum": 0}
+    props: dict[str, Any] = {"resources": {"$ref": "#/$defs/resources"}, "shmSize": {"$ref": "#/$defs/size"},
+                             "rayStartParams": {"$ref": "#/$defs/rayStartParams"},
+                             "nodeSelector": {"$ref": "#/$defs/nodeSelector"},
+                             "tolerations": {"$ref": "#/$defs/tolerations"}, "affinity": {"type": "object"}}
+    props.update({k: {"type": "integer", "minimum": 1} if k == "gpus" else nonneg for k in extra})
+    return {"type": "object", "additionalProperties": False, "properties": props}
+
+
+def serve_group(families: list[str]) -> Group:
+    """The ``serve`` block of values.yaml (and of the schema and README, like every global value)."""
+    fam = {"enum": families}
+    return Group(
+        "The memory retrieval service (`memsifter serve`: Search-R1's POST /retrieve, the memory API) as a KubeRay "
+        "RayService named <fullname>; KubeRay's Service <fullname>-serve-svc:8000 reaches it (NOTES.txt).", {
+            "enabled": Value(False, "Create the RayService.", {"type": "boolean"}),
+            "config": Value({}, "The service's config (ServeConfig, `memsifter serve --help`; README: serve.config): only "
+                            "what differs from its defaults; its deployments' replicas, CPUs and GPUs come from it. "
+                            f"index: default the output of stages.{INDEX_STAGE} when that is enabled (the plan's "
+                            f"rule: its config.output, else <run root>/{INDEX_STAGE}), else required. host/port are "
+                            "the Serve proxy's, 0.0.0.0:8000.", {"$ref": "#/$defs/serve__config"}),
+            "apiKeys": Group("API keys by reference, never in values: each is an env var of the Ray containers from "
+                             "a Secret (secretKeyRef); config.auth.keys grants each variable it names.", {
+                "secretName": Value("memsifter-serve-keys", "The Secret holding the keys.",
+                                    {"type": "string", "minLength": 1}),
+                "keys": Value({}, "ENV_NAME: key in the Secret, e.g. {MEMSIFTER_KEY_TRAINER: trainer}.",
+                              {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                               "additionalProperties": {"type": "string", "pattern": "^[-._a-zA-Z0-9]+$"}})}),
+            "families": Value({"cpu": "embed", "gpu": "rank"}, "Image family of the head and CPU workers (first "
+                              "stage: BM25, the embed encoder) and of GPU workers (the ranker: vLLM).",
+                              {"type": "object", "additionalProperties": False, "required": ["cpu", "gpu"],
+                               "properties": {"cpu": fam, "gpu": fam}}),
+            "image": Value({"repository": "", "tag": ""}, "One image for every pod instead (with both families' "
+                           "extras).", {"$ref": "#/$defs/image"}),
+            "head": Value({"resources": resources("2", "8Gi"), "shmSize": "2Gi", "rayStartParams": {"num-cpus": "0"}},
+                          "Head pod (Serve's controller and a proxy; num-cpus 0 keeps replicas on workers).",
+                          _group_schema()),
+            "cpuWorkers": Value({"resources": resources("4", "16Gi"), "shmSize": "2Gi", "minReplicas": 1,
+                                 "maxReplicas": 4}, "CPU worker group: first-stage replicas (each holds the whole "
+                                "index); Ray's autoscaler keeps it within min/maxReplicas.",
+                                _group_schema("minReplicas", "maxReplicas")),
+            "gpuWorkers": Value({"resources": resources("8", "48Gi"), "shmSize": "8Gi", "gpus": 1, "minReplicas": 1,
+                                 "maxReplicas": 2}, "GPU worker group, when config.ranker asks for GPUs (num_gpus > "
+                                "0): gpus per pod (a Ranker replica must fit one), min/maxReplicas.",
+                                _group_schema("gpus", "minReplicas", "maxReplicas")),
+            "upgradeStrategy": Value("auto", "How a change of the cluster spec is rolled out. NewCluster: a second "
+                                     "cluster takes over when ready (zero downtime; needs room for two clusters). "
+                                     "NewClusterWithIncrementalUpgrade: traffic moves step by step (needs the Gateway "
+                                     "API: incrementalUpgrade). None: not applied to the running cluster (serve.config "
+                                     "changes still are, in place). auto: NewCluster when gpuPool holds two "
+                                     "clusters' GPU workers (2 x gpuWorkers.maxReplicas), else None.",
+                                     {"enum": UPGRADE_TYPES}),
+            "gpuPool": Value({"nodes": 0, "gpusPerNode": 1}, "The GPU nodes the service may use, for auto: room = "
+                             "nodes x floor(gpusPerNode / gpuWorkers.gpus) GPU workers (0 nodes: unknown).",
+                             {"type": "object", "additionalProperties": False, "properties": {
+                                 "nodes": {"type": "integer", "minimum": 0},
+                                 "gpusPerNode": {"type": "integer", "minimum": 1}}}),
+            "incrementalUpgrade": Value({"gatewayClassName": "", "stepSizePercent": 25, "intervalSeconds": 60,
+                                         "maxSurgePercent": 100}, "clusterUpgradeOptions of "
+                                        "NewClusterWithIncrementalUpgrade (gatewayClassName: a Gateway API class).",
+                                        {"type": "object", "additionalProperties": False, "properties": {
+                                            "gatewayClassName": {"type": "string"},
+                                            "stepSizePercent": {"type": "integer", "minimum": 0, "maximum": 100},
+                                            "intervalSeconds": {"type": "integer", "minimum": 1},
+                                            "maxSurgePercent": {"type": "integer", "minimum": 0, "maximum": 100}}}),
+        })
+
+
+# --------------------------------------------------------------------------- examples
+def scenario_serve(bucket: str) -> dict:
+    """ci/serve.yaml's ``serve`` block: the service over the scenario's embed output, with the ranker on GPUs,
+    a memory store and one key; a GPU pool that holds two clusters (upgradeStrategy auto: NewCluster)."""
+    return {"enabled": True,
+            "config": {"state": f"s3://{bucket}/serve-state", "max_replicas": 4,
+                       "auth": {"keys": {"MEMSIFTER_KEY_CI": {"read": ["*"], "write": ["*"]}}},
+                       "ranker": {"max_replicas": 2}},
+            "apiKeys": {"keys": {"MEMSIFTER_KEY_CI": "ci"}},
+            "gpuPool": {"nodes": 4, "gpusPerNode": 1}}
+
+
+def jobs_serve() -> dict:
+    """jobs/values.yaml's ``serve`` block (enabled on the command line): first stage only, one key."""
+    return {"config": {"auth": {"keys": {name: {"read": ["*"]} for name in EXAMPLE_KEY}}},
+            "apiKeys": {"secretName": "memsifter-serve-keys", "keys": dict(EXAMPLE_KEY)}}

@@ -1,0 +1,204 @@
+"""``memsifter serve``: memory retrieval online (Search-R1's ``/retrieve``, a memory API) on Ray Serve.
+
+With no arguments it serves the demo's sample data: LongMemEval_S questions shipped with memsifter
+(:mod:`memsifter.samples`, the same file ``memsifter demo`` uses), imported and embedded with
+all-MiniLM-L6-v2 into ``--workdir`` first (finished stages are skipped on the next start), on
+127.0.0.1:8000, and prints a ``curl`` that works. ``--index`` serves an embed stage's output instead
+(local or s3://); ``--config`` / ``--set`` give any field of the config
+(:class:`memsifter.service.config.ServeConfig`); ``--no-ray`` runs the same app under uvicorn in this
+process (no Serve proxy: a laptop, a test); ``--print-serve-config`` prints the Serve application
+(a RayService's ``serveConfigV2``) for these settings and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from .. import storage
+from ..errors import ConfigError
+
+DEMO_QUESTIONS = 5
+DEFAULT_WORKDIR = "./memsifter-serve"
+
+
+def prepare_demo(workdir: str, questions: int, echo: Any = print) -> tuple[str, str]:
+    """The sample's import and embed outputs under ``workdir`` (each stage skipped when published)."""
+    from .. import samples
+    from ..stage import get_stage
+
+    data, embed = storage.join(workdir, "data"), storage.join(workdir, "embed")
+    t0 = time.time()
+    get_stage("import").run({"output": data, "format": "longmemeval", "source": samples.path(samples.LONGMEMEVAL),
+                             "limit": questions})
+    m = get_stage("embed").run({"output": embed, "input": data, "model": "all-MiniLM-L6-v2"})
+    echo(f"[serve] sample index ready in {time.time() - t0:.0f}s ({'reused' if m.get('skipped') else 'built'}): "
+         f"{embed}")
+    return embed, data
+
+
+def build_config(args: argparse.Namespace) -> dict:
+    from ..stage import load_config_file, parse_value, set_path
+
+    data: dict = load_config_file(args.config) if args.config else {}
+    for name in ("index", "dataset", "state", "host", "port"):
+        v = getattr(args, name)
+        if v is not None:
+            data[name] = v
+    for item in args.set or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        set_path(data, k.strip(), parse_value(v, f"--set {k.strip()}"))
+    return data
+
+
+def example_curl(cfg: Any, corpus_id: str | None, question: str | None) -> str:
+    url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
+    body = json.dumps({"queries": [question or "What did I say about my trip?"], "topk": 3, "return_scores": True})
+    path = f"/u/{corpus_id}/retrieve" if corpus_id else "/retrieve"
+    key = ' -H "Authorization: Bearer $MEMSIFTER_API_KEY"' if cfg.auth.keys or cfg.auth.keys_file else ""
+    return f"curl -s {url}{path} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
+
+
+def serve_config_yaml(cfg: Any) -> str:
+    import yaml
+
+    app = {"name": "memsifter", "route_prefix": "/", "import_path": "memsifter.service.app:build_app",
+           "args": cfg.model_dump(mode="json", exclude_defaults=True)}
+    return yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]},
+                          sort_keys=False)
+
+
+def _wait_health(url: str, timeout: float) -> dict:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=5) as r:
+                return json.loads(r.read())
+        except Exception as e:  # noqa: BLE001 - not up yet
+            last = e
+            time.sleep(1)
+    raise ConfigError(f"serve: no answer from {url}/healthz in {timeout:.0f}s ({type(last).__name__})")
+
+
+def run_local(cfg: Any, ready: Any = None) -> None:
+    """The app under uvicorn in this process (``--no-ray``)."""
+    import uvicorn
+
+    from .core import MicroBatcher, RetrievalService
+    from .http import make_app
+    from .logs import install_redaction
+
+    ranker = None
+    if cfg.ranker is not None:
+        from .ranker import RankerCore
+
+        core = RankerCore(cfg.ranker)
+        batcher = MicroBatcher(core.rank_many, cfg.ranker.max_batch_size, cfg.ranker.batch_wait_timeout_s)
+        ranker = batcher.submit
+    service = RetrievalService(cfg, ranker=ranker)
+    install_redaction(service.secrets)
+    if ready:
+        ready(service)
+    uvicorn.run(make_app(service), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+
+
+def run_serve(cfg: Any, blocking: bool = True) -> str:
+    """The app on Ray Serve (``RAY_ADDRESS``'s cluster, else a local Ray); returns its URL."""
+    from ray import serve
+
+    from ..raypool import ensure_ray
+    from .app import APP_NAME, deployments
+
+    ensure_ray()
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(deployments(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    return f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import plain, setup_logging
+    from .config import load_config
+
+    p = argparse.ArgumentParser(prog="memsifter serve", description=plain(__doc__))
+    p.add_argument("--index", help="embed stage output to serve (local or s3://); default: the demo sample")
+    p.add_argument("--dataset", help="the dataset it embedded (default: the embed config's input)")
+    p.add_argument("--state", help="where user memories are kept (local or s3://); default with the sample: "
+                   "<workdir>/state")
+    p.add_argument("--host", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--config", help="YAML/JSON file of the service config (local or s3://)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a config field (dotted keys, YAML "
+                   "values), e.g. --set auth.keys.MEMSIFTER_KEY_A.read='[\"*\"]'")
+    p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where the sample is imported and embedded")
+    p.add_argument("--questions", type=int, default=DEMO_QUESTIONS, help="sample questions (corpora) to serve")
+    p.add_argument("--no-ray", action="store_true", help="uvicorn in this process instead of Ray Serve")
+    p.add_argument("--print-serve-config", action="store_true", help="print the Serve application YAML and exit")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    args = p.parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
+    for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
+        os.environ.setdefault(k, v)
+    data = build_config(args)
+    sample = not data.get("index")
+    if sample:
+        if args.questions < 1:
+            raise ConfigError("--questions must be at least 1")
+        data.setdefault("state", storage.join(args.workdir, "state"))
+        data.setdefault("auth", {}).setdefault("anonymous", {"read": ["*"], "write": ["*"]})
+        if args.print_serve_config:
+            data["index"] = storage.join(args.workdir, "embed")
+        else:
+            data["index"], data["dataset"] = prepare_demo(args.workdir, args.questions)
+    for k in ("index", "dataset", "state"):   # the replicas run elsewhere: absolute paths
+        v = data.get(k)
+        if v and not storage.is_s3(v):
+            data[k] = os.path.abspath(v)
+    cfg = load_config(data, "memsifter serve")
+    if args.print_serve_config:
+        print(serve_config_yaml(cfg), end="")
+        return 0
+    first = None
+    try:
+        from ..data.model import read_dataset
+
+        ds = read_dataset(cfg.dataset) if cfg.dataset else None
+        first = ds.questions[0] if ds and ds.questions else None
+    except Exception:  # noqa: BLE001 - the example only
+        first = None
+    curl = example_curl(cfg, first.question_id if first else cfg.default_corpus, first.question if first else None)
+
+    def announce(_: Any = None) -> None:
+        print(f"[serve] listening on http://{cfg.host}:{cfg.port} (docs: /docs, metrics: /metrics). Try:\n  {curl}",
+              flush=True)
+
+    if args.no_ray:
+        run_local(cfg, ready=announce)
+        return 0
+    url = run_serve(cfg)
+    health = _wait_health(url, 900)
+    print(f"[serve] {health.get('corpora')} corpora, {health.get('sessions')} sessions, method {health.get('method')}")
+    announce()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

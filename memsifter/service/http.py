@@ -1,0 +1,267 @@
+"""The HTTP surface: one FastAPI app over a :class:`~memsifter.service.core.RetrievalService`, the same under
+Ray Serve (``serve.ingress``) and plain uvicorn.
+
+Routes: ``POST /retrieve`` and ``POST /u/{corpus_id}/retrieve`` (Search-R1's request and response),
+``POST /memories``, ``POST /search``, ``DELETE /memories/{user_id}``, ``GET /healthz``, ``GET /metrics``
+(Prometheus), ``GET /docs`` (OpenAPI). Every error is ``{"detail": "<one line>"}`` with its status:
+401 (no or unknown key), 403 (outside the key's grant), 404, 409, 413 (a bound: body size, queries per
+request, sessions per append), 422 (a field: its path and what is wrong, never the value sent), 500
+(``internal error`` and an id to find the server's log line). No response carries a traceback: every
+exception is caught inside the app, before Serve's proxy or uvicorn could format one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Header, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from .auth import Forbidden, Unauthorized
+from .config import ID_PATTERN
+from .core import ApiError, RetrievalService
+from .metrics import CONTENT_TYPE
+
+ROLE_PATTERN = r"^[^<>\x00-\x1f\x7f]{1,64}$"
+
+
+# --------------------------------------------------------------------------- bodies
+class RetrieveRequest(BaseModel):
+    """Search-R1's request, plus an optional corpus and mode."""
+
+    queries: list[str] = Field(description="queries, answered in order")
+    topk: int | None = Field(None, description="documents per query (default: the service's, Search-R1's 3)")
+    return_scores: bool = Field(False, description="entries as {document, score}; else bare documents")
+    corpus_id: str | None = Field(None, pattern=ID_PATTERN, description="the haystack to search (a published "
+                                  "question id or a user id); default: the key's only corpus or the service's")
+    mode: Literal["first_stage", "ranked"] = "first_stage"
+
+
+class Turn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str = Field(pattern=ROLE_PATTERN, description="speaker (a tag name when rendered: no <, > or controls)")
+    content: str
+
+
+class SessionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session_id: str | None = Field(None, pattern=ID_PATTERN, description="default: s-<content hash>")
+    date: str | None = Field(None, max_length=200)
+    turns: list[Turn] = Field(min_length=1)
+
+
+class MemoriesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str = Field(pattern=ID_PATTERN)
+    sessions: list[SessionIn] = Field(min_length=1)
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str = Field(pattern=ID_PATTERN, description="a user id (their memories) or a published corpus id")
+    query: str
+    top_k: int = 10
+    mode: Literal["first_stage", "ranked"] = "first_stage"
+
+
+# --------------------------------------------------------------------------- errors
+class FastJSON(JSONResponse):
+    """JSON rendered by orjson when it is installed (documents are large; FastAPI's encoder walks them)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            import orjson
+        except ImportError:
+            return super().render(content)
+        return orjson.dumps(content)
+
+
+def _error(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def _where(loc: tuple) -> str:
+    parts = [str(x) for x in loc if x not in ("body",)]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    msgs = []
+    for err in exc.errors()[:5]:
+        msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "json_invalid":
+            msg = "invalid JSON"
+        elif err.get("type") == "string_pattern_mismatch":
+            msg = "not a valid id or value (see /docs for the allowed characters)"
+        msgs.append(f"{_where(tuple(err.get('loc', ())))}: {msg}")
+    return "; ".join(msgs)
+
+
+class SafeRoute(APIRoute):
+    """A route whose every exception becomes a JSON error (see the module docstring)."""
+
+    def get_route_handler(self):  # noqa: ANN201
+        inner = super().get_route_handler()
+        path = self.path
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await inner(request)
+            except (RequestValidationError, StarletteHTTPException):
+                raise
+            except ApiError as e:
+                return _error(e.status, e.message)
+            except Unauthorized as e:
+                return _error(401, str(e), {"WWW-Authenticate": "Bearer"})
+            except Forbidden as e:
+                return _error(403, str(e))
+            except Exception as e:  # noqa: BLE001 - logged with its traceback, answered without it
+                svc: RetrievalService = request.app.state.service
+                rid = svc.log_error(f"{request.method} {path}", e)
+                return _error(500, f"internal error (id {rid}); the server's log has the details")
+        return handler
+
+
+class Guard:
+    """Outermost ASGI middleware: body-size bounds (413 before or while the body is read), per-route
+    metrics, and a last catch so that nothing escapes as a traceback."""
+
+    def __init__(self, app: Any, service: RetrievalService):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        svc, path = self.service, scope.get("path", "")
+        lim = svc.cfg.limits
+        limit = lim.max_memory_body_bytes if path.rstrip("/") == "/memories" else lim.max_body_bytes
+        started = {"v": False, "code": 500, "over": False}
+        t0 = time.perf_counter()
+
+        async def reply(status: int, detail: str) -> None:
+            body = json.dumps({"detail": detail}).encode()
+            started["v"], started["code"] = True, status
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        async def send_(msg: dict) -> None:
+            if started["over"]:   # the body went over the bound while the app read it: our 413, not its answer
+                if msg["type"] == "http.response.start" and not started["v"]:
+                    await reply(413, too_big)
+                return
+            if msg["type"] == "http.response.start":
+                started["v"], started["code"] = True, msg["status"]
+            await send(msg)
+
+        too_big = f"request body larger than {limit} bytes (limits.{'max_memory_body_bytes' if limit != lim.max_body_bytes else 'max_body_bytes'})"
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                await reply(413 if length.isdigit() else 400, too_big if length.isdigit() else "bad Content-Length")
+                return
+            seen = {"n": 0}
+
+            async def receive_() -> dict:
+                msg = await receive()
+                if msg["type"] == "http.request":
+                    seen["n"] += len(msg.get("body", b""))
+                    if seen["n"] > limit:
+                        started["over"] = True
+                        raise ApiError(413, too_big)
+                return msg
+            await self.app(scope, receive_, send_)
+        except ApiError as e:
+            if not started["v"]:
+                await reply(e.status, e.message)
+        except Exception as e:  # noqa: BLE001 - never a traceback to the client
+            rid = svc.log_error(f"{scope.get('method')} {path}", e)
+            if not started["v"]:
+                await reply(500, f"internal error (id {rid}); the server's log has the details")
+        finally:
+            route = scope.get("route")
+            name = getattr(route, "path", None) or "other"
+            code = started["code"]
+            svc.metrics.requests.labels(name, str(code)).inc()
+            svc.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+            if code >= 400:
+                svc.metrics.errors.labels(name, "client" if code < 500 else "server").inc()
+
+
+DESCRIPTION = """\
+Memory retrieval over an embed stage's publication (memsifter). `POST /retrieve` is Search-R1's retrieval
+server API: a Search-R1 or verl search-tool client works unchanged (point its URL at `/retrieve` for the
+default corpus or `/u/{corpus_id}/retrieve`). Keys: `Authorization: Bearer <key>` or `X-API-Key`."""
+
+
+def make_app(service: RetrievalService) -> FastAPI:
+    """The FastAPI app of ``service`` (wrapped in :class:`Guard`)."""
+    app = FastAPI(title="memsifter retrieval service", version=__version__, description=DESCRIPTION)
+    app.router.route_class = SafeRoute
+    app.state.service = service
+    app.add_middleware(Guard, service=service)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    def who(authorization: str | None, x_api_key: str | None):  # noqa: ANN202
+        return service.principal(authorization, x_api_key)
+
+    @app.post("/retrieve", summary="Search-R1 retrieval: top-k sessions per query")
+    async def retrieve(body: RetrieveRequest, authorization: str | None = Header(None),
+                       x_api_key: str | None = Header(None)) -> Response:
+        return FastJSON(await service.retrieve(who(authorization, x_api_key), body.queries, body.topk,
+                                               body.return_scores, body.corpus_id, body.mode))
+
+    @app.post("/u/{corpus_id}/retrieve", summary="Search-R1 retrieval in one corpus named by the URL")
+    async def retrieve_in(body: RetrieveRequest, corpus_id: str = Path(pattern=ID_PATTERN),
+                          authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> Response:
+        if body.corpus_id and body.corpus_id != corpus_id:
+            raise ApiError(422, "corpus_id: the body names another corpus than the URL")
+        return FastJSON(await service.retrieve(who(authorization, x_api_key), body.queries, body.topk,
+                                               body.return_scores, corpus_id, body.mode))
+
+    @app.post("/memories", summary="append sessions to a user's memory")
+    async def add_memories(body: MemoriesRequest, authorization: str | None = Header(None),
+                           x_api_key: str | None = Header(None)) -> dict:
+        return await service.add_memories(who(authorization, x_api_key), body.user_id,
+                                          [s.model_dump() for s in body.sessions])
+
+    @app.post("/search", summary="a user's sessions for one query (first_stage or ranked)")
+    async def search(body: SearchRequest, authorization: str | None = Header(None),
+                     x_api_key: str | None = Header(None)) -> Response:
+        return FastJSON(await service.search(who(authorization, x_api_key), body.user_id, body.query, body.top_k,
+                                             body.mode))
+
+    @app.delete("/memories/{user_id}", summary="delete a user's memories")
+    async def delete_memories(user_id: str = Path(pattern=ID_PATTERN), authorization: str | None = Header(None),
+                              x_api_key: str | None = Header(None)) -> dict:
+        return await service.delete_memories(who(authorization, x_api_key), user_id)
+
+    @app.get("/healthz", summary="liveness and what is loaded")
+    async def healthz() -> dict:
+        return service.health()
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        service._update_gauges()
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,386 @@
+"""The first stage online: an embed stage's publication loaded as per-corpus indexes, scored per query with
+the embed stage's own code (:func:`memsifter.stages.embed.score_haystack`).
+
+What an embed output holds and what is read of it: ``_SUCCESS`` (its config: model, pooling, length,
+dtype, query instruction, ``turn_words``, ``stem``, ``rrf_k``, ``zsum_k``, ``cascade_k``; its stats:
+``primary`` and ``model_key``), the embedding store (``<config.store or output/_work/embeddings>/<model
+key>/``: the question vectors and the unit vectors of the sessions it re-scored) and the dataset it read
+(``config.input``: ``sessions.parquet`` + ``questions.parquet``). ``rankings*.parquet`` are not needed
+to serve; a test compares the service's answers with them.
+
+Corpora. A *corpus* is one haystack: the sessions a query is ranked over. A published dataset gives one
+corpus per question, with the question's id as the corpus id (LongMemEval gives each question its own
+haystack, with dates per question; LoCoMo's questions of one conversation share theirs, and identical
+haystacks share one index). User memories (:mod:`memsifter.service.memory`) are corpora too, keyed by
+user id.
+
+Identity with the embed stage. For a question of the dataset, the service's order equals
+``rankings.parquet``'s: the BM25 views are built from the same tokens with the same library
+(:class:`memsifter.stages.embed.HaystackLexical`), the dense leg reads the unit vectors the stage stored
+(sessions the stage never re-scored get theirs computed here, by the same model), and with
+``reuse_query_vectors`` a query whose exact text the stage embedded gets that stored vector; fusion is
+:func:`memsifter.stages.embed.rescored_scores`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .. import embedding, storage
+from ..data.model import Dataset, Session, read_dataset
+from ..errors import ConfigError
+from ..stages import embed as E
+from .config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+SERVED = ("zsum", "cascade", "bm25", "bm25_dated", "bm25_window")
+DENSE_METHODS = ("zsum", "cascade")
+EMBED_DEFAULTS = {"query_instruction": "", "turn_words": 200, "stem": True, "rrf_k": 60, "zsum_k": E.ZSUM_K,
+                  "cascade_k": 5, "pooling": "auto", "max_length": None, "dtype": "auto", "store": None}
+
+
+def views_of(method: str) -> tuple[str, ...]:
+    """The BM25 views a method reads."""
+    return E.LEXICAL_LEGS if method in DENSE_METHODS else (method,)
+
+
+# --------------------------------------------------------------------------- vectors
+class Encoder:
+    """The embed stage's dense model in this process (loaded on first use), one forward pass at a time."""
+
+    def __init__(self, spec: embedding.ModelSpec, threads: int | None = None):
+        self.spec, self.threads = spec, threads
+        self._model: embedding.Embedder | None = None
+        self.lock = threading.Lock()
+        self.texts = 0
+
+    def _load(self) -> embedding.Embedder:
+        if self._model is None:
+            import torch
+
+            torch.set_num_threads(self.threads or max(1, min(2, os.cpu_count() or 1)))
+            self._model = embedding.Embedder(self.spec)
+        return self._model
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Vectors of ``texts`` in order (length-bucketed batches, as the stage plans them)."""
+        with self.lock:
+            model = self._load()
+            out = np.zeros((len(texts), model.dim), dtype=np.float32)
+            items = [(str(i), t) for i, t in enumerate(texts)]
+            for b in embedding.plan_batches(items, self.spec.max_length, max_batch_size=batch_size):
+                out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
+            self.texts += len(texts)
+            return out
+
+
+class Vectors:
+    """Vectors by text hash: the embed stage's store (read only), then the service's own (``<state>/
+    embeddings``, written as shards like the stage's), then, without a state, memory."""
+
+    def __init__(self, spec: embedding.ModelSpec, published: str, own: str | None):
+        self.published = embedding.EmbeddingStore(published, spec)
+        self.own = embedding.EmbeddingStore(own, spec) if own else None
+        self.mem: dict[str, np.ndarray] = {}
+        self.lock = threading.Lock()
+
+    def load(self) -> None:
+        self.published.load()
+        if self.own is not None:
+            self.own.load()
+
+    def published_vector(self, h: str) -> np.ndarray | None:
+        return self.published.get(h) if h in self.published else None
+
+    def get(self, h: str) -> np.ndarray | None:
+        if h in self.published:
+            return self.published.get(h)
+        if self.own is not None and h in self.own:
+            return self.own.get(h)
+        return self.mem.get(h)
+
+    def add(self, hashes: list[str], vecs: np.ndarray) -> None:
+        with self.lock:
+            if self.own is not None:
+                self.own.add_shard(hashes, vecs)
+            else:
+                for h, v in zip(hashes, vecs):
+                    self.mem.setdefault(h, v.astype(np.float32))
+
+
+class Units:
+    """Per session (by content hash): the matrix of its :func:`~memsifter.stages.embed.cascade_units`'
+    vectors, stacked as the stage stacks them (the dense leg's max-sim is then the same arithmetic)."""
+
+    def __init__(self, vectors: Vectors, encoder: Encoder, turn_words: int):
+        self.vectors, self.encoder, self.turn_words = vectors, encoder, turn_words
+        self._mats: dict[str, np.ndarray] = {}
+        self.lock = threading.Lock()
+        self.embedded = 0
+
+    def __contains__(self, s: Session) -> bool:
+        return s.content_hash in self._mats
+
+    def hashes(self, s: Session) -> list[str]:
+        return [embedding.text_hash(t) for t in E.cascade_units(s.turns, self.turn_words)]
+
+    def matrix(self, s: Session) -> np.ndarray:
+        """The session's unit matrix, embedding what no store holds (blocking)."""
+        m = self._mats.get(s.content_hash)
+        if m is None:
+            self.ensure([s])
+            m = self._mats[s.content_hash]
+        return m
+
+    def ensure(self, sessions: Iterable[Session], chunk: int = 512,
+               progress: Callable[[int], None] | None = None) -> int:
+        """Build the matrices of ``sessions``, embedding missing units ``chunk`` texts at a time (so a
+        query's own few units wait for at most one chunk). Returns how many texts were embedded."""
+        todo = [s for s in {s.content_hash: s for s in sessions}.values() if s.content_hash not in self._mats]
+        n = 0
+        for i in range(0, len(todo), 64):
+            group = todo[i:i + 64]
+            texts: dict[str, str] = {}
+            for s in group:
+                for t in E.cascade_units(s.turns, self.turn_words):
+                    h = embedding.text_hash(t)
+                    if self.vectors.get(h) is None:
+                        texts[h] = t
+            items = sorted(texts.items())
+            for j in range(0, len(items), chunk):
+                part = items[j:j + chunk]
+                vecs = self.encoder.encode([t for _, t in part])
+                self.vectors.add([h for h, _ in part], vecs)
+                n += len(part)
+                if progress:
+                    progress(len(part))
+            for s in group:
+                mat = np.stack([self.vectors.get(h) for h in self.hashes(s)])
+                with self.lock:
+                    self._mats.setdefault(s.content_hash, mat)
+        self.embedded += n
+        return n
+
+    def count(self) -> int:
+        return sum(len(m) for m in list(self._mats.values()))
+
+
+# --------------------------------------------------------------------------- corpora
+@dataclass
+class Corpus:
+    """One haystack: its sessions in order (oldest first), each with its date, and its BM25 views."""
+
+    corpus_id: str
+    sessions: list[Session]
+    dates: list[str | None]
+    lexical: E.HaystackLexical | None
+    kind: str = "published"                 # published | memory
+    question: str | None = None             # a published corpus: its question
+    version: int = 0
+
+    @property
+    def session_ids(self) -> list[str]:
+        return [s.session_id for s in self.sessions]
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+
+class _Sessions:
+    """``sessions`` mapping for :class:`memsifter.stages.embed.Lexical` (it reads ``ds.sessions[id]``)."""
+
+    def __init__(self, sessions: dict[str, Session]):
+        self.sessions = sessions
+
+
+def build_lexical(sessions: Sequence[Session], dates: Sequence[str | None], method: str, turn_words: int,
+                  stem: bool) -> E.HaystackLexical | None:
+    """The BM25 views ``method`` reads over ``sessions`` (tokens cached only while building)."""
+    if not sessions:
+        return None
+    ids = [f"{i}" for i in range(len(sessions))]
+    lex = E.Lexical(_Sessions(dict(zip(ids, sessions))), turn_words, stem)  # type: ignore[arg-type]
+    return lex.index(ids, list(dates), views_of(method))
+
+
+@dataclass
+class EmbedSettings:
+    """What the service needs of the embed stage's config (its manifest)."""
+
+    method: str
+    query_instruction: str
+    turn_words: int
+    stem: bool
+    rrf_k: int
+    zsum_k: int
+    cascade_k: int
+    spec: embedding.ModelSpec
+    store: str
+
+    def ks(self) -> dict[str, int]:
+        return {"cascade_k": self.cascade_k if self.method == "cascade" else 0,
+                "zsum_k": self.zsum_k if self.method == "zsum" else 0, "rrf_k": self.rrf_k}
+
+
+def embed_settings(cfg: ServeConfig, manifest: dict) -> EmbedSettings:
+    if manifest.get("stage") != "embed":
+        raise ConfigError(f"serve: index {cfg.index} is the output of stage '{manifest.get('stage')}', not embed: "
+                          "name an embed stage's output")
+    c = {**EMBED_DEFAULTS, **(manifest.get("config") or {})}
+    method = cfg.method
+    if method == "auto":
+        method = (manifest.get("stats") or {}).get("primary") or "zsum"
+    if method not in SERVED:
+        raise ConfigError(f"serve: the index's primary method is '{method}', which the service does not serve "
+                          f"(served: {', '.join(SERVED)}); set method to one of them")
+    spec = embedding.ModelSpec.resolve(c["model"], c["pooling"], c["max_length"], c["dtype"])
+    key = (manifest.get("stats") or {}).get("model_key")
+    if key and key != spec.key and method in DENSE_METHODS:
+        raise ConfigError(f"serve: the index's vectors are of model settings {key}, this machine resolves "
+                          f"{c['model']!r} to {spec.key}: install the same model (same directory name and "
+                          "settings) or re-run the embed stage here")
+    store = c["store"] or storage.join(cfg.index, storage.WORK, "embeddings")
+    return EmbedSettings(method=method, query_instruction=c["query_instruction"] or "",
+                         turn_words=int(c["turn_words"]), stem=bool(c["stem"]), rrf_k=int(c["rrf_k"]),
+                         zsum_k=int(c["zsum_k"]), cascade_k=int(c["cascade_k"]), spec=spec, store=store)
+
+
+def dataset_uri(cfg: ServeConfig, manifest: dict) -> str:
+    """The dataset to serve: the config's, else the embed stage's input (a relative path: from the
+    working directory, else beside the index)."""
+    if cfg.dataset:
+        return cfg.dataset
+    src = (manifest.get("config") or {}).get("input")
+    if not src:
+        raise ConfigError(f"serve: the index {cfg.index} names no input dataset; pass dataset")
+    if storage.is_s3(src) or os.path.isabs(src) or storage.exists(storage.join(src, storage.MANIFEST)):
+        return src
+    if not storage.is_s3(cfg.index):
+        beside = os.path.join(os.path.dirname(os.path.abspath(cfg.index.rstrip("/"))), src)
+        if os.path.exists(os.path.join(beside, storage.MANIFEST)):
+            return beside
+    raise ConfigError(f"serve: the index's input dataset {src!r} is a relative path not found from here: pass "
+                      "dataset (the import stage's output it was embedded from)")
+
+
+def manifest_digest(uri: str) -> str | None:
+    """sha256 of ``<uri>/_SUCCESS`` (None while absent: being re-published)."""
+    m = storage.join(uri, storage.MANIFEST)
+    try:
+        return hashlib.sha256(storage.read_bytes(m)).hexdigest()
+    except Exception:  # noqa: BLE001 - absent, or replaced while read: try again later
+        return None
+
+
+def corpus_title(session: Session, date: str | None) -> str:
+    """The first line of a document's ``contents``: the session's date and id, on one line."""
+    t = f"{date} | session {session.session_id}" if date else f"session {session.session_id}"
+    return " ".join(t.split())
+
+
+def corpus_key(sessions: Sequence[Session], dates: Sequence[str | None]) -> tuple:
+    """What a corpus's BM25 views depend on: its sessions (ids and contents) and their dates, in order."""
+    return tuple((s.session_id, s.content_hash) for s in sessions), tuple(dates)
+
+
+@dataclass
+class PublishedIndex:
+    """One publication of the embed stage, loaded: settings, sessions, corpora. Immutable once built: a
+    newer publication is loaded beside it and swapped in (:class:`memsifter.service.core.RetrievalService`)."""
+
+    index: str
+    digest: str
+    manifest: dict
+    settings: EmbedSettings
+    dataset: str
+    sessions: dict[str, Session]
+    corpora: dict[str, Corpus]
+    vectors: Vectors
+    dataset_digest: str = ""
+    loaded_at: float = field(default_factory=time.time)
+    load_seconds: float = 0.0
+    reused: str = "nothing"
+
+    @classmethod
+    def load(cls, cfg: ServeConfig, progress: Callable[[str], None] | None = None, lexical: bool = True,
+             previous: "PublishedIndex | None" = None) -> "PublishedIndex":
+        """The publication at ``cfg.index``. With ``previous`` (a reload), what did not change is shared
+        with it, not built again: the dataset and every corpus when the dataset's ``_SUCCESS`` and the
+        lexical settings are the same, else each corpus whose sessions, dates and contents are; the
+        vectors when the store and model are (only new shards are read)."""
+        t0 = time.time()
+        digest = manifest_digest(cfg.index)
+        manifest = storage.read_manifest(cfg.index)
+        settings = embed_settings(cfg, manifest)
+        ds_uri = dataset_uri(cfg, manifest)
+        ds_digest = manifest_digest(ds_uri) or ""
+        own = storage.join(cfg.state, "embeddings") if cfg.state else None
+        vectors = Vectors(settings.spec, settings.store, own)
+        if (previous is not None and previous.vectors.published.uri == vectors.published.uri
+                and (previous.vectors.own.uri if previous.vectors.own else None) == (vectors.own.uri if vectors.own else None)):
+            vectors = previous.vectors
+        if settings.method in DENSE_METHODS:
+            vectors.load()
+        lex_key = (settings.method, settings.turn_words, settings.stem)
+        prev_lex = previous is not None and lexical and (previous.settings.method, previous.settings.turn_words,
+                                                         previous.settings.stem) == lex_key
+        if prev_lex and ds_digest and previous.dataset == ds_uri and previous.dataset_digest == ds_digest:
+            return cls(index=cfg.index, digest=digest or "", manifest=manifest, settings=settings, dataset=ds_uri,
+                       sessions=previous.sessions, corpora=previous.corpora, vectors=vectors, dataset_digest=ds_digest,
+                       load_seconds=round(time.time() - t0, 2), reused="dataset and corpora")
+        ds: Dataset = read_dataset(ds_uri)
+        shared: dict[tuple, E.HaystackLexical | None] = {}
+        if prev_lex:
+            for c in previous.corpora.values():
+                shared.setdefault(corpus_key(c.sessions, c.dates), c.lexical)
+        corpora: dict[str, Corpus] = {}
+        for n, q in enumerate(ds.questions):
+            hay = list(q.haystack_session_ids)
+            dates = [q.date_of(s, ds.sessions) for s in hay]
+            sess = [ds.sessions[s] for s in hay]
+            key = corpus_key(sess, dates)
+            if key not in shared:
+                shared[key] = (build_lexical(sess, dates, settings.method, settings.turn_words, settings.stem)
+                               if lexical else None)
+            corpora[q.question_id] = Corpus(q.question_id, sess, dates, shared[key], "published", q.question)
+            if progress and (n + 1) % 50 == 0:
+                progress(f"BM25 views of {n + 1}/{len(ds.questions)} corpora")
+        used = {s.session_id for c in corpora.values() for s in c.sessions}
+        sessions = {k: v for k, v in ds.sessions.items() if k in used}
+        return cls(index=cfg.index, digest=digest or "", manifest=manifest, settings=settings, dataset=ds_uri,
+                   sessions=sessions, corpora=corpora, vectors=vectors, dataset_digest=ds_digest,
+                   load_seconds=round(time.time() - t0, 2), reused="corpora with unchanged haystacks" if prev_lex else "nothing")
+
+    def stats(self) -> dict[str, Any]:
+        return {"index": self.index, "method": self.settings.method, "corpora": len(self.corpora),
+                "sessions": len(self.sessions), "published_at": self.manifest.get("published_at"),
+                "manifest_sha256": self.digest, "load_seconds": self.load_seconds, "reused": self.reused}
+
+
+def score_corpus(corpus: Corpus, query: str, qv: np.ndarray | None, units: Units | None,
+                 settings: EmbedSettings) -> np.ndarray:
+    """The first-stage score of each of ``corpus``'s sessions for ``query`` (``qv``: its vector, for the
+    dense methods): :func:`memsifter.stages.embed.score_haystack`, the embed stage's computation."""
+    if corpus.lexical is None:
+        return np.zeros(0)
+    sessions = corpus.sessions
+
+    def max_sim(i: int) -> float:
+        return float((units.matrix(sessions[i]) @ qv).max())  # type: ignore[union-attr,operator]
+
+    scores = E.score_haystack(query, corpus.lexical, max_sim, **settings.ks())
+    return scores[settings.method]
+
+
+def order_of(scores: np.ndarray) -> list[int]:
+    """Indices by descending score, ties in haystack order (:func:`memsifter.stages.embed.order_by`)."""
+    return E.order_by(scores)

@@ -1,0 +1,346 @@
+"""The memory retrieval service on Kubernetes (issue 32, item 4): the chart's RayService (``serve.enabled``).
+
+Rendered with the real helm binary and checked against what KubeRay and Ray Serve themselves accept:
+
+* the RayService passes the KubeRay v1.7.0 CRD schema (``../shared/crds/ray.io_rayservices.yaml``) with unknown
+  fields rejected, its CEL rules and KubeRay's RayService admission rules (:func:`validate.validate_rayservice`);
+* ``serveConfigV2`` parses as Ray Serve's own deploy schema; its one application's ``args`` validate as a
+  :class:`memsifter.service.config.ServeConfig`, and its deployments' autoscaling and actor options are the ones
+  ``memsifter.service.app`` derives from the same args (the builder run here, nothing deployed);
+* ``index`` is the embed stage's output as ``memsifter pipeline``'s plan wires it, and the install fails in one
+  line naming ``serve.config.index`` when no embed stage is enabled and none is given;
+* API keys only by reference (``secretKeyRef``): no env var of a key has a value, a grant naming a variable the
+  chart does not set fails the install;
+* ``upgradeStrategy: auto`` picks NewCluster only where the GPU pool holds two clusters' GPU workers;
+* Ray's own KubeRay autoscaler code turns the cluster spec into node types on which the deployments' replicas fit;
+* ``jobs/serve.yaml`` is up to date (``gen-jobs --check``) and valid; the ci/ scenario wires the index.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import yaml
+
+from memsifter import pipeline
+from memsifter.k8s.dev import chart, validate
+from memsifter.k8s.dev.tools import ToolError, helm
+
+CHART = chart.CHART_DIR
+SCENARIO = CHART / "ci" / "serve.yaml"
+JOB = chart.JOBS_DIR / "serve.yaml"
+KEYS = {"MEMSIFTER_KEY_TRAINER": "trainer", "MEMSIFTER_KEY_APP": "app"}
+
+
+@pytest.fixture(scope="module")
+def crd(shared_dir):
+    return validate.crd_schema(shared_dir / "crds" / "ray.io_rayservices.yaml")
+
+
+def base_values(**serve) -> dict:
+    """A run of synth -> embed with the service on (no ranker unless given)."""
+    return {"run": {"id": "t"}, "s3": {"bucket": "memsifter-ci"},
+            "stages": {"synth": {"enabled": True}, "embed": {"enabled": True}},
+            "serve": {"enabled": True, **serve}}
+
+
+def rayservice(values: dict | None = None, files: list | None = None, sets: list[str] | None = None) -> dict:
+    docs = chart.render_docs(files or [], sets, values=values, show_only="templates/rayservice.yaml")
+    (rs,) = docs
+    assert rs["kind"] == "RayService"
+    return rs
+
+
+def serve_config(rs: dict) -> dict:
+    return yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+def app_of(rs: dict) -> dict:
+    (app,) = serve_config(rs)["applications"]
+    return app
+
+
+def containers(rs: dict) -> list[dict]:
+    rcc = rs["spec"]["rayClusterConfig"]
+    groups = [rcc["headGroupSpec"], *rcc.get("workerGroupSpecs", [])]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+# --------------------------------------------------------------------------- the RayService is valid
+@pytest.mark.parametrize("source", ["ci/serve.yaml", "jobs/serve.yaml", "no ranker"])
+def test_rayservice_valid_against_crd_cel_and_kuberay(source, crd):
+    if source == "ci/serve.yaml":
+        rs = rayservice(files=[SCENARIO])
+    elif source == "jobs/serve.yaml":
+        (rs,) = [d for d in yaml.safe_load_all(JOB.read_text()) if d]
+    else:
+        rs = rayservice(base_values())
+    assert rs["apiVersion"] == "ray.io/v1"
+    assert validate.validate_rayservice(rs, crd) == []
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda r: r["spec"].update(serveConfigV3="x"), "serveConfigV3"),
+    (lambda r: r["spec"]["rayClusterConfig"]["headGroupSpec"].update(rayStartParamz={}), "rayStartParamz"),
+    (lambda r: r["spec"].update(upgradeStrategy={"type": "Rolling"}), "Spec.UpgradeStrategy.Type value Rolling"),
+    (lambda r: r["spec"].update(upgradeStrategy={"type": "NewClusterWithIncrementalUpgrade"}),
+     "ClusterUpgradeOptions are required"),
+    (lambda r: r["metadata"].update(name="s" * 48), "no more than 47"),
+    (lambda r: r["spec"].update(serveConfigV2="applications: [unclosed"), "serveConfigV2 is not valid YAML"),
+    (lambda r: r["spec"]["rayClusterConfig"].update(managedBy="someone/else"), "managedBy field value must be"),
+])
+def test_rayservice_checks_reject(change, expect, crd):
+    rs = rayservice(files=[SCENARIO])
+    bad = copy.deepcopy(rs)
+    change(bad)
+    errs = validate.validate_rayservice(bad, crd)
+    assert any(expect in e for e in errs), errs
+
+
+def test_pods_hardened_like_the_rayjobs():
+    """The service's pods follow the RayJobs' conventions: non-root, read-only root, no capabilities, every
+    writable path on an emptyDir, /dev/shm sized, the autoscaler's token only on the head."""
+    rs = rayservice(files=[SCENARIO])
+    pods = [d for d in validate.workload_manifests([rs]) if d["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in pods] == ["memsifter-head", "memsifter-cpu-worker", "memsifter-gpu-worker"]
+    for p in pods:
+        spec = p["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
+        assert spec["automountServiceAccountToken"] is p["metadata"]["name"].endswith("-head")
+        ray = spec["containers"][0]
+        assert {"containerPort": 8000, "name": "serve", "protocol": "TCP"} in ray["ports"]
+        assert "readinessProbe" not in ray, "KubeRay injects the RayService probes (raylet, Serve proxy /-/healthz)"
+
+
+# --------------------------------------------------------------------------- serveConfigV2
+def _code_options(args: dict) -> dict:
+    """Deployment name -> (autoscaling (min, max, target), ray_actor_options) as memsifter.service.app builds them."""
+    from memsifter.service.app import build_app
+
+    out = {}
+    todo = [build_app(args)]
+    while todo:
+        d = todo.pop()._bound_deployment
+        cfg = d._deployment_config
+        if cfg.autoscaling_config is not None:
+            a = cfg.autoscaling_config
+            scale = (a.min_replicas, a.max_replicas, a.target_ongoing_requests)
+        else:
+            scale = (cfg.num_replicas, cfg.num_replicas, None)
+        out[d.name] = (scale, dict(d.ray_actor_options or {}))
+        todo += [a for a in d.init_args if hasattr(a, "_bound_deployment")]
+    return out
+
+
+@pytest.mark.parametrize("source", ["ci/serve.yaml", "no ranker", "scaled"])
+def test_serve_config_parses_and_matches_the_application(source):
+    from ray.serve.schema import ServeDeploySchema
+
+    from memsifter.service.config import ServeConfig
+
+    if source == "ci/serve.yaml":
+        rs = rayservice(files=[SCENARIO])
+    elif source == "no ranker":
+        rs = rayservice(base_values())
+    else:
+        rs = rayservice(base_values(config={"num_cpus": 2, "min_replicas": 2, "max_replicas": 6,
+                                            "target_ongoing_requests": 8,
+                                            "ranker": {"num_gpus": 0.5, "min_replicas": 0, "max_replicas": 3,
+                                                       "max_batch_size": 4}},
+                                    gpuWorkers={"maxReplicas": 2}))
+    sc = serve_config(rs)
+    ServeDeploySchema.model_validate(sc)       # Ray Serve's own schema of a deploy config
+    app = app_of(rs)
+    assert (app["import_path"], app["route_prefix"]) == ("memsifter.service.app:build_app", "/")
+    cfg = ServeConfig.model_validate(app["args"])
+    assert cfg.host == "0.0.0.0" and cfg.port == 8000      # what the Serve proxy of the RayService listens on
+    code = _code_options(app["args"])
+    deps = {d["name"]: d for d in app["deployments"]}
+    assert set(deps) == set(code) == ({"FirstStage", "Ranker"} if cfg.ranker else {"FirstStage"})
+    for name, d in deps.items():
+        (lo, hi, target), actor = code[name]
+        a = d["autoscaling_config"]
+        assert (a["min_replicas"], a["max_replicas"]) == (lo, hi), name
+        if target is not None:
+            assert a["target_ongoing_requests"] == target, name
+        assert d["ray_actor_options"] == actor, name
+    assert "num_gpus" not in deps["FirstStage"]["ray_actor_options"]
+    groups = [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    gpus = bool(cfg.ranker and cfg.ranker.num_gpus > 0)
+    assert groups == (["cpu", "gpu"] if gpus else ["cpu"])
+
+
+def test_replicas_fit_the_node_types_rays_autoscaler_derives():
+    """Ray's own KubeRay code turns the cluster spec into autoscaler node types: the head takes no replica
+    (num-cpus 0), a FirstStage replica fits a CPU worker, a Ranker replica a GPU worker, and the worker groups
+    can hold every replica at the deployments' maxima."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    rs = rayservice(files=[SCENARIO])
+    auto = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": "c", "namespace": "ns"},
+                                                   "spec": rs["spec"]["rayClusterConfig"]})
+    types = auto["available_node_types"]
+    assert types["headgroup"]["resources"].get("CPU", 0) == 0
+    deps = {d["name"]: d for d in app_of(rs)["deployments"]}
+    for name, group, res in [("FirstStage", "cpu", "num_cpus"), ("Ranker", "gpu", "num_gpus")]:
+        per = deps[name]["ray_actor_options"][res]
+        have = types[group]["resources"]["CPU" if res == "num_cpus" else "GPU"]
+        assert 0 < per <= have, (name, per, have)
+        assert deps[name]["autoscaling_config"]["max_replicas"] * per <= have * types[group]["max_workers"], name
+    assert types["gpu"]["resources"]["GPU"] >= 1 and not types["cpu"]["resources"].get("GPU")
+
+
+# --------------------------------------------------------------------------- index wiring
+@pytest.mark.parametrize("case", ["default", "embed output set", "index set"])
+def test_index_wired_from_the_embed_output_as_the_plan_wires_it(case):
+    values = base_values()
+    if case == "embed output set":
+        values["stages"]["embed"]["config"] = {"output": "s3://memsifter-ci/elsewhere/embed"}
+    if case == "index set":
+        values["serve"]["config"] = {"index": "s3://memsifter-ci/runs/older/embed"}
+    args = app_of(rayservice(values))["args"]
+    spec = {"run": f"s3://{values['s3']['bucket']}/runs/{values['run']['id']}",
+            "stages": {n: copy.deepcopy(b.get("config") or {}) for n, b in values["stages"].items()}}
+    embed = dict(pipeline.wire(spec))["embed"]
+    want = values["serve"].get("config", {}).get("index") or embed["output"]
+    assert args["index"] == want
+    if case == "default":
+        assert want == "s3://memsifter-ci/runs/t/embed"
+
+
+def test_index_required_without_an_embed_stage():
+    values = {"serve": {"enabled": True}}
+    with pytest.raises(ToolError) as err:
+        rayservice(values)
+    lines = [ln for ln in str(err.value).splitlines() if "serve.config.index" in ln]
+    assert len(lines) == 1 and "stages.embed" in lines[0], str(err.value)
+    # given an index, the service alone renders (no stage enabled)
+    rs = rayservice({"serve": {"enabled": True, "config": {"index": "s3://b/runs/old/embed"}}})
+    assert app_of(rs)["args"]["index"] == "s3://b/runs/old/embed"
+
+
+def test_scenario_serves_its_embed_output():
+    scenario = yaml.safe_load(SCENARIO.read_text())
+    assert scenario["serve"]["enabled"] and scenario["stages"]["embed"]["enabled"]
+    assert "index" not in scenario["serve"].get("config", {})
+    args = app_of(rayservice(files=[SCENARIO]))["args"]
+    assert args["index"] == f"s3://{scenario['s3']['bucket']}/runs/{scenario['run']['id']}/embed"
+
+
+# --------------------------------------------------------------------------- keys
+def test_keys_only_by_reference():
+    values = base_values(config={"auth": {"keys": {"MEMSIFTER_KEY_TRAINER": {"read": ["*"]},
+                                                   "MEMSIFTER_KEY_APP": {"read": ["u-*"], "write": ["u-*"]}}}},
+                         apiKeys={"secretName": "my-serve-keys", "keys": KEYS})
+    rs = rayservice(values)
+    for c in containers(rs):
+        env = {e["name"]: e for e in c["env"]}
+        for name, key in KEYS.items():
+            assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "my-serve-keys", "key": key}}}
+        for e in c["env"]:   # no secret-looking variable carries a value
+            assert "value" not in e or not re.search(r"(KEY|TOKEN|SECRET|PASSWORD)(_|$)", e["name"]), e
+    args = app_of(rs)["args"]
+    assert set(args["auth"]["keys"]) == set(KEYS)
+    text = chart.render([], values=values, show_only="templates/rayservice.yaml")
+    assert "secretKeyRef" in text and text.count("my-serve-keys") == len(KEYS) * len(containers(rs))
+
+
+def test_grant_of_an_unset_variable_refused():
+    values = base_values(config={"auth": {"keys": {"MEMSIFTER_KEY_NOBODY": {"read": ["*"]}}}},
+                         apiKeys={"keys": KEYS})
+    with pytest.raises(ToolError, match="MEMSIFTER_KEY_NOBODY"):
+        rayservice(values)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"config": {"no_such_option": 1}}, "no_such_option"),
+    ({"config": {"ranker": {"modle": "x"}}}, "modle"),
+    ({"apiKeys": {"keys": {"NOT AN ENV NAME": "k"}}}, "NOT AN ENV NAME"),
+    ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
+    ({"cpuWorkers": {"maxReplica": 3}}, "maxReplica"),
+])
+def test_schema_rejects_typos(bad, msg):
+    with pytest.raises(ToolError, match=msg):
+        rayservice(base_values(**bad))
+
+
+def test_host_and_port_are_the_proxys():
+    with pytest.raises(ToolError, match="serve.config.port"):
+        rayservice(base_values(config={"port": 9000}))
+
+
+# --------------------------------------------------------------------------- upgrade strategy
+RANKED = {"config": {"ranker": {}}, "gpuWorkers": {"gpus": 1, "maxReplicas": 2}}
+
+
+@pytest.mark.parametrize("pool,want", [
+    ({"nodes": 3, "gpusPerNode": 1}, "None"),         # 3 GPU workers fit: one cluster (2), not two (4)
+    ({"nodes": 4, "gpusPerNode": 1}, "NewCluster"),   # two clusters' GPU workers fit
+    ({"nodes": 1, "gpusPerNode": 4}, "NewCluster"),   # 4 one-GPU workers on one node
+    ({"nodes": 0, "gpusPerNode": 8}, "None"),         # pool unknown
+])
+def test_upgrade_strategy_auto_follows_the_gpu_pool(pool, want, crd):
+    rs = rayservice(base_values(**copy.deepcopy(RANKED), gpuPool=pool))
+    assert rs["spec"]["upgradeStrategy"] == {"type": want}
+    assert validate.validate_rayservice(rs, crd) == []
+
+
+def test_upgrade_strategy_without_gpus_and_explicit(crd):
+    assert rayservice(base_values())["spec"]["upgradeStrategy"] == {"type": "NewCluster"}   # no GPU workers
+    rs = rayservice(base_values(**copy.deepcopy(RANKED), upgradeStrategy="None", gpuPool={"nodes": 100}))
+    assert rs["spec"]["upgradeStrategy"] == {"type": "None"}
+    with pytest.raises(ToolError, match="gatewayClassName"):
+        rayservice(base_values(upgradeStrategy="NewClusterWithIncrementalUpgrade"))
+    rs = rayservice(base_values(upgradeStrategy="NewClusterWithIncrementalUpgrade",
+                                incrementalUpgrade={"gatewayClassName": "istio"}))
+    up = rs["spec"]["upgradeStrategy"]
+    assert up["type"] == "NewClusterWithIncrementalUpgrade" and up["clusterUpgradeOptions"]["gatewayClassName"] == "istio"
+    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    assert validate.validate_rayservice(rs, crd) == []
+
+
+def test_ranker_must_fit_a_gpu_worker():
+    with pytest.raises(ToolError, match="num_gpus"):
+        rayservice(base_values(config={"ranker": {"num_gpus": 2}}, gpuWorkers={"gpus": 1}))
+
+
+# --------------------------------------------------------------------------- jobs/, NOTES, NetworkPolicy
+def test_jobs_serve_is_up_to_date(crd):
+    assert chart.gen_jobs(check=True) == [], "run `memsifter k8s gen-jobs`"
+    text = JOB.read_text()
+    (rs,) = [d for d in yaml.safe_load_all(text) if d]
+    assert validate.validate_rayservice(rs, crd) == []
+    assert app_of(rs)["args"]["index"] == "s3://my-bucket/runs/example/embed"
+    assert text.count("ghcr.io/") == 1 and "image: &image " in text
+    assert "kubectl apply" in text and "port-forward" in text
+
+
+def test_notes_tell_how_to_reach_the_service():
+    out = helm("install", "lme", str(CHART), "-n", "memsifter", "--dry-run=client", "-f", str(SCENARIO)).stdout
+    notes = out[out.index("NOTES:"):]
+    assert "kubectl -n memsifter port-forward svc/lme-memsifter-serve-svc 8000" in notes
+    assert "curl" in notes and "/retrieve" in notes
+
+
+def test_network_policy_lets_clients_reach_port_8000():
+    docs = chart.render_docs([SCENARIO], ["networkPolicy.enabled=true"], show_only="templates/networkpolicy.yaml")
+    pols = {d["metadata"]["name"]: d for d in docs}
+    serve = pols["memsifter-serve"]
+    assert serve["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "serve"
+    (rule,) = serve["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert {"podSelector": {}} in rule["from"]                  # the namespace's pods
+    assert any("namespaceSelector" in f for f in rule["from"])  # KubeRay checks the head's Serve proxy
+    rs = rayservice(files=[SCENARIO])
+    labels = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert serve["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert not [d for d in chart.render_docs([SCENARIO]) if d["kind"] == "NetworkPolicy"]

