@@ -1,7 +1,7 @@
 """Embedding throughput: naive per-question embedding vs the embed stage's dedup + length buckets.
 
 Measured in the same run, with the same model (all-MiniLM-L6-v2 from the PyPI package, CPU, fp32)
-and the same :class:`memsifter.embedding.Embedder`, so only the batching strategy differs:
+and the same :class:`memsifter.models.embedding.Embedder`, so only the batching strategy differs:
 
 - ``naive``      : every question embeds its whole haystack (+ the question), batches of ``--batch``
                    in haystack order: what the original did per question.
@@ -72,8 +72,8 @@ def precision(args, ds) -> int:
 
     import torch
 
-    from memsifter import embedding
-    from memsifter.render import render_session
+    from memsifter.models import embedding
+    from memsifter.retrieval.render import render_session
     from memsifter.stages.embed import turn_units
 
     os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"
@@ -183,8 +183,8 @@ def embedding_top(scores, k: int = 10) -> list[int]:
 
 
 def main() -> int:
-    from memsifter import embedding
-    from memsifter.render import render_session
+    from memsifter.models import embedding
+    from memsifter.retrieval.render import render_session
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["batching", "precision"], default="batching")

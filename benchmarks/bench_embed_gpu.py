@@ -72,9 +72,9 @@ def main() -> int:
 
     import torch
 
-    from memsifter import embedding
+    from memsifter.models import embedding
     from memsifter.data.synth import SynthConfig, generate
-    from memsifter.render import render_session
+    from memsifter.retrieval.render import render_session
 
     ds = generate(SynthConfig(output="unused", questions=args.questions, sessions_per_question=args.sessions,
                               turns_per_session=args.turns, seed=0))

@@ -109,9 +109,10 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"
 
-    from memsifter import embedding, rankings
+    from memsifter.models import embedding
+    from memsifter.retrieval import rankings
     from memsifter.data.model import Dataset, read_dataset
-    from memsifter.metrics import mean_metrics
+    from memsifter.retrieval.metrics import mean_metrics
     from memsifter.stages import embed as E
 
     os.makedirs(a.out, exist_ok=True)
@@ -324,7 +325,7 @@ def stage_run(a, ds, held_out: list) -> dict:
     """The stage itself, end to end (Ray start, model load, BM25, embedding, writing), old default then
     new, each with a fresh store, on the same held-out LongMemEval questions; wall seconds measured
     back to back, so their ratio holds on a loaded machine."""
-    from memsifter import storage
+    from memsifter.store import storage
     from memsifter.data.model import Dataset
 
     qs = held_out[:a.stage_run]

@@ -41,7 +41,7 @@ def sh(args: list[str], log: str) -> None:
 
 
 def ndcg10(ranked: list[str], gold: list[str]) -> float:
-    from memsifter.metrics import question_metrics
+    from memsifter.retrieval.metrics import question_metrics
 
     return question_metrics(ranked, gold, [10])["ndcg@10"]
 
@@ -57,9 +57,12 @@ def main() -> int:
     for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(k, v)
-    from memsifter import models, rankings, samples, storage
+    from memsifter.models import registry as models
+    from memsifter.retrieval import rankings
+    from memsifter import samples
+    from memsifter.store import storage
     from memsifter.data.model import read_dataset
-    from memsifter.testing import vllm_server
+    from memsifter.testing.servers import vllm_server
 
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "bench.log")

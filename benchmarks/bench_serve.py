@@ -80,7 +80,7 @@ def prepare(work: str, source: str) -> dict:
     m = get_stage("import").run({"output": data, "format": "longmemeval", "source": source})
     out["import_seconds"] = round(time.time() - t0, 1)
     t0 = time.time()
-    from memsifter import storage
+    from memsifter.store import storage
 
     held = storage.try_manifest(index) if os.path.exists(index) else None
     if held and held.get("stage") == "embed" and held["config"].get("model") == "all-MiniLM-L6-v2" \
@@ -119,7 +119,7 @@ def prepare(work: str, source: str) -> dict:
 
 def identity(cfg, idx) -> dict:
     """Every question through the service's code (no HTTP) against the stage's rankings.parquet."""
-    from memsifter import rankings
+    from memsifter.retrieval import rankings
     from memsifter.service.core import RetrievalService
 
     rows = {r["question_id"]: r for r in rankings.read_rankings(cfg.index)}
@@ -155,7 +155,7 @@ def baseline_app(index: str, data: str, state: str):  # noqa: ANN201
 
     from memsifter.service.config import ServeConfig
     from memsifter.service.index import Encoder, PublishedIndex, Units, corpus_title
-    from memsifter.render import render_session
+    from memsifter.retrieval.render import render_session
 
     idx = PublishedIndex.load(ServeConfig(index=index, dataset=data, state=state), lexical=False)
     idx.vectors.load()
@@ -347,7 +347,7 @@ def run_levels(server: Server, items, levels, seconds, warmup, max_requests) -> 
 
 
 def republish(uri: str) -> None:
-    from memsifter import storage
+    from memsifter.store import storage
 
     m = storage.read_manifest(uri)
     pub = storage.Publication(uri, m["stage"], m["config"], m["config_hash"], m["code_version"])

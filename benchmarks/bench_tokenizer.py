@@ -43,7 +43,7 @@ XLMR_VOCAB = 250_002
 def sessions(limit: int) -> list[str]:
     """Rendered sessions, sorted by id: the shared training split, else the package's dev30 sample."""
     from memsifter.data.importers import convert_longmemeval
-    from memsifter.render import render_session
+    from memsifter.retrieval.render import render_session
     from memsifter import samples
 
     src = SHARED if os.path.exists(SHARED) else samples.path("longmemeval_s_dev30.json.gz")
@@ -70,7 +70,7 @@ def token_ids(tokenizer, texts: list[str], threads: int, max_length: int) -> lis
     """The embed stage's own tokenization (``Embedder.token_ids``) with this tokenizer and thread count."""
     from types import SimpleNamespace
 
-    from memsifter import embedding
+    from memsifter.models import embedding
 
     os.environ["MEMSIFTER_EMBED_TOKENIZER_THREADS"] = str(threads)
     me = SimpleNamespace(tokenizer=tokenizer, spec=SimpleNamespace(max_length=max_length))
@@ -110,8 +110,8 @@ def main() -> int:
     train, texts = all_texts[:a.train], all_texts[a.train:a.train + a.texts]
     print(f"{len(train)} training and {len(texts)} timed sessions ({time.time() - t0:.0f}s)", flush=True)
 
-    from memsifter.models import resolve
-    from memsifter.tiny import build_tokenizer
+    from memsifter.models.registry import resolve
+    from memsifter.models.tiny import build_tokenizer
     from transformers import AutoTokenizer
 
     toks = {}

@@ -19,9 +19,9 @@ sys.path.insert(0, ROOT)
 
 
 def main() -> int:
-    from memsifter import models
-    from memsifter.llm import ChatClient, LLMEndpoint
-    from memsifter.testing import vllm_server
+    from memsifter.models import registry as models
+    from memsifter.models.llm import ChatClient, LLMEndpoint
+    from memsifter.testing.servers import vllm_server
 
     text = "".join(open(os.path.join(ROOT, p)).read() for p in ("README.md", "benchmarks/README.md"))
     msgs = [[{"role": "user", "content": f"{i} {text[i * 1500:i * 1500 + 3500]}\n\nQuestion {i}: what is "

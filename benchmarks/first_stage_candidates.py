@@ -29,10 +29,12 @@ os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"
 import bm25s  # noqa: E402
 from bm25s.stopwords import STOPWORDS_EN  # noqa: E402
 
-from memsifter import embedding, rankings, samples  # noqa: E402
+from memsifter.models import embedding
+from memsifter.retrieval import rankings
+from memsifter import samples  # noqa: E402
 from memsifter.data.model import read_dataset  # noqa: E402
-from memsifter.metrics import mean_metrics  # noqa: E402
-from memsifter.render import render_session  # noqa: E402
+from memsifter.retrieval.metrics import mean_metrics  # noqa: E402
+from memsifter.retrieval.render import render_session  # noqa: E402
 from memsifter.stage import get_stage  # noqa: E402
 from memsifter.stages.embed import bm25_tokens, order_by, rrf  # noqa: E402
 from memsifter.stages.embed import turn_units as _units  # noqa: E402

@@ -48,7 +48,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("memsifter.pipeline", "run several stages in order under one run prefix"),
     "demo": ("memsifter.demo", "offline end-to-end demo: real samples, real SmolLM2 ranker and working LLM"),
     "status": ("memsifter.status", "what each stage of a run is doing: published / running / failed / not started"),
-    "models": ("memsifter.models", "real models that install offline from PyPI (list, path, verify)"),
+    "models": ("memsifter.models.registry", "real models that install offline from PyPI (list, path, verify)"),
     "k8s": ("memsifter.k8s.cli", "render RayJobs and drive a pipeline on Kubernetes"),
     "serve": ("memsifter.service.cli", "memory retrieval online: Search-R1's /retrieve and a memory API (Ray Serve)"),
 }
@@ -424,7 +424,7 @@ def _data_main(argv: Sequence[str]) -> int:
         n = export_memsifter(args.src, args.dest)
         print(f"exported {n} questions to {args.dest}")
     elif args.cmd == "info":
-        from . import storage
+        from .store import storage
         from .errors import NotPublishedError
         try:
             m = storage.read_manifest(args.uri)

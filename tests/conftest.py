@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from memsifter import storage
-from memsifter.testing import env_vars, seaweedfs
+from memsifter.store import storage
+from memsifter.testing.servers import env_vars, seaweedfs
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEMSIFTER_SHARED", REPO.parent / "shared"))
@@ -85,8 +85,8 @@ def lme_dev30(shared_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny random Qwen3 + trained BPE tokenizer with a chat template (memsifter.tiny)."""
-    from memsifter.tiny import build_tiny_model
+    """A tiny random Qwen3 + trained BPE tokenizer with a chat template (memsifter.models.tiny)."""
+    from memsifter.models.tiny import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -94,7 +94,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def vllm_endpoint(tiny_model_dir, tmp_path_factory) -> str:
     """A real vLLM (CPU) OpenAI-compatible server serving the tiny model as 'tiny'; base URL."""
-    from memsifter.testing import vllm_server
+    from memsifter.testing.servers import vllm_server
 
     log = str(tmp_path_factory.mktemp("vllm") / "server.log")
     with vllm_server(tiny_model_dir, "tiny", log_path=log) as url:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import read_dataset
 
 SAMPLES = Path(__file__).resolve().parents[1] / "memsifter" / "samples"

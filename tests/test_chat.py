@@ -13,9 +13,10 @@ from collections import Counter
 
 import pytest
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import read_dataset
-from memsifter.render import render_session
+from memsifter.retrieval.render import render_session
 from memsifter.stage import get_stage
 from memsifter.stages.chat import ApproxCounter, ChatConfig, build_messages, context_order, extract_answer
 
@@ -71,13 +72,13 @@ def test_context_assembly_budget_and_order(chat_data):
 @pytest.mark.parametrize("tokenizer", ["approx", "tiny"])
 def test_context_tokens_bound_the_whole_prompt_as_rank_counts_it(chat_data, tiny_model_dir, tokenizer,
                                                                 context_tokens):
-    """chat's window is the rank stage's (memsifter.window): ``context_tokens`` bounds the whole prompt
+    """chat's window is the rank stage's (memsifter.retrieval.window): ``context_tokens`` bounds the whole prompt
     (template, question, date, headers, sessions) as the chat template counts it, not only the memory;
     a baseline's order is what it shows (none: nothing, oracle: only the gold sessions)."""
     import math
 
-    from memsifter.context import TokenCounter, load_tokenizer
-    from memsifter.prompting import default_prompt
+    from memsifter.retrieval.context import TokenCounter, load_tokenizer
+    from memsifter.retrieval.prompting import default_prompt
 
     data, ranked, ds = chat_data
     counter = ApproxCounter() if tokenizer == "approx" else TokenCounter(load_tokenizer(tiny_model_dir))
@@ -214,7 +215,7 @@ def test_chat_refuses_to_publish_when_requests_fail(chat_data, tmp_path):
     data, ranked, ds = chat_data
     out = str(tmp_path / "chat")
     from memsifter.errors import MemsifterError
-    from memsifter.testing import free_port
+    from memsifter.testing.servers import free_port
 
     with pytest.raises(MemsifterError, match="failed"):
         get_stage("chat").run({"output": out, "input": data, "rankings": ranked, "retry_backoff_s": 0.01,
@@ -264,7 +265,7 @@ def test_retry_after_is_honoured_and_failures_name_the_endpoint(vllm_endpoint):
     is 10 ms), then gets the answer; a dead endpoint's error names the URL and the model."""
     import time as _time
 
-    from memsifter.llm import ChatClient, LLMEndpoint
+    from memsifter.models.llm import ChatClient, LLMEndpoint
 
     upstream = vllm_endpoint.rstrip("/")
     calls = []

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import InputError
 from memsifter.stage import get_stage
 from memsifter.stages.train import COMPLETE_MARKER, TRACKER, sync_checkpoint
@@ -78,7 +78,7 @@ def make_fsdp_checkpoints(model_dir: str, root: str, steps=STEPS) -> str:
 
 
 def _free_port() -> int:
-    from memsifter.testing import free_port
+    from memsifter.testing.servers import free_port
 
     return free_port()
 

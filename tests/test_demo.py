@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memsifter import storage
+from memsifter.store import storage
 
 
 @pytest.mark.slow

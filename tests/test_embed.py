@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memsifter import embedding, rankings, storage
+from memsifter.models import embedding
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import Dataset, read_dataset
-from memsifter.render import render_session
+from memsifter.retrieval.render import render_session
 from memsifter.stage import get_stage
 
 @pytest.fixture(scope="module")

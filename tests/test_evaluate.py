@@ -4,7 +4,8 @@ import json
 
 import pyarrow as pa
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import Dataset, Question, Session
 from memsifter.stage import get_stage
 

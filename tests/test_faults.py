@@ -1,6 +1,6 @@
 """Object-store faults: every CPU stage under a fault-injecting proxy in front of the real SeaweedFS.
 
-The proxy (memsifter.faultproxy) resets connections, stalls past the client's timeout, drops answers
+The proxy (memsifter.testing.faultproxy) resets connections, stalls past the client's timeout, drops answers
 after the request ran, answers 503 SlowDown / 500, and refuses everything for a while. Each stage must
 publish outputs identical (sha256, read back from the store) to a clean run of the same config; a
 store that stays down must fail the stage with one clear error after bounded retries, publishing
@@ -16,11 +16,11 @@ import uuid
 import pytest
 from stage_cases import before_stage, output_hashes, setup_inputs, stored_hashes
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import NotPublishedError, StorageError
-from memsifter.faultproxy import FaultPlan, fault_proxy
+from memsifter.testing.faultproxy import FaultPlan, fault_proxy
 from memsifter.stage import get_stage
-from memsifter.testing import env_vars
+from memsifter.testing.servers import env_vars
 
 # Short timeouts so that a stalled request costs seconds, not minutes.
 FAULT_ENV = {"MEMSIFTER_S3_REQUEST_TIMEOUT": "2", "MEMSIFTER_S3_CONNECT_TIMEOUT": "2",

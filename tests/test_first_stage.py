@@ -11,7 +11,10 @@ import logging
 import numpy as np
 import pytest
 
-from memsifter import embedding, rankings, samples, storage
+from memsifter.models import embedding
+from memsifter.retrieval import rankings
+from memsifter import samples
+from memsifter.store import storage
 from memsifter.data.model import Dataset, read_dataset
 from memsifter.stage import get_stage
 from memsifter.stages import embed as E
@@ -80,7 +83,7 @@ def test_max_per_owner_and_rrf():
 def test_progress_logs_rate_and_eta(caplog):
     p = embedding.Progress(10, every=0, after=0)
     p.tty = False
-    with caplog.at_level(logging.INFO, logger="memsifter.raypool"):
+    with caplog.at_level(logging.INFO, logger="memsifter.models.raypool"):
         p.update(4)
         p.update(6)
     lines = [r.getMessage() for r in caplog.records]
@@ -151,7 +154,7 @@ def test_cpu_float32_by_default_bf16_opt_in(monkeypatch, caplog):
     assert not ref.cpu_bf16 and next(ref.model.parameters()).dtype.is_floating_point
     a = ref.encode(texts)
     monkeypatch.setenv("MEMSIFTER_EMBED_CPU_BF16", "1")
-    with caplog.at_level("WARNING", logger="memsifter.embedding"):
+    with caplog.at_level("WARNING", logger="memsifter.models.embedding"):
         bf = embedding.Embedder(spec, "cpu")
     # forced on a CPU without bf16 units: said, because it is ~4x slower there
     assert ("no AMX / AVX512-BF16" in caplog.text) == (not embedding.cpu_has_bf16_units())

@@ -41,7 +41,7 @@ def test_rate_row_rates_come_from_the_seconds():
 
 
 def test_prefill_flops_of_qwen3_4b():
-    from memsifter.tiny import QWEN3_4B
+    from memsifter.models.tiny import QWEN3_4B
 
     p = run_rank.model_params(QWEN3_4B)
     assert 3.55e9 < p["body"] < 3.7e9  # Qwen3-4B's model card: 3.6B non-embedding parameters

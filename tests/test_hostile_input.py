@@ -3,7 +3,7 @@ one defined outcome, asserted here and printed as a table at the end of the modu
 pytest's output, with or without ``-s``).
 
 Real parts: the import stage (CLI, exit codes, publication), parquet round trip, the rendering, the
-rank stage's prompt building with the tiny model's real tokenizer (``memsifter.tiny``), the rank
+rank stage's prompt building with the tiny model's real tokenizer (``memsifter.models.tiny``), the rank
 stage end to end against the real vLLM CPU server (``vllm_endpoint``, shared with tests/test_rank.py),
 the chat stage's context building and answer extraction, the prepare-rl stage, and the verl reward
 function. Model outputs that a model would have to *choose* to write (an echo of the history, a
@@ -34,17 +34,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from memsifter import cli, rankings, storage
-from memsifter.context import TokenCounter, load_tokenizer
+from memsifter import cli
+from memsifter.retrieval import rankings
+from memsifter.store import storage
+from memsifter.retrieval.context import TokenCounter, load_tokenizer
 from memsifter.data import importers
 from memsifter.data.model import read_dataset
 from memsifter.errors import NotPublishedError
-from memsifter.rankings import parse_ranking
-from memsifter.render import ZWSP, render_history, render_session
-from memsifter.rewards import answer_messages, compute_score_sync
+from memsifter.retrieval.rankings import parse_ranking
+from memsifter.retrieval.render import ZWSP, render_history, render_session
+from memsifter.training.rewards import answer_messages, compute_score_sync
 from memsifter.stage import get_stage
 from memsifter.stages import chat as chat_stage
-from memsifter.prompting import default_prompt
+from memsifter.retrieval.prompting import default_prompt
 from memsifter.stages.rank import Prompted, RankConfig, build_prompt, result_row
 
 MB = 1_000_000

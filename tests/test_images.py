@@ -347,7 +347,7 @@ def test_chat_image_builds_and_runs_stages(s3_root, tiny_model_dir, vllm_endpoin
 
 
 def _run_in_image(tag: str, s3_root: str, tiny_model_dir: str, vllm_endpoint: str) -> None:
-    from memsifter import storage
+    from memsifter.store import storage
 
     env = [f"{k}={v}" for k, v in {**{k: os.environ[k] for k in ("MEMSIFTER_S3_ENDPOINT", "AWS_ACCESS_KEY_ID",
                                                                    "AWS_SECRET_ACCESS_KEY", "AWS_REGION")},

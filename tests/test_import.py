@@ -12,11 +12,12 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from memsifter import cli, storage
+from memsifter import cli
+from memsifter.store import storage
 from memsifter.data import importers
 from memsifter.data.model import read_dataset
 from memsifter.errors import ConfigError, InputError, NotPublishedError, StorageError
-from memsifter.testing import env_vars
+from memsifter.testing.servers import env_vars
 
 
 # --------------------------------------------------------------------------- helpers

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.k8s.driver import (
     DriveError,
     Driver,

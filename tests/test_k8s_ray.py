@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 
 from memsifter import stage as stg
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.k8s import registry
 from memsifter.k8s.dev import chart, validate
 from memsifter.k8s.driver import Driver, Plan, RayBackend
-from memsifter.testing import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
+from memsifter.testing.servers import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
 
 pytestmark = pytest.mark.slow
 

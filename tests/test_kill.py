@@ -1,7 +1,7 @@
 """Kill and resume: SIGKILL every CPU stage at several points, on the real S3 server (SeaweedFS).
 
 Each stage runs as its own ``python`` process and is killed (``MEMSIFTER_KILL_AT``, a real SIGKILL
-from memsifter.faults.checkpoint) while it stages its files, after the first file of its publish
+from memsifter.testing.faults.checkpoint) while it stages its files, after the first file of its publish
 moved into place, and once more while the restarted run completes that publish (before
 ``_SUCCESS``). The last restart must finish with outputs byte-identical to a clean run, completing the
 interrupted publish from its journal instead of recomputing, and a further run republishes nothing.
@@ -23,10 +23,10 @@ import pyarrow.fs as pafs
 import pytest
 from stage_cases import STAGE_NAMES, before_stage, output_hashes, setup_inputs, stored_hashes
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import NotPublishedError, StorageError
 from memsifter.stage import get_stage
-from memsifter.testing import env_vars
+from memsifter.testing.servers import env_vars
 
 CHILD = ("import json, sys; from memsifter.stage import get_stage; "
          "get_stage(sys.argv[1]).run(json.loads(sys.argv[2]), replace=True)")
@@ -193,7 +193,7 @@ def test_embed_real_minilm_under_faults_and_kills(s3_server, s3_root, tmp_path, 
     """embed (real all-MiniLM-L6-v2 on a local Ray cluster in each process): a clean run, then the same
     config killed while writing its embedding shards, mid-publish and before _SUCCESS, then finished
     through the fault proxy; outputs byte-identical to the clean run."""
-    from memsifter.faultproxy import FaultPlan, fault_proxy
+    from memsifter.testing.faultproxy import FaultPlan, fault_proxy
 
     synth = storage.join(s3_root, "synth")
     get_stage("synth").run({"output": synth, "questions": 6, "sessions_per_question": 6, "seed": 5})

@@ -1,4 +1,4 @@
-"""One writer per output: the lease (memsifter.lease) on a local directory and on real S3 (SeaweedFS,
+"""One writer per output: the lease (memsifter.store.lease) on a local directory and on real S3 (SeaweedFS,
 conditional PUTs), the stage CLI's refusal/--force/--steal-lease, a robbed writer that must not publish,
 and two pipeline drivers of one run."""
 
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from memsifter import cli, lease, storage
+from memsifter import cli
+from memsifter.store import lease, storage
 from memsifter.errors import NotPublishedError
 from memsifter.k8s.driver import Driver, Plan
 from memsifter.stage import get_stage

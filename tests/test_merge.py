@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import ConfigError, InputError
 from memsifter.stage import get_stage, validate_config
 from memsifter.stages.merge import INDEX

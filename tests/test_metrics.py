@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from memsifter import metrics as M
+from memsifter.retrieval import metrics as M
 
 
 def test_recall_precision_mrr_by_hand():

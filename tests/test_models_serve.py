@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from memsifter.testing import free_port
+from memsifter.testing.servers import free_port
 
 EXE = [sys.executable, "-m", "memsifter.cli", "models", "serve"]
 

@@ -31,7 +31,7 @@ from memsifter.k8s import capacity, registry
 from memsifter.k8s.dev import chart, validate
 from memsifter.stages import train
 from memsifter.stages.train import TrainConfig, placement_request, verl_overrides
-from memsifter.testing import RAY_ENV, env_vars
+from memsifter.testing.servers import RAY_ENV, env_vars
 
 NODES, GPN = 2, 4
 WORLD = NODES * GPN

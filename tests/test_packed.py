@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from memsifter import embedding
-from memsifter.packed import PackedEncoder, flops_per_text, supports
+from memsifter.models import embedding
+from memsifter.models.packed import PackedEncoder, flops_per_text, supports
 
 TEXTS = ["hello world", "x",
          "a much longer text about travel plans to Japan in spring and the hotels near Kyoto " * 12,
@@ -52,7 +52,7 @@ def test_packed_matches_padded_on_real_minilm():
 def test_packed_xlm_roberta_positions_and_cls(tmp_path):
     from transformers import XLMRobertaConfig, XLMRobertaModel
 
-    from memsifter.tiny import build_tokenizer
+    from memsifter.models.tiny import build_tokenizer
 
     tok = build_tokenizer(str(tmp_path / "tok"), TEXTS * 4, vocab_size=300)
     cfg = XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,8 +1,8 @@
-"""Ranker output parsing (MEMSIFTER.md §4): memsifter.rankings.parse_ranking."""
+"""Ranker output parsing (MEMSIFTER.md §4): memsifter.retrieval.rankings.parse_ranking."""
 
 import pytest
 
-from memsifter.rankings import complete_ranking, parse_ranking, to_original
+from memsifter.retrieval.rankings import complete_ranking, parse_ranking, to_original
 
 
 @pytest.mark.parametrize("text,n,k,ids,status", [
@@ -63,7 +63,7 @@ def test_local_to_original_and_completion():
 
 
 def test_prompt_fill_is_single_pass():
-    from memsifter.prompting import fill
+    from memsifter.retrieval.prompting import fill
 
     tpl = "H:{history}\nQ:{current}"
     out = fill(tpl, history="session says {current} and {x}", current="what?")

@@ -10,7 +10,9 @@ import re
 import pytest
 import yaml
 
-from memsifter import faults, pipeline, storage
+from memsifter.testing import faults
+from memsifter import pipeline
+from memsifter.store import storage
 from memsifter.errors import ConfigError
 
 
@@ -18,7 +20,7 @@ from memsifter.errors import ConfigError
 def ray_local():
     import ray
 
-    from memsifter.embedding import ensure_ray
+    from memsifter.models.embedding import ensure_ray
 
     started = not ray.is_initialized()
     ensure_ray()
@@ -205,7 +207,7 @@ def test_demo_config_is_valid(tmp_path):
 
 def test_one_pipeline_per_run(tmp_path):
     """A second pipeline (or a driver) of a run that a live one holds is refused, naming the holder."""
-    from memsifter import lease
+    from memsifter.store import lease
     from memsifter.pipeline import run_pipeline
 
     run = str(tmp_path / "run")

@@ -8,10 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import read_dataset
 from memsifter.errors import ConfigError, InputError
-from memsifter.render import render_session
+from memsifter.retrieval.render import render_session
 from memsifter.stage import get_stage
 from memsifter.stages.prepare_rl import anchor_priority, ground_truth, read_rows, shard_sizes
 
@@ -105,7 +106,7 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
         assert r["extra_info"]["session_ids"] == q.gold_session_ids  # gold kept although over budget
         assert r["reward_model"]["ground_truth"] == f"0;{len(q.gold_session_ids)}"
     # a budget for roughly gold + one more session: the most similar non-gold one is the one added
-    from memsifter.context import TokenCounter, load_tokenizer
+    from memsifter.retrieval.context import TokenCounter, load_tokenizer
 
     counter = TokenCounter(load_tokenizer(tiny_model_dir))
     big = max(counter.count(render_session(s.turns)) for s in ds.sessions.values())
@@ -125,7 +126,7 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
 def test_history_order_first_stage_never_lists_gold_first_by_construction(tmp_path, synth_local, tiny_model_dir):
     """Gold sessions are taken first (always shown), but a first_stage row lists sessions by the first
     stage's order, not by when they were taken: the list must not give the answer away."""
-    from memsifter.context import shown_order
+    from memsifter.retrieval.context import shown_order
 
     assert shown_order([5, 1, 3], [3, 9, 5, 1], "first_stage") == [3, 5, 1]
     assert shown_order([5, 1, 3], [3, 9], "first_stage") == [3, 1, 5]  # unranked last, chronologically

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from memsifter import cli, lease, storage
+from memsifter import cli
+from memsifter.store import lease, storage
 from memsifter.pipeline import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import read_dataset
 from memsifter.errors import MemsifterError
 from memsifter.stage import get_stage
@@ -260,14 +261,14 @@ def _cases() -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("case,text,secret", _cases(), ids=[c[0] for c in _cases()])
 def test_redact_removes_every_credential_shape(case, text, secret):
-    from memsifter.redact import redact
+    from memsifter.security.redact import redact
 
     out = redact(text)
     assert secret not in out and "***" in out, out
 
 
 def test_redact_keeps_ordinary_text_and_known_values(monkeypatch):
-    from memsifter.redact import redact, redact_obj
+    from memsifter.security.redact import redact, redact_obj
 
     plain = ("AuthenticationError: Error code: 401 (model m at http://127.0.0.1:8000/v1); token limit "
              "exceeded; s3://bucket/key@v1; Basic usage")
@@ -312,10 +313,10 @@ def test_a_huge_turn_is_never_tokenized_whole(which, data, tiny_model_dir):
     see); the session is left out, the others are shown."""
     import time
 
-    from memsifter import models
-    from memsifter.context import TokenCounter, load_tokenizer
+    from memsifter.models import registry as models
+    from memsifter.retrieval.context import TokenCounter, load_tokenizer
     from memsifter.errors import ConfigError
-    from memsifter.prompting import default_prompt
+    from memsifter.retrieval.prompting import default_prompt
     from memsifter.stages.chat import ChatConfig, build_messages
     from memsifter.stages.rank import RankConfig, build_prompt
 

@@ -34,7 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from memsifter import rankings, storage
+from memsifter.retrieval import rankings
+from memsifter.store import storage
 from memsifter.data.model import Dataset, Question, Session
 from memsifter.stage import code_version, get_stage
 
@@ -177,7 +178,7 @@ def test_model_reference_is_one_line_exit_2_before_anything_starts(case, synth, 
 def test_model_reference_accepted_forms(tmp_path, monkeypatch):
     """What passes the check: a model directory, a memsifter registry name, an s3:// prefix (fetched at
     run time), and a hub id found in the Hugging Face cache (a cache laid out as huggingface_hub does)."""
-    from memsifter.embedding import check_model_ref
+    from memsifter.models.embedding import check_model_ref
 
     d = tmp_path / "enc"
     d.mkdir()
@@ -365,7 +366,7 @@ def test_evaluate_flags_methods_scored_on_different_question_sets(tmp_path):
 
 
 def test_bootstrap_interval_holds_the_mean_and_narrows_with_n():
-    from memsifter.metrics import bootstrap_ci
+    from memsifter.retrieval.metrics import bootstrap_ci
 
     rng = np.random.default_rng(1)
     widths = []

@@ -32,7 +32,7 @@ from typing import Callable
 
 import pytest
 
-from memsifter import lease, storage
+from memsifter.store import lease, storage
 from memsifter.data.importers import reading
 from memsifter.errors import MemsifterError
 from memsifter.stage import get_stage
@@ -332,8 +332,8 @@ def test_store_that_hangs_mid_stage_fails_within_the_budget(s3_server):
     """The store answers until the stage is under way, then accepts and never answers (the fault
     proxy's ``hang``): the stage fails with the store error within the budget + slack, cleanup
     included (abort, failure record, lease release), and nothing is published."""
-    from memsifter.faultproxy import FaultPlan, fault_proxy
-    from memsifter.testing import env_vars
+    from memsifter.testing.faultproxy import FaultPlan, fault_proxy
+    from memsifter.testing.servers import env_vars
 
     with fault_proxy(s3_server.endpoint) as proxy:
         storage._s3.cache_clear()

@@ -1,4 +1,4 @@
-"""One prompt builder (memsifter.window): the ranker is trained on the prompts it is served.
+"""One prompt builder (memsifter.retrieval.window): the ranker is trained on the prompts it is served.
 
 prepare-rl's rows and the rank stage's prompts are built from one small synthetic dataset, with the
 tiny model's tokenizer and the same settings, and compared byte for byte; then the ``shuffled``
@@ -11,15 +11,16 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from memsifter import rankings, rewards
-from memsifter.context import TokenCounter, load_tokenizer
+from memsifter.retrieval import rankings
+from memsifter.training import rewards
+from memsifter.retrieval.context import TokenCounter, load_tokenizer
 from memsifter.data.model import read_dataset
-from memsifter.prompting import RANKER_PROMPTS, load_prompt
-from memsifter.render import render_history_texts, render_session
+from memsifter.retrieval.prompting import RANKER_PROMPTS, load_prompt
+from memsifter.retrieval.render import render_history_texts, render_session
 from memsifter.stage import get_stage
 from memsifter.stages.prepare_rl import ground_truth, read_rows
 from memsifter.stages.rank import RankConfig, build_prompt, resolve_prefix
-from memsifter.window import NO_ROOM, NOT_A_CANDIDATE, NOT_REACHED, OVER_BUDGET, TRIMMED, PromptBuilder
+from memsifter.retrieval.window import NO_ROOM, NOT_A_CANDIDATE, NOT_REACHED, OVER_BUDGET, TRIMMED, PromptBuilder
 
 
 @pytest.fixture(scope="module")

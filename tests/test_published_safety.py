@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.data import importers
 from memsifter.stage import get_stage
 

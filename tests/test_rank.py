@@ -7,13 +7,14 @@ import os
 
 import pytest
 
-from memsifter import rankings, storage
-from memsifter.context import TokenCounter, load_tokenizer
+from memsifter.retrieval import rankings
+from memsifter.store import storage
+from memsifter.retrieval.context import TokenCounter, load_tokenizer
 from memsifter.data.model import read_dataset
-from memsifter.render import render_session
+from memsifter.retrieval.render import render_session
 from memsifter.stage import get_stage
-from memsifter.faults import InjectedCrash
-from memsifter.prompting import default_prompt
+from memsifter.testing.faults import InjectedCrash
+from memsifter.retrieval.prompting import default_prompt
 from memsifter.stages.rank import RankConfig, build_prompt, ranking_regex
 
 
@@ -121,7 +122,7 @@ def test_rank_vllm_ray_data_llm(synth_data, tiny_model_dir, tmp_path, monkeypatc
     back to the embedding order, with the reason and the raw text kept; nothing is dropped."""
     import ray
 
-    from memsifter.embedding import ensure_ray
+    from memsifter.models.embedding import ensure_ray
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     data, emb, ds = synth_data
@@ -215,7 +216,7 @@ def test_result_row_statuses():
 
 def test_sampling_params_ignore_eos_and_engine_env(monkeypatch):
     from memsifter.stages.rank import sampling_params
-    from memsifter.vllm_env import engine_env
+    from memsifter.models.vllm_env import engine_env
 
     base = dict(output="x", input="d", embeddings="e", model="m", context_limit=100, max_tokens=10,
                 vllm={"max_model_len": 200})
@@ -296,7 +297,7 @@ def test_fit_lengths_from_the_models_context():
 
 
 def test_prompt_style_follows_the_tokenizer(tiny_model_dir):
-    from memsifter.prompting import RANKER_PROMPTS as PROMPTS
+    from memsifter.retrieval.prompting import RANKER_PROMPTS as PROMPTS
     from memsifter.stages.rank import resolve_style
 
     cfg = RankConfig(output="x", input="d", embeddings="e")
@@ -313,7 +314,7 @@ def test_prompt_style_follows_the_tokenizer(tiny_model_dir):
 
 
 def test_condensed_sessions_keep_the_question_turns_in_order():
-    from memsifter.render import condense_session
+    from memsifter.retrieval.render import condense_session
 
     turns = [{"role": "user", "content": f"filler sentence number {i} about nothing much"} for i in range(12)]
     turns[7] = {"role": "user", "content": "my sister Anna adopted a beagle called Rufus"}
@@ -333,11 +334,11 @@ def test_condensed_sessions_keep_the_question_turns_in_order():
 
 def test_context_limit_beyond_the_model_is_one_line(synth_data, tmp_path):
     """`memsifter run rank --model smollm2 --context-limit 9000`: exit 2, one line naming the field
-    and both numbers, nothing published (the SmolLM2 of memsifter.models, from PyPI)."""
+    and both numbers, nothing published (the SmolLM2 of memsifter.models.registry, from PyPI)."""
     import subprocess
     import sys
 
-    from memsifter import models
+    from memsifter.models import registry as models
     from memsifter.errors import ConfigError
 
     try:
@@ -364,7 +365,7 @@ def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
     import subprocess
     import sys
 
-    from memsifter import models
+    from memsifter.models import registry as models
     from memsifter.errors import ConfigError
 
     try:
@@ -393,7 +394,7 @@ def test_s3_models_for_rank_and_embed(synth_data, tiny_model_dir, vllm_endpoint,
     """Issue 19: `s3://` model URIs work for rank (the driver fetches only tokenizer and config; the
     served or Ray Data LLM engine loads the weights) and for embed (fetched into the model cache of the
     node that loads it), from the real SeaweedFS, like train's."""
-    from memsifter import embedding, models
+    from memsifter.models import embedding, registry as models
 
     monkeypatch.setenv("MEMSIFTER_MODEL_CACHE", str(tmp_path / "cache"))
     uri = storage.join(s3_root, "models", "tiny")

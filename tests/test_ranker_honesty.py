@@ -15,7 +15,10 @@ from importlib import resources
 import pyarrow as pa
 import pytest
 
-from memsifter import demo, metrics, models, rankings, storage
+from memsifter import demo
+from memsifter.retrieval import metrics, rankings
+from memsifter.models import registry as models
+from memsifter.store import storage
 from memsifter.data.model import Dataset, Question, Session
 from memsifter.stage import get_stage
 

@@ -1,7 +1,7 @@
 """Session rendering (MEMSIFTER.md §2) and budgeted selection."""
 
-from memsifter.context import TokenCounter, fill_budget
-from memsifter.render import render_history, render_history_texts, render_session
+from memsifter.retrieval.context import TokenCounter, fill_budget
+from memsifter.retrieval.render import render_history, render_history_texts, render_session
 
 
 def test_render_session_counts_turns_per_role():

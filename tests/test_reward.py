@@ -1,4 +1,4 @@
-"""memsifter.rewards: the verl custom reward (MEMSIFTER.md §6), hand-computed values for both modes."""
+"""memsifter.training.rewards: the verl custom reward (MEMSIFTER.md §6), hand-computed values for both modes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from memsifter import rewards
-from memsifter.rewards import combine_tiers, compute_score, compute_score_sync, score_batch, tiers_for
+from memsifter.training import rewards
+from memsifter.training.rewards import combine_tiers, compute_score, compute_score_sync, score_batch, tiers_for
 
 C = lambda k: 1 / math.log2(k + 1)  # noqa: E731
 
@@ -243,7 +243,7 @@ def test_through_verls_dapo_reward_manager(fake_llm, tmp_path, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(qwen_like_tokenizer(tiny_model_dir, tmp_path / "tok"))
     assert "</ranking>" in tok.decode(tok("</ranking>")["input_ids"], skip_special_tokens=True)
     cfg = OmegaConf.create({"reward": {
-        "custom_reward_function": {"path": "pkg://memsifter.rewards", "name": "compute_score",
+        "custom_reward_function": {"path": "pkg://memsifter.training.rewards", "name": "compute_score",
                                    "reward_kwargs": _kw(fake_llm.url, tmp_path)},
         "reward_manager": {"source": "register", "name": "dapo", "module": {"path": None, "name": "x"}},
         "reward_kwargs": {"overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True},
@@ -281,7 +281,7 @@ def test_replacement_answer_prompt(fake_llm, tmp_path):
 def test_tier_prompts_are_chronological_whatever_the_rows_listing():
     """A history_order first_stage row lists sessions most similar first; the working LLM must still
     read the chosen ones chronologically (haystack_index), exactly as for the chronological row."""
-    from memsifter.rewards import tier_prompts
+    from memsifter.training.rewards import tier_prompts
 
     texts = [f"<user0>session number {i} about topic {i}</user>\n" for i in range(5)]
     dates = [f"2023/0{i + 1}/01" for i in range(5)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memsifter.metrics import token_f1
-from memsifter.rewards import answer_messages, combine_tiers, score_batch, tiers_for
+from memsifter.retrieval.metrics import token_f1
+from memsifter.training.rewards import answer_messages, combine_tiers, score_batch, tiers_for
 from memsifter.stages.chat import extract_answer
 
 pytestmark = pytest.mark.slow

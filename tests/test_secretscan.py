@@ -1,4 +1,4 @@
-"""The secret scanner (memsifter.secretscan) over the repo, an image build context, rendered manifests and a
+"""The secret scanner (memsifter.security.secretscan) over the repo, an image build context, rendered manifests and a
 real run's outputs and logs: every planted key is caught, the clean sources have no finding, and a key put
 in a stage's environment never reaches its outputs or logs.
 
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memsifter import secretscan, storage
+from memsifter.security import secretscan
+from memsifter.store import storage
 from memsifter.k8s.dev import chart
 
 REPO = chart.REPO
@@ -95,7 +96,7 @@ def test_cli_exit_codes(tmp_path):
     (tmp_path / "leak.txt").write_text(planted_text(keys))
     (tmp_path / "ok").mkdir()
     (tmp_path / "ok" / "a.txt").write_text("nothing here\n")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "memsifter.secretscan", *a],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "memsifter.security.secretscan", *a],  # noqa: E731
                                     capture_output=True, text=True, cwd=REPO)
     p = run(str(tmp_path / "ok"))
     assert p.returncode == 0, p.stdout + p.stderr

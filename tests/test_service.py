@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import requests
 
-from memsifter import rankings, samples, storage
+from memsifter.retrieval import rankings
+from memsifter import samples
+from memsifter.store import storage
 from memsifter.data.model import read_dataset
-from memsifter.render import render_session
+from memsifter.retrieval.render import render_session
 from memsifter.service.config import ServeConfig
 from memsifter.service.local import free_port, local_server
 from memsifter.stage import get_stage
@@ -37,7 +39,7 @@ def ray_once():
     """One local Ray for this module's stages and Serve app (shut down after)."""
     import ray
 
-    from memsifter.raypool import ensure_ray
+    from memsifter.models.raypool import ensure_ray
 
     started = not ray.is_initialized()
     ensure_ray()
@@ -446,8 +448,8 @@ def test_ranked_mode_falls_back_to_the_first_stage_and_says_so(lme, tiny_model_d
 
 def test_ranker_builds_the_rank_stage_prompt(lme, tiny_model_dir):
     """The ranker deployment's prompt is the rank stage's build_prompt over the first-stage candidates."""
-    from memsifter.context import TokenCounter, load_tokenizer
-    from memsifter.prompting import RANKER_PROMPTS, load_prompt
+    from memsifter.retrieval.context import TokenCounter, load_tokenizer
+    from memsifter.retrieval.prompting import RANKER_PROMPTS, load_prompt
     from memsifter.service.config import RankerSettings
     from memsifter.service.ranker import RankerCore
     from memsifter.stages import rank as R

@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import InputError
 from memsifter.stage import get_stage
 from memsifter.stages.prepare_rl import read_rows
@@ -94,7 +94,7 @@ def test_sft_lora_adapter_is_small_and_loads_as_a_model(rl_direct, tiny_model_di
     cfg = json.loads(storage.read_text(storage.join(out, "adapter", "adapter_config.json")))
     assert cfg["base_model_name_or_path"] == tiny_model_dir and cfg["r"] == 8
     # an adapter directory is a model wherever one is accepted: merged onto its base once, cached
-    from memsifter import models
+    from memsifter.models import registry as models
 
     merged = models.resolve(os.path.join(out, "adapter"))
     assert os.path.isfile(os.path.join(merged, "config.json")) and merged != tiny_model_dir
@@ -107,7 +107,7 @@ def test_sft_lora_adapter_is_small_and_loads_as_a_model(rl_direct, tiny_model_di
 
 
 def test_partial_format_scores_short_rankings_exact_does_not():
-    from memsifter.rewards import compute_score_sync
+    from memsifter.training.rewards import compute_score_sync
 
     short = "<ranking>2, 0</ranking>"
     exact = compute_score_sync("memsifter_x", short, "2;6", {}, mode="dcg")
@@ -115,7 +115,7 @@ def test_partial_format_scores_short_rankings_exact_does_not():
     assert exact["score"] == 0.0 and exact["format_ok"] == 0.0
     assert partial["score"] == pytest.approx(1.0) and partial["format_ok"] == 1.0
     with pytest.raises(ValueError, match="reward format"):
-        from memsifter.rewards import RewardSettings
+        from memsifter.training.rewards import RewardSettings
 
         RewardSettings.resolve(format="loose")
 
@@ -186,7 +186,7 @@ def test_collect_exports_a_lora_run_as_an_adapter(tiny_model_dir, tmp_path):
 
 def test_verl_numpy_wrapped_metric_values_are_parsed():
     """verl prints validation metrics as np.float64(…): they are the held-out curves."""
-    from memsifter.trainmetrics import parse_line
+    from memsifter.training.trainmetrics import parse_line
 
     line = ("(TaskRunnerV1 pid=1) step:3 - val-aux/memsifter_lme_heldout/ndcg10/mean@1:np.float64(0.668) - "
             "val-aux/num_turns/min:np.int64(2) - critic/score/mean:0.427 - bad:np.float64(nan)")
@@ -196,7 +196,7 @@ def test_verl_numpy_wrapped_metric_values_are_parsed():
 
 
 def test_the_shipped_ranker_adapter_is_small_and_names_its_base():
-    from memsifter import models
+    from memsifter.models import registry as models
 
     m = models.lookup("smollm2-135m-memsifter-ranker")
     assert m is not None and m.kind == "adapter" and models.lookup("memsifter-ranker") is m
@@ -216,7 +216,7 @@ def test_the_shipped_ranker_resolves_to_a_merged_model_that_differs_from_its_bas
     """The name works wherever a model does: base + adapter merged once (real SmolLM2 weights)."""
     from safetensors import safe_open
 
-    from memsifter import models
+    from memsifter.models import registry as models
 
     merged = models.resolve("smollm2-135m-memsifter-ranker")
     base = models.resolve("smollm2-135m-instruct")

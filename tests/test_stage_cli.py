@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from memsifter import cli, storage
+from memsifter import cli
+from memsifter.store import storage
 from memsifter import stage as stg
 from memsifter.errors import ConfigError, InputError, NotPublishedError
 
@@ -178,7 +179,7 @@ def test_changed_input_is_not_skipped(store_root, monkeypatch):
 
 
 def test_nested_runtime_fields_are_not_hashed():
-    from memsifter.llm import LLMEndpoint
+    from memsifter.models.llm import LLMEndpoint
 
     class WithEndpoint(stg.StageConfig):
         endpoint: LLMEndpoint = LLMEndpoint()

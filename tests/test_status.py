@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from memsifter import lease, storage
+from memsifter.store import lease, storage
 from memsifter.pipeline import run_pipeline
 
 

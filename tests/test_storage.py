@@ -7,9 +7,10 @@ import json
 import pyarrow as pa
 import pytest
 
-from memsifter import faults, storage
+from memsifter.testing import faults
+from memsifter.store import storage
 from memsifter.errors import NotPublishedError, StorageError
-from memsifter.testing import env_vars
+from memsifter.testing.servers import env_vars
 
 
 def test_bytes_roundtrip_and_listing(store_root):
@@ -250,7 +251,7 @@ def test_reader_of_an_old_manifest_never_gets_new_files(store_root):
 def test_seaweedfs_restarted_on_its_data_dir_keeps_objects(tmp_path):
     """The GPU driver runs train, then resume and collect, in separate calls against one SeaweedFS
     data dir: a restart on a kept dir (new ports, new credentials) must serve what the first stored."""
-    from memsifter.testing import seaweedfs, weed_binary
+    from memsifter.testing.servers import seaweedfs, weed_binary
 
     if not weed_binary():
         pytest.skip("weed binary not installed")

@@ -6,7 +6,8 @@ import datetime as dt
 
 import pytest
 
-from memsifter import cli, storage
+from memsifter import cli
+from memsifter.store import storage
 from memsifter.data import synth
 from memsifter.data.model import read_dataset
 from memsifter.errors import ConfigError

@@ -1,4 +1,4 @@
-"""memsifter.tiny: random models of a given shape with a tokenizer padded to the model's vocabulary."""
+"""memsifter.models.tiny: random models of a given shape with a tokenizer padded to the model's vocabulary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 def test_tokenizer_padded_to_model_vocab_decodes_every_id(tmp_path):
     from transformers import AutoTokenizer
 
-    from memsifter.tiny import EXTRA_TOKENS, build_tokenizer
+    from memsifter.models.tiny import EXTRA_TOKENS, build_tokenizer
 
     corpus = ["I moved to Lisbon last spring and adopted a dog named Biscuit."] * 20
     build_tokenizer(str(tmp_path / "tok"), corpus, vocab_size=400, pad_vocab_to=5000)
@@ -27,7 +27,7 @@ def test_tokenizer_padded_to_model_vocab_decodes_every_id(tmp_path):
 def test_random_model_of_a_shape(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from memsifter.tiny import build_random_model
+    from memsifter.models.tiny import build_random_model
 
     shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.errors import ConfigError
 from memsifter.stage import code_version
 from memsifter.stages import train
@@ -66,7 +66,7 @@ def test_overrides_carry_every_recipe_setting(tmp_path, monkeypatch):
         "actor_rollout_ref.rollout.name": "'vllm'", "actor_rollout_ref.rollout.mode": "'async'",
         "trainer.n_gpus_per_node": "8", "trainer.nnodes": "3", "trainer.save_freq": "5", "trainer.test_freq": "5",
         "trainer.resume_mode": "'auto'", "reward.reward_manager.name": "'dapo'",
-        "reward.custom_reward_function.path": "'pkg://memsifter.rewards'",
+        "reward.custom_reward_function.path": "'pkg://memsifter.training.rewards'",
         "trainer.checkpoint_callback_class": "'memsifter.stages.train.S3CheckpointCallback'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI": "'s3://b/run/train/checkpoints'",
         "+reward.custom_reward_function.reward_kwargs.mode": "'task'",
@@ -147,7 +147,7 @@ DEFAULT_OVERRIDES = [
     "actor_rollout_ref.rollout.val_kwargs.top_p=0.95",
     "actor_rollout_ref.rollout.val_kwargs.n=1",
     "reward.reward_manager.name='dapo'",
-    "reward.custom_reward_function.path='pkg://memsifter.rewards'",
+    "reward.custom_reward_function.path='pkg://memsifter.training.rewards'",
     "reward.custom_reward_function.name='compute_score'",
     "trainer.nnodes=1",
     "trainer.n_gpus_per_node=8",
@@ -179,7 +179,7 @@ DEFAULT_OVERRIDES = [
     "+reward.custom_reward_function.reward_kwargs.cache_uri='s3://b/run/train/_work/reward_cache'",
     "+reward.custom_reward_function.reward_kwargs.format='exact'",
     "+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI='s3://b/run/train/checkpoints'",
-    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='memsifter.verl_patches'",
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='memsifter.training.verl_patches'",
     "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_FLASHINFER_SAMPLER='0'",
     "++actor_rollout_ref.model.override_config.attn_implementation='flash_attention_2'",
 ]
@@ -395,7 +395,7 @@ def test_dry_run_composes_a_config_verl_accepts(tmp_path):
     assert cfg["data"]["train_files"] == ["/scratch/data/train_00000.parquet", "/scratch/data/train_00001.parquet"]
     assert cfg["actor_rollout_ref"]["model"]["path"] == "/models/MemSifter-base"
     rw = cfg["reward"]
-    assert rw["reward_manager"]["name"] == "dapo" and rw["custom_reward_function"]["path"] == "pkg://memsifter.rewards"
+    assert rw["reward_manager"]["name"] == "dapo" and rw["custom_reward_function"]["path"] == "pkg://memsifter.training.rewards"
     assert rw["custom_reward_function"]["reward_kwargs"]["mode"] == "dcg"
     assert rw["reward_kwargs"]["overlong_buffer_cfg"] == {"enable": True, "len": 4096, "penalty_factor": 1.0, "log": True}
     t = cfg["trainer"]
@@ -634,7 +634,7 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
 
 def test_base_model_by_name_resolves_to_the_materialized_directory():
     """`model: smollm2-135m-instruct` (memsifter models) is what verl loads, as a local HF directory."""
-    from memsifter import models
+    from memsifter.models import registry as models
     from memsifter.errors import ConfigError
     from memsifter.stages.train import TrainConfig, model_path
 
@@ -653,7 +653,7 @@ def test_safe_training_defaults(tmp_path, monkeypatch):
     in the dry run), never calls to api.openai.com with a placeholder key."""
     import importlib.util
 
-    from memsifter.llm import LLMEndpoint
+    from memsifter.models.llm import LLMEndpoint
 
     assert TrainConfig(output="o", data="d").reward.mode == "dcg"
     data = fake_prepare_rl(str(tmp_path / "rl"))
@@ -681,7 +681,7 @@ def test_training_metrics_replayed_from_a_recorded_verl_log(tmp_path):
     of 2 steps, then a resumed run's step 3) become metrics.jsonl under the output's _work/ while the run
     goes on, a resumed attempt continues the curves, and the stage publishes metrics.jsonl, a PNG and
     a summary."""
-    from memsifter import trainmetrics
+    from memsifter.training import trainmetrics
     from memsifter.stages.train import publish_metrics
 
     root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "results", "2026-11-23-h100-c")
@@ -712,8 +712,8 @@ def test_training_metrics_replayed_from_a_recorded_verl_log(tmp_path):
 
 def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
     """fast_logprobs (default on) sets VERL_USE_EXTERNAL_MODULES in every Ray worker of the run, so that
-    `import verl` installs memsifter.verl_patches there (tests/test_verl_patches.py); a user's own modules stay."""
-    from memsifter import verl_patches
+    `import verl` installs memsifter.training.verl_patches there (tests/test_verl_patches.py); a user's own modules stay."""
+    from memsifter.training import verl_patches
 
     key = "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES"
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
@@ -734,7 +734,7 @@ M10_LOG = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "re
 
 
 def _recorded_steps() -> list[dict]:
-    from memsifter import trainmetrics
+    from memsifter.training import trainmetrics
 
     lines = open(M10_LOG, errors="replace").read().splitlines()
     return [r for r in map(trainmetrics.parse_line, lines) if r]
@@ -761,7 +761,7 @@ def test_collapse_guard_on_the_recorded_collapsing_run():
     assert train.collapse_guard(with_(max_num_gen_batches=0)) is None
     assert train.collapse_guard(with_(enable=False)) is None
     assert "set verl.algorithm.filter_groups.max_num_gen_batches=0 (no limit)" in verdicts[6]
-    from memsifter import trainmetrics  # the curves show it: entropy and discarded groups are panels
+    from memsifter.training import trainmetrics  # the curves show it: entropy and discarded groups are panels
 
     summ = trainmetrics.summary(recs)
     assert summ["training/filter_groups/evicted_samples"]["last"] == 3561.0
@@ -775,7 +775,7 @@ def test_run_verl_stops_a_collapsing_child_and_keeps_its_metrics(tmp_path):
     guard stops it with SIGINT after step 6's line (the child's handler prints and exits 130, as a
     Python driver interrupted by Ctrl-C does), the metrics of steps 1-6 are kept, and the reason is
     returned instead of an error for the non-zero exit."""
-    from memsifter import trainmetrics
+    from memsifter.training import trainmetrics
 
     lines = [ln for ln in open(M10_LOG, errors="replace").read().splitlines() if trainmetrics.parse_line(ln)]
     feed = tmp_path / "lines.txt"

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateD
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from memsifter.testing import free_port  # noqa: E402
+from memsifter.testing.servers import free_port  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)

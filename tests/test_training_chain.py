@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from memsifter import storage
+from memsifter.store import storage
 from memsifter.stage import get_stage
 from memsifter.stages import train
 from memsifter.stages.prepare_rl import ground_truth

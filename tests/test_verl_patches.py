@@ -1,4 +1,4 @@
-"""memsifter.verl_patches: verl's log-prob fallback computed in blocks, with the same values and gradients,
+"""memsifter.training.verl_patches: verl's log-prob fallback computed in blocks, with the same values and gradients,
 installed in verl's own processes through ``VERL_USE_EXTERNAL_MODULES`` (a real ``import verl`` in a fresh
 interpreter, the way verl's Ray workers start); the train stage's ``fast_logprobs``
 wiring is tested in test_train.py."""
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 vf = pytest.importorskip("verl.utils.torch_functional")
 
-from memsifter import verl_patches
+from memsifter.training import verl_patches
 
 ORIGINAL = getattr(vf, "_memsifter_original_logprobs_v2", vf.logprobs_from_logits_v2)
 

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from memsifter import pipeline, storage
+from memsifter import pipeline
+from memsifter.store import storage
 from memsifter import stage as stg
 from memsifter.data.model import read_dataset
 from memsifter.errors import ConfigError

@@ -136,7 +136,7 @@ def plot(runs: list[dict], title: str) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from memsifter.trainmetrics import _png
+    from memsifter.training.trainmetrics import _png
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for r in runs:

@@ -89,7 +89,7 @@ def extended(ds, order_key):
 
 
 def publish_derived(ds, uri: str, note: dict, name: str) -> None:
-    from memsifter import storage
+    from memsifter.store import storage
     from memsifter.stage import code_version
 
     if storage.exists(os.path.join(uri, "_SUCCESS")):
@@ -107,7 +107,7 @@ def bm25_rankings(data: str) -> None:
 
 def full(out: str) -> dict:
     from memsifter.data.model import read_dataset
-    from memsifter.render import render_session
+    from memsifter.retrieval.render import render_session
 
     src = os.path.join(SHARED, LME_TRAIN)
     raw = count_lme_sessions(src)
@@ -172,7 +172,7 @@ def main() -> None:
 
 
 def legacy(out: str) -> None:
-    from memsifter import storage
+    from memsifter.store import storage
     from memsifter.data.model import Dataset, Question, read_dataset
     from memsifter.stage import code_version
 

@@ -145,7 +145,7 @@ def main() -> int:
     cli(args, log)
     for spec in a.test:
         add_test(spec, os.path.join(a.out, "data"), lambda args, _n: cli(args, log))
-    from memsifter import storage
+    from memsifter.store import storage
 
     st = storage.read_manifest(os.path.join(a.out, "rl"))["stats"]
     print(json.dumps({k: st[k] for k in ("rows", "rows_by_dataset", "shortfall", "sessions_kept_mean",

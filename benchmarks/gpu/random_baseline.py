@@ -6,7 +6,7 @@ For each held-out rank config of a GPU run (``results/<run>/configs/rank-*-<part
 the ranker's prompts with the rank stage's own code (same dataset, first stage, tokenizer, budget and
 condensing, so the same sessions are shown), then draws ``--draws`` random permutations of the shown
 ids per question; each permutation's first ``top_k`` ids are the head, completed in first-stage order
-(:func:`memsifter.rankings.complete_ranking`), exactly as a valid answer is. Reported: mean NDCG@10
+(:func:`memsifter.retrieval.rankings.complete_ranking`), exactly as a valid answer is. Reported: mean NDCG@10
 and recall_any@5 over the eligible questions (mean over draws, and their spread), next to the first
 stage's order through the same code (which must reproduce the run's first-stage row: a check that the
 prompts are the run's). No model runs here; CPU only.
@@ -29,10 +29,11 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from memsifter import models, rankings  # noqa: E402
-from memsifter.context import TokenCounter, load_tokenizer  # noqa: E402
+from memsifter.models import registry as models
+from memsifter.retrieval import rankings  # noqa: E402
+from memsifter.retrieval.context import TokenCounter, load_tokenizer  # noqa: E402
 from memsifter.data.model import read_dataset  # noqa: E402
-from memsifter.prompting import RANKER_PROMPTS, load_prompt  # noqa: E402
+from memsifter.retrieval.prompting import RANKER_PROMPTS, load_prompt  # noqa: E402
 from memsifter.stage import validate_config  # noqa: E402
 from memsifter.stages import rank as rank_stage  # noqa: E402
 

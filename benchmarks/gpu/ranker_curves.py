@@ -5,7 +5,7 @@
 
 Writes ``curves.json`` (one record per step: reward mean, validation valid-format rate and NDCG@10 on
 the held-out split, response length, step time and its parts, rollout tokens/s) and ``curves.png``
-(``memsifter.trainmetrics.plot``), and prints a table.
+(``memsifter.training.trainmetrics.plot``), and prints a table.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ KEEP = ("critic/score/mean", "response_length/mean", "timing_s/step", "timing_s/
 
 
 def main() -> int:
-    from memsifter import trainmetrics
+    from memsifter.training import trainmetrics
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source")

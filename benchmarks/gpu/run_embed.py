@@ -158,11 +158,11 @@ def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
     from bench_embed_gpu import build_encoder
-    from memsifter import embedding
+    from memsifter.models import embedding
     from memsifter.data.model import read_dataset
-    from memsifter.packed import flops_per_text
-    from memsifter.render import render_session
-    from memsifter.testing import env_vars
+    from memsifter.models.packed import flops_per_text
+    from memsifter.retrieval.render import render_session
+    from memsifter.testing.servers import env_vars
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ds = read_dataset(a.inputs)

@@ -153,7 +153,7 @@ def write_yaml(path: str, data: dict) -> str:
 
 
 def rank_run(name: str, a, model: str, extra: dict, vllm: dict) -> dict:
-    from memsifter import storage
+    from memsifter.store import storage
 
     out = os.path.join(a.work, f"rank-{name}")
     data, emb, _ = WORKLOADS[a.workload]
@@ -217,11 +217,11 @@ def hf_baseline(a, model: str, n: int, max_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memsifter import storage
-    from memsifter.context import TokenCounter
+    from memsifter.store import storage
+    from memsifter.retrieval.context import TokenCounter
     from memsifter.data.model import read_dataset
-    from memsifter.rankings import read_rankings
-    from memsifter.prompting import load_prompt
+    from memsifter.retrieval.rankings import read_rankings
+    from memsifter.retrieval.prompting import load_prompt
     from memsifter.stages.rank import RankConfig, build_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -408,7 +408,7 @@ def combine(paths: list[str]) -> tuple[dict, list[dict], dict | None, float, dic
         cfg_path = os.path.join(args["work"], "qwen3-tiny", "config.json")
         mcfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
     else:
-        from memsifter.tiny import QWEN3_4B
+        from memsifter.models.tiny import QWEN3_4B
         mcfg = dict(QWEN3_4B)
     return args, results, hf, peak, mcfg
 
@@ -488,7 +488,7 @@ def main() -> None:
         elif r not in ("ours", "prefill", "original", "ok", "hf"):
             raise SystemExit(f"--runs: unknown run {r!r} (ours, prefill, original, ok, hf, chunkN)")
     from memsifter.data.model import read_dataset
-    from memsifter.tiny import QWEN3_4B, build_random_model, build_tiny_model
+    from memsifter.models.tiny import QWEN3_4B, build_random_model, build_tiny_model
 
     data = os.path.join(a.inputs, WORKLOADS[a.workload][0])
     if not os.path.exists(os.path.join(data, "_SUCCESS")):

@@ -127,7 +127,7 @@ def config(name: str, data: dict) -> str:
 @contextlib.contextmanager
 def served(model_dir: str, name: str, port: int, util: float, lora: bool = False):
     """vLLM's OpenAI-compatible server for a model on this GPU; yields the base URL."""
-    from memsifter.testing import wait_openai_server
+    from memsifter.testing.servers import wait_openai_server
 
     logf = open(os.path.join(RES, "logs", f"vllm-{name}.log"), "ab")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
@@ -136,7 +136,7 @@ def served(model_dir: str, name: str, port: int, util: float, lora: bool = False
     if lora:  # trained rankers are loaded into this server as they appear (one server for every ranker)
         cmd += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
     t0 = time.time()
-    from memsifter.vllm_env import engine_env  # VLLM_USE_FLASHINFER_SAMPLER=0 without FlashInfer, as the stages do
+    from memsifter.models.vllm_env import engine_env  # VLLM_USE_FLASHINFER_SAMPLER=0 without FlashInfer, as the stages do
 
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**engine_env(), **os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
@@ -183,7 +183,7 @@ def adapter_dir(kind: str) -> str | None:
 
 
 def keep_adapter(kind: str, src: str) -> str:
-    from memsifter import storage
+    from memsifter.store import storage
 
     dest = os.path.join(RUNS, f"adapter-{kind}")
     shutil.rmtree(dest, ignore_errors=True)
@@ -214,7 +214,7 @@ def train_setting(spec: str) -> tuple[str, object]:
 
 
 def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
-    from memsifter import storage
+    from memsifter.store import storage
 
     kind = kind + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
     out = f"s3://memsifter/ranker/train-{kind}"
@@ -225,7 +225,7 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     verl["trainer"].update(total_training_steps=steps, save_freq=max(1, steps // 2), test_freq=max(1, steps // 2))
     model = BASE
     if a.full:  # every weight, from the sft adapter merged onto the base (no LoRA weight sync)
-        from memsifter import models
+        from memsifter.models import registry as models
 
         model, init = models.resolve(init), None
         verl["actor_rollout_ref"]["model"]["lora_rank"] = 0
@@ -323,9 +323,10 @@ def phase_rank_all(a, url: str, names: list[str]) -> None:
 
 
 def phase_answers(a, url: str, names: list[str]) -> dict:
-    from memsifter import rankings, storage
+    from memsifter.retrieval import rankings
+    from memsifter.store import storage
     from memsifter.data.model import read_dataset
-    from memsifter.metrics import mean_interval, order_change_summary, question_metrics
+    from memsifter.retrieval.metrics import mean_interval, order_change_summary, question_metrics
 
     table: dict = {}
     for ds in names:
@@ -384,7 +385,7 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
 
 
 def write_table(table: dict) -> None:
-    from memsifter.metrics import INPUT_ORDER_NOTE
+    from memsifter.retrieval.metrics import INPUT_ORDER_NOTE
 
     lines = ["*order changed vs input*: questions on which the ranker's order of the sessions it was shown differs "
              "from the first-stage order it was given; *τ vs input*: its mean Kendall τ to that order. A ranker "
@@ -414,8 +415,9 @@ def run_all(a) -> None:
     os.makedirs(os.path.join(RES, "logs"), exist_ok=True)
     os.makedirs(RUNS, exist_ok=True)
     status(state="running", phases=a.phases, pid=os.getpid(), started=time.strftime("%H:%M:%S"))
-    from memsifter import models, storage
-    from memsifter.testing import seaweedfs
+    from memsifter.models import registry as models
+    from memsifter.store import storage
+    from memsifter.testing.servers import seaweedfs
 
     phases = a.phases.split(",")
     t0 = time.time()

@@ -104,9 +104,9 @@ def write_table(a, rows: list, ckpts: dict) -> str:
 
 def prepare(a, run: str, model: str) -> None:
     """Synthetic data, a random model with a tokenizer trained on that data, prepare-rl."""
-    from memsifter import storage
+    from memsifter.store import storage
     from memsifter.data.model import read_dataset
-    from memsifter.tiny import build_random_model
+    from memsifter.models.tiny import build_random_model
 
     sh(ms("data", "synth", f"{run}/synth", "--questions", "48", "--sessions", "12", "--seed", "0"),
        f"{a.out}/synth.log")
@@ -151,8 +151,8 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
-    from memsifter import storage
-    from memsifter.testing import seaweedfs
+    from memsifter.store import storage
+    from memsifter.testing.servers import seaweedfs
 
     with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
         os.environ.update(s3.env())

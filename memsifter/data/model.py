@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import pyarrow as pa
 
-from .. import storage
+from ..store import storage
 from ..errors import InputError
 
 TURN = pa.struct([("role", pa.string()), ("content", pa.string())])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import Field, model_validator
 
-from .. import storage
+from ..store import storage
 from ..stage import StageConfig, stage
 from .model import Dataset, DatasetBuilder, Question
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Protocol
 
 import yaml
 
-from .. import storage
+from ..store import storage
 from ..errors import MemsifterError
 from ..stage import derive_order
 
@@ -387,11 +387,11 @@ class Driver:
     def run(self) -> dict:
         """Drive the run. One driver per run: the run lease ``<root>/_run/_LEASE`` (the one ``memsifter
         pipeline`` takes too) is taken before any RayJob is created; a second driver of the run is
-        refused with the holder's name (:class:`memsifter.lease.LeaseHeldError`). A driver that does
+        refused with the holder's name (:class:`memsifter.store.lease.LeaseHeldError`). A driver that does
         not write to the store (``write_manifest=False``) takes no lease."""
         if not self.write_manifest:
             return self._run()
-        from .. import lease
+        from ..store import lease
 
         storage.ensure_bucket(self.plan.manifest_uri)
         wait = self.lease_wait

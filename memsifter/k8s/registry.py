@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .. import stage as stg
-from .. import storage
+from ..store import storage
 
 # Config fields from which the capacity of a multi-node GPU stage is read (verl's names).
 NODES_FIELD = "nnodes"

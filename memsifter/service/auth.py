@@ -4,7 +4,7 @@
 may read and write). At start every named variable must be set (a missing one is a one-line error naming
 the variable, never a value); a request's key is compared with each key in constant time. No key: the
 ``anonymous`` grant if there is one, else 401; a key that is not known: 401; a known key asking for an id
-outside its grant: 403. Key values join :func:`memsifter.redact.redact`'s secrets, so no log line or
+outside its grant: 403. Key values join :func:`memsifter.security.redact.redact`'s secrets, so no log line or
 response carries one.
 """
 
@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .. import storage
+from ..store import storage
 from ..errors import ConfigError
 from .config import AuthConfig, Grant
 

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from .. import storage
+from ..store import storage
 from ..errors import ConfigError
 
 DEMO_QUESTIONS = 5
@@ -116,7 +116,7 @@ def run_serve(cfg: Any, blocking: bool = True) -> str:
     """The app on Ray Serve (``RAY_ADDRESS``'s cluster, else a local Ray); returns its URL."""
     from ray import serve
 
-    from ..raypool import ensure_ray
+    from ..models.raypool import ensure_ray
     from .app import APP_NAME, deployments
 
     ensure_ray()

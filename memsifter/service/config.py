@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ConfigError
-from ..llm import LLMEndpoint
+from ..models.llm import LLMEndpoint
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Corpus and user ids: what a URL path segment and a storage key can hold safely.

@@ -22,10 +22,10 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
-from .. import embedding
+from ..models import embedding
 from ..data.model import Session, content_hash
-from ..redact import redact
-from ..render import render_session
+from ..security.redact import redact
+from ..retrieval.render import render_session
 from . import memory as M
 from .auth import Keys, Principal
 from .config import ID_RE, ServeConfig

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .. import embedding, storage
+from ..models import embedding
+from ..store import storage
 from ..data.model import Dataset, Session, read_dataset
 from ..errors import ConfigError
 from ..stages import embed as E

@@ -1,5 +1,5 @@
 """No credential in a log line: a filter that passes every record of the service's loggers (and the
-servers it runs under) through :func:`memsifter.redact.redact`, with the API keys and an endpoint's key
+servers it runs under) through :func:`memsifter.security.redact.redact`, with the API keys and an endpoint's key
 as known secrets."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from ..redact import redact
+from ..security.redact import redact
 
-LOGGERS = ("memsifter", "memsifter.service", "memsifter.llm", "uvicorn", "uvicorn.access", "uvicorn.error", "fastapi", "ray.serve")
+LOGGERS = ("memsifter", "memsifter.service", "memsifter.models.llm", "uvicorn", "uvicorn.access", "uvicorn.error", "fastapi", "ray.serve")
 
 
 class RedactingFilter(logging.Filter):

@@ -4,7 +4,7 @@ Layout, under the service's ``state`` URI (local dir or ``s3://``)::
 
     <state>/memories/<user_id>/seg-<time_ns>-<uuid>.parquet    one per append that added sessions
 
-A segment is written whole in one atomic write (:func:`memsifter.storage.write_atomic`: temp file +
+A segment is written whole in one atomic write (:func:`memsifter.store.storage.write_atomic`: temp file +
 rename locally, one PUT on S3) before the append is acknowledged, and never changed after. A user's
 memory is the union of their segments in name order (time, then a random tie-break), each session id
 kept once (the first occurrence): segments need no coordination between writers, so two replicas, or
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from .. import storage
+from ..store import storage
 from ..data.model import SESSION_SCHEMA, Session
 
 MEMORIES = "memories"

@@ -3,13 +3,13 @@ from the caller's side, batched on the engine's side.
 
 A request carries the query, the first stage's top ``candidates`` sessions of the corpus (their turns and
 dates, most similar first). :func:`memsifter.stages.rank.build_prompt` builds the prompt exactly as the
-rank stage does (the same :class:`memsifter.window.PromptBuilder`: pre-filter by first-stage order
+rank stage does (the same :class:`memsifter.retrieval.window.PromptBuilder`: pre-filter by first-stage order
 within ``context_limit``, listing by ``history_order``), the engine answers, and
-:func:`memsifter.stages.rank.result_row` parses it (:func:`memsifter.rankings.parse_ranking`) into the
+:func:`memsifter.stages.rank.result_row` parses it (:func:`memsifter.retrieval.rankings.parse_ranking`) into the
 full order, or the first stage's with the reason (status ``fallback`` / ``error``).
 
 Engines: ``vllm`` (``vllm.LLM`` in this process: the GPU deployment; the batch is one ``LLM.chat``
-call) or ``endpoint`` (an OpenAI-compatible server, :class:`memsifter.llm.ChatClient`). Under Ray Serve
+call) or ``endpoint`` (an OpenAI-compatible server, :class:`memsifter.models.llm.ChatClient`). Under Ray Serve
 the deployment batches concurrent requests with ``@serve.batch`` (:mod:`memsifter.service.app`); without
 Ray, :class:`memsifter.service.core.MicroBatcher` does the same.
 """
@@ -20,12 +20,12 @@ import asyncio
 import logging
 from typing import Any
 
-from .. import models
-from ..context import TokenCounter, load_tokenizer
+from ..models import registry as models
+from ..retrieval.context import TokenCounter, load_tokenizer
 from ..data.model import Question, Session
-from ..llm import ChatClient
-from ..prompting import RANKER_PROMPTS, load_prompt
-from ..redact import redact
+from ..models.llm import ChatClient
+from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
+from ..security.redact import redact
 from ..stages import rank as R
 from .config import RankerSettings
 
@@ -90,7 +90,7 @@ class RankerCore:
     def _start_vllm(self, model_dir: str, max_model_len: int) -> None:
         from vllm import LLM
 
-        from ..raypool import cluster_gpus
+        from ..models.raypool import cluster_gpus
 
         try:
             import torch

@@ -1,13 +1,13 @@
 """Stage ``chat``: answer every question with the working LLM over the retrieved memory (MEMSIFTER.md §5).
 
-* Endpoint: any OpenAI-compatible server (:class:`memsifter.llm.LLMEndpoint`: base URL, model, the
-  *name* of the env var holding the API key), through :class:`memsifter.llm.ChatClient` (bounded
+* Endpoint: any OpenAI-compatible server (:class:`memsifter.models.llm.LLMEndpoint`: base URL, model, the
+  *name* of the env var holding the API key), through :class:`memsifter.models.llm.ChatClient` (bounded
   concurrency, retries with backoff on 429/5xx/timeouts, a request cache under
   ``<output>/_work/llm-cache/`` so a re-run sends only what is missing).
 * Context: the sessions of ``rankings`` in rank order (a ``rank`` output ranks its top ids first,
   then the rest by similarity), then any haystack session the rankings file leaves out, by
   similarity (``embeddings``) or chronologically; added while the whole prompt fits ``context_tokens``
-  (the session window of :mod:`memsifter.window`, the rank stage's builder and token-cost model);
+  (the session window of :mod:`memsifter.retrieval.window`, the rank stage's builder and token-cost model);
   shown in chronological order (§2) in the prompt template (``{history}``, ``{current}``,
   ``{date}``; ``prompts/chat.txt`` by default).
 * Several contexts side by side: the questions are answered with ``rankings`` (the stage's main
@@ -15,7 +15,7 @@
   ``baselines`` (``none``: no memory; ``oracle``: the gold sessions only). ``answers.parquet`` has a
   ``method`` column and the status of the ranking each context came from, so ``evaluate`` reports F1
   by method and marks a method whose rankings were fallbacks. ``session_tokens`` shows each session
-  by its turns closest to the question (:func:`memsifter.render.condense_session`).
+  by its turns closest to the question (:func:`memsifter.retrieval.render.condense_session`).
 * Answer = the text inside the last ``<answer>…</answer>`` after any ``</think>``, else the whole
   reply. Per question: exact match and token F1 against the gold answer; optionally an LLM judge
   (yes/no, ``prompts/judge.txt``).
@@ -35,16 +35,19 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from .. import faults, models, rankings, storage
-from ..context import TokenCounter, load_tokenizer
+from ..testing import faults
+from ..models import registry as models
+from ..retrieval import rankings
+from ..store import storage
+from ..retrieval.context import TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
-from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..metrics import exact_match, token_f1
-from ..prompting import extract_answer, fill, load_prompt
-from ..redact import redact
+from ..models.llm import ChatClient, LLMEndpoint, ResponseCache
+from ..retrieval.metrics import exact_match, token_f1
+from ..retrieval.prompting import extract_answer, fill, load_prompt
+from ..security.redact import redact
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
-from ..window import OVER_BUDGET, PromptBuilder
+from ..retrieval.window import OVER_BUDGET, PromptBuilder
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ def answer_methods(config: ChatConfig) -> list[dict]:
 
 def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str], counter, template: str
                    ) -> tuple[list[dict], list[str], int]:
-    """The working LLM's prompt for one question: the session window (:mod:`memsifter.window`, the
+    """The working LLM's prompt for one question: the session window (:mod:`memsifter.retrieval.window`, the
     rank stage's builder and token-cost model) of ``order``, listed chronologically. Returns the
     messages, the shown session ids and the tokens of the memory shown."""
     hay = q.haystack_session_ids

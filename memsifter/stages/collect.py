@@ -14,7 +14,7 @@ Output: ``global_step_<N>/`` per step (config, safetensors, tokenizer): the same
 train and merge use. A LoRA run (``train``'s ``verl.actor_rollout_ref.model.lora_rank > 0``) is
 exported as the adapter: ``global_step_<N>/adapter/`` (PEFT layout, bf16, ``base_model_name_or_path`` =
 the train stage's ``model`` as the user gave it, e.g. ``smollm2-135m-instruct``), which every stage taking a model
-accepts (:func:`memsifter.models.resolve` merges it onto its base); the whole weights verl's merger
+accepts (:func:`memsifter.models.registry.resolve` merges it onto its base); the whole weights verl's merger
 writes beside it are the untouched base and are dropped, unless ``merged: true`` asks for the base
 with the adapter merged in (written as the step's model files). Each converted step is kept under ``<output>/_work/global_step_<N>/`` with a
 ``_DONE`` marker, so a crashed run converts only the steps it had not finished.
@@ -33,8 +33,8 @@ import time
 
 from pydantic import Field
 
-from .. import storage
-from ..checkpoints import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
+from ..store import storage
+from ..training.checkpoints import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
 from ..errors import InputError
 from ..stage import StageConfig, runtime_field, stage, uri_field
 

@@ -1,7 +1,7 @@
 """Stage ``embed``: the first stage: rank every haystack session for its question (MEMSIFTER.md §3).
 
 Texts are embedded once each, keyed by their sha256, in a sharded store that later runs reuse
-(:mod:`memsifter.embedding`); models run on a Ray Data actor pool (``RAY_ADDRESS`` or a local Ray).
+(:mod:`memsifter.models.embedding`); models run on a Ray Data actor pool (``RAY_ADDRESS`` or a local Ray).
 Only the texts the enabled methods need are embedded (the question always, when any dense view is on).
 
 Methods, each published as ``rankings_<method>.parquet`` (same schema as every rankings file):
@@ -83,10 +83,13 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, model_validator
 
-from .. import embedding, faults, rankings, storage
+from ..models import embedding
+from ..testing import faults
+from ..retrieval import rankings
+from ..store import storage
 from ..data.model import Dataset, read_dataset
-from ..raypool import Progress
-from ..render import render_session, turn_texts
+from ..models.raypool import Progress
+from ..retrieval.render import render_session, turn_texts
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 
 log = logging.getLogger(__name__)

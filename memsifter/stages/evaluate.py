@@ -10,7 +10,7 @@ first-stage method, no memory, the gold-session oracle), overall / per type / pe
 method's recall_any@5 / NDCG@10 beside it. A method whose rankings are all or mostly fallbacks is
 marked as such in the JSON, the Markdown table and ``answer_f1_by_method.png``.
 
-Every mean comes with its n and a 95% bootstrap interval (:func:`memsifter.metrics.bootstrap_ci`:
+Every mean comes with its n and a 95% bootstrap interval (:func:`memsifter.retrieval.metrics.bootstrap_ci`:
 1,000 resamples of the questions, seeded): ``ci`` beside ``overall`` and in each ``by_type`` /
 ``by_dataset`` group (``{"n", "ci_low", "ci_high"}`` per metric), ``recall_any_ci`` / ``recall_all_ci``
 beside the curves, in the Markdown tables as ``mean [low, high]`` and as error bars / bands in the
@@ -20,7 +20,7 @@ A re-ranker's NDCG cannot say whether it re-ranked: one that hands back the orde
 exactly its input's. So every rank stage output also gets ``input_order``: against the first-stage
 order it was given (its config's ``embeddings``), over the sessions it was shown (its
 ``prompts.parquet``; else the top ``top_k``), the share of questions whose order it changed and its mean
-Kendall τ to that order, with n and intervals (:func:`memsifter.metrics.order_change_summary`). One that
+Kendall τ to that order, with n and intervals (:func:`memsifter.retrieval.metrics.order_change_summary`). One that
 changed no question's order is reported as "returns its input order" in the JSON
 (``returns_input_order``), the Markdown tables and the manifest's stats, never as a learned ranking.
 Answer metrics sit beside the retrieval of the same answered questions (``retrieval``, with
@@ -44,11 +44,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from .. import faults, rankings, storage
+from ..testing import faults
+from ..retrieval import rankings
+from ..store import storage
 from ..data.model import Dataset, read_dataset
 from ..errors import NotPublishedError
-from ..metrics import (BOOTSTRAP_RESAMPLES, INPUT_ORDER_NOTE, mean_interval, mean_metrics, order_change_summary,
-                       question_metrics)
+from ..retrieval.metrics import BOOTSTRAP_RESAMPLES, INPUT_ORDER_NOTE, mean_interval, mean_metrics, order_change_summary, question_metrics
 from ..stage import StageConfig, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def question_sets(per_method: dict[str, dict[str, dict]], changes: dict[str, dic
 def input_order_entry(rows: list[dict], ds: Dataset,
                       given: rankings.RankerInput) -> tuple[dict | None, dict[str, dict]]:
     """A re-ranker's order change against the order it was given (``input_order`` of its report entry:
-    :func:`memsifter.metrics.order_change_summary` plus ``compared_over``) and the per-question changes
+    :func:`memsifter.retrieval.metrics.order_change_summary` plus ``compared_over``) and the per-question changes
     behind it. The input's URI is left out: it is in the rank output's manifest (``embeddings``), and a
     report must not differ between two runs of one pipeline under different prefixes."""
     changes = rankings.order_changes(rows, ds.questions, given)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .. import storage
+from ..store import storage
 from ..errors import InputError
 from ..stage import StageConfig, runtime_field, stage, uri_field
 

@@ -2,7 +2,7 @@
 
 Inputs: published datasets, a recipe (per split, ``{dataset: count}``; inline or a YAML/JSON file
 URI), optionally previous rankings (a ``rank`` output of an earlier ranker) and similarities (an
-``embed`` output). Both are read as ``rankings.parquet`` files (:mod:`memsifter.rankings`).
+``embed`` output). Both are read as ``rankings.parquet`` files (:mod:`memsifter.retrieval.rankings`).
 
 Sampling, per split in recipe order, per dataset (the questions' ``dataset`` column), without
 replacement across splits; questions without gold sessions and abstention questions are skipped:
@@ -13,7 +13,7 @@ replacement across splits; questions without gold sessions and abstention questi
 - otherwise seeded random sampling.
 
 Prompt: the ranker template (``prompts/ranker.txt`` or ``prompt``), slots ``{history}`` and
-``{current}``, with the session window of the rank stage (:class:`memsifter.window.PromptBuilder`:
+``{current}``, with the session window of the rank stage (:class:`memsifter.retrieval.window.PromptBuilder`:
 the same code, the same token-cost model, so the ranker trains on the prompts it is served). The
 budget is ``context_limit`` prompt tokens (as the rank stage's), else ``history_budget_tokens``
 (130 x 1024) of history, counted with the ranker's tokenizer: every gold session is always included,
@@ -29,7 +29,7 @@ it) and the next candidate is taken instead; counts are in the manifest.
 
 Row (verl parquet): ``data_source`` = ``memsifter_{dataset}``, ``prompt`` = chat messages,
 ``ability``, ``reward_model`` = ``{style: rule, ground_truth: "{local gold ids};{N sessions}"}``, and
-``extra_info`` with what ``memsifter.rewards`` needs: question, question date, gold answer, dataset,
+``extra_info`` with what ``memsifter.training.rewards`` needs: question, question date, gold answer, dataset,
 the rendered sessions in prompt order with their dates and original ids, the local gold ids, and the
 local ids in first-stage order (``first_stage_local``: the warm-up SFT's targets, the first stage as a
 baseline) and each shown session's haystack position (``haystack_index``: the task reward shows the
@@ -54,14 +54,15 @@ import pyarrow as pa
 import yaml
 from pydantic import Field, field_validator
 
-from .. import rankings, storage
-from ..context import HistoryOrder, TokenCounter, load_tokenizer
+from ..retrieval import rankings
+from ..store import storage
+from ..retrieval.context import HistoryOrder, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import InputError
-from ..metrics import dcg_over_gold
-from ..prompting import RANKER_PROMPTS, load_prompt
+from ..retrieval.metrics import dcg_over_gold
+from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
 from ..stage import StageConfig, runtime_field, stage, uri_field
-from ..window import PromptBuilder, Window
+from ..retrieval.window import PromptBuilder, Window
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +221,13 @@ SERVED_PREFIX = {"thinking": "", "direct": "<ranking>"}
 
 
 class Builder:
-    """The ranker prompts of prepare-rl: the rank stage's session window (:mod:`memsifter.window`,
+    """The ranker prompts of prepare-rl: the rank stage's session window (:mod:`memsifter.retrieval.window`,
     same builder, same settings), with the question's gold sessions always shown."""
 
     def __init__(self, config: PrepareRLConfig, ds: Dataset, sims: dict[str, list[str]],
                  prev: dict[str, list[str]]):
         self.config, self.ds, self.sims, self.prev = config, ds, sims, prev
-        from .. import models
+        from ..models import registry as models
 
         self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)

@@ -5,9 +5,9 @@ Per question:
 1. **Pre-filter** with the *ranker's* tokenizer: budget = ``context_limit`` minus the tokens of the
    prompt with an empty history; sessions are taken by embedding similarity, descending, while they
    fit (the original stops at the first that does not: ``stop_at_first_overflow``). Token counts
-   of a session depend only on its text and are cached (:class:`memsifter.context.TokenCounter`).
+   of a session depend only on its text and are cached (:class:`memsifter.retrieval.context.TokenCounter`).
    The final prompt is counted exactly and trimmed if the per-session estimate was short. This
-   window is built by :class:`memsifter.window.PromptBuilder`, the very code prepare-rl builds the
+   window is built by :class:`memsifter.retrieval.window.PromptBuilder`, the very code prepare-rl builds the
    ranker's training prompts with (no train/serve skew).
 2. The chosen sessions go back into chronological order (``history_order: first_stage`` lists them
    most similar first instead; ``shuffled``: a seeded permutation per question) and are rendered (§2) into the prompt
@@ -27,15 +27,15 @@ Per question:
      reserves CPUs instead of a GPU, plus float32 and eager mode. So there is one code path for a
      laptop and a GPU cluster; no separate actor-pool implementation is needed.
    - ``engine: endpoint``: an already-served ranker behind an OpenAI-compatible URL (a vLLM server),
-     through :class:`memsifter.llm.ChatClient` (retries, cache).
+     through :class:`memsifter.models.llm.ChatClient` (retries, cache).
 
-4. **Parsing** (:func:`memsifter.rankings.parse_ranking`): text after the last ``</think>``, ids in
+4. **Parsing** (:func:`memsifter.retrieval.rankings.parse_ranking`): text after the last ``</think>``, ids in
    ``<ranking>``; local ids are mapped to the original session ids; the ranking is completed with
    the remaining sessions in embedding order. An unparsable answer gives status ``fallback`` with
    the reason and the embedding order; an engine error gives ``error``; no question is dropped.
    The raw response is kept in ``rankings.parquet``. Engine errors fail the stage (nothing is
    published; a re-run asks only the failed questions) unless they are at most ``max_failed_fraction``
-   of the questions (default 0); reasons, stats and errors are redacted (:mod:`memsifter.redact`).
+   of the questions (default 0); reasons, stats and errors are redacted (:mod:`memsifter.security.redact`).
 
 Results are saved in batches under ``<output>/_work/rank-<config hash>/`` as they arrive, so a
 crashed run resumes with the questions still missing.
@@ -52,16 +52,19 @@ from typing import Any, Iterator, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .. import faults, models, rankings, storage
-from ..context import HistoryOrder, TokenCounter, load_tokenizer
+from ..testing import faults
+from ..models import registry as models
+from ..retrieval import rankings
+from ..store import storage
+from ..retrieval.context import HistoryOrder, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import ConfigError, MemsifterError
-from ..llm import ChatClient, LLMEndpoint, ResponseCache
-from ..prompting import RANKER_PROMPTS, load_prompt
-from ..redact import redact
+from ..models.llm import ChatClient, LLMEndpoint, ResponseCache
+from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
+from ..security.redact import redact
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
-from ..vllm_env import cpu_engine_env, engine_env
-from ..window import OVER_BUDGET, PromptBuilder
+from ..models.vllm_env import cpu_engine_env, engine_env
+from ..retrieval.window import OVER_BUDGET, PromptBuilder
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ class RankConfig(StageConfig):
 
     def preflight(self) -> None:
         """Checks that need the environment, made before anything starts: an endpoint's URL must be
-        named and its key set (see :meth:`memsifter.llm.LLMEndpoint.check`)."""
+        named and its key set (see :meth:`memsifter.models.llm.LLMEndpoint.check`)."""
         if self.engine == "endpoint":
             self.endpoint.check("endpoint")
 
@@ -263,7 +266,7 @@ def build_prompts(config: RankConfig, ds: Dataset, emb: dict[str, dict], counter
 
 
 def window_builder(config: RankConfig, counter: TokenCounter, template: str) -> PromptBuilder:
-    """The session window the rank stage serves (:mod:`memsifter.window`; prepare-rl builds its
+    """The session window the rank stage serves (:mod:`memsifter.retrieval.window`; prepare-rl builds its
     training prompts with the same builder and settings)."""
     return PromptBuilder(counter, template, limit=config.context_limit, session_tokens=config.session_tokens,
                          history_order=config.history_order, shuffle_seed=config.shuffle_seed,
@@ -352,7 +355,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
     import ray
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from ..raypool import cluster_gpus, ensure_ray
+    from ..models.raypool import cluster_gpus, ensure_ray
 
     ensure_ray()
     v = config.vllm

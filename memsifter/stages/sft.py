@@ -49,10 +49,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .. import storage
+from ..store import storage
 from ..errors import InputError
-from ..metrics import ndcg
-from ..rankings import parse_ranking
+from ..retrieval.metrics import ndcg
+from ..retrieval.rankings import parse_ranking
 from ..stage import StageConfig, runtime_field, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class SFTConfig(StageConfig):
 
     def preflight(self) -> None:
         """A base model this machine could not load is one line before anything is read or loaded."""
-        from ..embedding import check_model_ref
+        from ..models.embedding import check_model_ref
 
         check_model_ref(self.model, "sft", adapters=True)
 
@@ -239,7 +239,7 @@ def load_base(model_ref: str, device: str) -> tuple[Any, Any, str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import models
+    from ..models import registry as models
 
     path = models.fetch_s3(model_ref) if storage.is_s3(model_ref) else (models.resolve(model_ref) or model_ref)
     tok = AutoTokenizer.from_pretrained(path)
@@ -272,7 +272,7 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
     import torch
     from tqdm import tqdm
 
-    from .. import trainmetrics
+    from ..training import trainmetrics
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)

@@ -68,12 +68,12 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from .. import storage
-from ..checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
+from ..store import storage
+from ..training.checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
 from ..errors import ConfigError, InputError
-from ..reward_settings import RewardSettings
+from ..training.reward_settings import RewardSettings
 from ..stage import StageConfig, runtime_field, stage, suggest, uri_field
-from ..vllm_env import engine_env
+from ..models.vllm_env import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class TrainConfig(StageConfig):
         "a file of Hydra overrides for verl main_ppo, one a line as on verl's command line (key=value, "
         "+key=value, ++key=value, ~key; # comment lines): applied after verl:, passed to verl as written", None)
     fast_logprobs: bool = Field(True, description="compute the actor's token log-probs in blocks instead of "
-                                "verl's row-by-row fallback (used without flash-attn; memsifter.verl_patches)")
+                                "verl's row-by-row fallback (used without flash-attn; memsifter.training.verl_patches)")
     reward: RewardSettings = Field(default_factory=RewardSettings)
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
     keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
@@ -144,7 +144,7 @@ class TrainConfig(StageConfig):
         a cluster the GPU nodes load it from their own disks and caches, which this driver cannot see)."""
         check_loggers(self)
         if not os.environ.get("RAY_ADDRESS") and not storage.is_s3(self.model):
-            from ..embedding import check_model_ref
+            from ..models.embedding import check_model_ref
 
             check_model_ref(self.model, "train", adapters=True)
 
@@ -562,7 +562,7 @@ def model_path(config: TrainConfig) -> str:
     ``memsifter models`` name (e.g. smollm2-135m-instruct, materialized on first use), else as given."""
     if storage.is_s3(config.model):
         return local_paths(config)["model"]
-    from .. import models
+    from ..models import registry as models
 
     return models.resolve(config.model) if models.lookup(config.model) else config.model
 
@@ -628,7 +628,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     for path, value in (
             ("actor_rollout_ref.model.path", model_path(config)),
             ("actor_rollout_ref.model.lora_adapter_path", adapter_local(config)),
-            ("reward.custom_reward_function", {"path": "pkg://memsifter.rewards", "name": "compute_score",
+            ("reward.custom_reward_function", {"path": "pkg://memsifter.training.rewards", "name": "compute_score",
                                                "reward_kwargs": reward_kwargs(config)}),
             ("trainer.nnodes", config.nnodes), ("trainer.n_gpus_per_node", config.n_gpus_per_node),
             ("trainer.project_name", config.project_name), ("trainer.experiment_name", config.experiment_name),
@@ -675,7 +675,7 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
     env.update(user_env)
     if config.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
-        from memsifter import verl_patches
+        from memsifter.training import verl_patches
 
         env["VERL_USE_EXTERNAL_MODULES"] = verl_patches.external_modules(
             user_env.get("VERL_USE_EXTERNAL_MODULES") or os.environ.get("VERL_USE_EXTERNAL_MODULES"))
@@ -1025,10 +1025,10 @@ def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> threading.Timer:
 def _run_verl(overrides: list[str], sink: Any = None, guard: Callable[[dict], str | None] | None = None,
               cmd: list[str] | None = None) -> str | None:
     """verl ``main_ppo`` in a child process; its output is echoed line by line and every per-step
-    metric line goes to ``sink`` (:class:`memsifter.trainmetrics.MetricsSink`). ``guard`` sees each
+    metric line goes to ``sink`` (:class:`memsifter.training.trainmetrics.MetricsSink`). ``guard`` sees each
     step's metrics; when it gives a reason, verl is stopped after that step and the reason returned
     (None: verl ran to its end). ``cmd`` replaces verl's command line (tests)."""
-    from ..trainmetrics import parse_line
+    from ..training.trainmetrics import parse_line
 
     cmd = cmd or [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log.info("starting verl: %s", " ".join(shlex.quote(c) for c in cmd))
@@ -1061,7 +1061,7 @@ def _run_verl(overrides: list[str], sink: Any = None, guard: Callable[[dict], st
 
 def publish_metrics(out: storage.Publication, sink: Any, title: str) -> dict:
     """``metrics.jsonl`` and ``training_curves.png`` of the run (every attempt's steps), and a summary."""
-    from .. import trainmetrics
+    from ..training import trainmetrics
 
     records = sink.sorted()
     out.write_text("metrics.jsonl", sink.jsonl())
@@ -1113,7 +1113,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
 
             ray.shutdown()
     log.info("staged on %d node(s); resuming from step %s", len(staged), resume)
-    from ..trainmetrics import MetricsSink
+    from ..training.trainmetrics import MetricsSink
 
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
     # run continues the curves)

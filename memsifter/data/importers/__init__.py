@@ -18,7 +18,7 @@ from typing import Callable, Literal
 
 from pydantic import Field
 
-from ... import storage
+from ...store import storage
 from ...errors import InputError
 from ...stage import StageConfig, stage, uri_field
 from ..model import Dataset

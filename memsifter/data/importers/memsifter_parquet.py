@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ... import storage
+from ...store import storage
 from ...errors import InputError
 from ..model import Dataset, DatasetBuilder, Question, answer_text, read_dataset
 from .reading import _opt_str, _progress, _too_large, _turn
@@ -167,7 +167,7 @@ def export_memsifter(src_uri: str, dest_uri: str) -> int:
     A destination inside a published prefix (one holding ``_SUCCESS`` or ``_PUBLISHING``, the source's
     included) is refused: the file would change a publication behind its manifest; so are control files
     and folders (``_LEASE``, ``_SUCCESS``, ``_PUBLISHING``, ``_staging/``, ``_work/``, ``_run/``) and a
-    prefix a run holds (:func:`memsifter.storage.check_plain_target`).
+    prefix a run holds (:func:`memsifter.store.storage.check_plain_target`).
     """
     storage.check_plain_target(dest_uri)
     ds = read_dataset(src_uri)

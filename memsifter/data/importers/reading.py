@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 from tqdm import tqdm
 
-from ... import storage
+from ...store import storage
 from ...errors import InputError, StorageError
 from ..model import check_role, check_text
 

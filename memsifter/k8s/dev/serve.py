@@ -37,7 +37,8 @@ def index_wiring() -> dict:
     filled from :data:`INDEX_STAGE`'s output when that stage is enabled, else the install fails naming the
     field. The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
     rule the templates apply (``memsifter.stageOutput``: ``<run root>/<stage>`` unless its config sets one)."""
-    from ... import pipeline, storage
+    from ... import pipeline
+    from ...store import storage
     from ... import stage as stg
     from ..registry import WIRE_ROOT, _stand_in
 

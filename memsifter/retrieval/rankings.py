@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 
 import pyarrow as pa
 
-from . import storage
+from ..store import storage
 
 STATUSES = ("ok", "fallback", "error")
 
@@ -271,7 +271,7 @@ def input_order(first_stage: Sequence[str] | None, haystack: Sequence[str]) -> l
 
 
 def order_changes(rows: Sequence[dict], questions: Sequence, given: RankerInput) -> dict[str, dict]:
-    """question id -> :func:`memsifter.metrics.order_change` of each eligible question's ranking
+    """question id -> :func:`memsifter.retrieval.metrics.order_change` of each eligible question's ranking
     against the order it was given, over the sessions it was shown (else its top ``k``)."""
     from .metrics import order_change
 

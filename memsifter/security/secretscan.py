@@ -1,6 +1,6 @@
 """A small secret scanner for what memsifter ships and writes.
 
-``python -m memsifter.secretscan PATH_OR_URI...`` scans files, directories (recursively), tar/zip archives
+``python -m memsifter.security.secretscan PATH_OR_URI...`` scans files, directories (recursively), tar/zip archives
 (an image build context), gzip files, parquet tables and ``s3://`` prefixes (a run's outputs, its
 ``_SUCCESS`` manifests and logs) for:
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-# One place for the token shapes: what this scanner reports is what memsifter.redact removes from
+# One place for the token shapes: what this scanner reports is what memsifter.security.redact removes from
 # errors, logs and published columns.
 from .redact import PATTERNS
 
@@ -147,7 +147,7 @@ def _walk(root: Path) -> Iterator[Path]:
 def scan_path(target: str) -> list[Finding]:
     """Findings under a local path or an ``s3://`` prefix. Raises FileNotFoundError for a missing target."""
     if "://" in target:
-        from . import storage
+        from ..store import storage
 
         files = [target] if storage.is_file(target) else [storage.join(target, f) for f in storage.list_files(target)]
         if not files and not storage.exists(target):
@@ -176,7 +176,7 @@ def scan(targets: Iterable[str]) -> list[Finding]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memsifter.secretscan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m memsifter.security.secretscan", description=__doc__.split("\n\n")[0])
     ap.add_argument("targets", nargs="+", metavar="PATH_OR_URI")
     args = ap.parse_args(argv)
     try:

@@ -21,7 +21,7 @@ ZWSP = "\u200b"
 def defuse_chat_markers(text: str) -> str:
     """``<|im_end|>`` -> ``<\u200b|im_end|>``: the same visible text, no longer a special token.
 
-    Applied to every value filled into a prompt template (:func:`memsifter.prompting.fill`), not
+    Applied to every value filled into a prompt template (:func:`memsifter.retrieval.prompting.fill`), not
     to the rendering itself: text without such markers is unchanged (MEMSIFTER.md §2)."""
     if "<" not in text:
         return text

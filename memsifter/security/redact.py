@@ -5,7 +5,7 @@ An endpoint's URL can carry ``user:password@``; an OpenAI-compatible server may 
 may quote an environment value. Whatever of that reaches a ``reason`` column, a manifest's stats, a
 failure record or a log is published or archived, so it passes through :func:`redact` first.
 
-:data:`PATTERNS` are the token shapes :mod:`memsifter.secretscan` looks for too (one place for the
+:data:`PATTERNS` are the token shapes :mod:`memsifter.security.secretscan` looks for too (one place for the
 patterns): what the scanner would report, redaction removes.
 """
 

@@ -3,7 +3,7 @@
 Wiring (``memsifter.stages.train`` writes these overrides)::
 
     reward.reward_manager.name=dapo
-    reward.custom_reward_function.path=pkg://memsifter.rewards
+    reward.custom_reward_function.path=pkg://memsifter.training.rewards
     reward.custom_reward_function.name=compute_score
     +reward.custom_reward_function.reward_kwargs.mode=task       # and the other settings below
 
@@ -30,10 +30,10 @@ then K. The working LLM answers the question with the top-t ranked sessions (t =
 s_t = token F1 of its answer, and R = sum_i C(t_i) * (s_{t_i} - s_{t_{i-1}}) over the tiers after 0,
 with C(k) = 1 / log2(k + 1) (the tier-1 term is included; the original dropped it).
 
-In both modes a response whose ranking does not parse (``memsifter.rankings.parse_ranking`` with
+In both modes a response whose ranking does not parse (``memsifter.retrieval.rankings.parse_ranking`` with
 K ids required; with ``format: partial`` any non-empty ranking of shown ids counts, scored on the ids
 it gives; text after the last ``</think>``, so a response that starts inside the pre-filled
-think block is fine) scores 0. A working-LLM call is retried (``memsifter.llm.ChatClient``); a call
+think block is fine) scores 0. A working-LLM call is retried (``memsifter.models.llm.ChatClient``); a call
 that still fails scores 0 for its tier and is counted in ``llm_failed``; nothing raises into the
 trainer (an unexpected error gives score 0 and ``reward_error = 1``).
 
@@ -59,11 +59,11 @@ import math
 import threading
 from typing import Any, Sequence
 
-from .llm import ChatClient, ResponseCache, request_key, run_sync
-from .metrics import dcg_over_gold, ndcg, token_f1
-from .prompting import extract_answer, fill, load_prompt  # as the chat and rank stages use them
-from .rankings import parse_ranking
-from .render import render_history_texts
+from ..models.llm import ChatClient, ResponseCache, request_key, run_sync
+from ..retrieval.metrics import dcg_over_gold, ndcg, token_f1
+from ..retrieval.prompting import extract_answer, fill, load_prompt  # as the chat and rank stages use them
+from ..retrieval.rankings import parse_ranking
+from ..retrieval.render import render_history_texts
 from .reward_settings import FORMATS, MODES, TOP_K, RewardSettings  # noqa: F401 - the settings, re-exported
 
 log = logging.getLogger(__name__)

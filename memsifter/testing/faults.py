@@ -13,7 +13,7 @@ stage is running (``stage-start``/``stage-end``, sent by :meth:`memsifter.stage.
 * ``MEMSIFTER_CRASH_AFTER=<stage>:<n>``: raise :class:`InjectedCrash` once the n-th unit of resumable
   work (an embedding shard, a batch of rankings or answers) is saved: the ``saved`` point, ``done=n``.
 
-The object-store fault proxy of the storage tests is :mod:`memsifter.faultproxy`.
+The object-store fault proxy of the storage tests is :mod:`memsifter.testing.faultproxy`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import signal
 import time
 from typing import Any
 
-from .errors import StorageError
+from ..errors import StorageError
 
 ENV = ("MEMSIFTER_KILL_AT", "MEMSIFTER_PAUSE_AT", "MEMSIFTER_CRASH_AFTER")
 

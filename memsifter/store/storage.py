@@ -73,8 +73,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from . import faults
-from .errors import ConfigError, NotPublishedError, StorageError
+from ..testing import faults
+from ..errors import ConfigError, NotPublishedError, StorageError
 
 log = logging.getLogger(__name__)
 MANIFEST = "_SUCCESS"
@@ -868,7 +868,7 @@ def published_ancestor(uri: str) -> str | None:
     return _marked_ancestor(uri, (MANIFEST, JOURNAL))
 
 
-LEASE_NAME = "_LEASE"   # memsifter.lease.LEASE (the lease module imports this one)
+LEASE_NAME = "_LEASE"   # memsifter.store.lease.LEASE (the lease module imports this one)
 # Names that only memsifter writes, in any prefix: a plain write (``data export``) never targets them.
 CONTROL_NAMES = (MANIFEST, JOURNAL, LEASE_NAME, STAGING, WORK, "_run")
 

@@ -20,7 +20,7 @@ import math
 import re
 import time
 
-from . import storage
+from ..store import storage
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(?:^|\s)step:(\d+)\s+-\s+(.*)$")

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ def fetch_s3(uri: str, weights: bool = True, cache: str | None = None) -> str:
     fetches only the small files (config, tokenizer, chat template): what a driver needs to count
     tokens while the engines load the weights themselves. Files are fetched into a temporary
     directory that is renamed into place, so a crash leaves no half-copied model."""
-    from . import storage
+    from ..store import storage
 
     root = os.path.join(cache or cache_root(), "s3")
     key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
@@ -523,7 +523,7 @@ def _verify(name: str, repair: bool) -> int:
 def serve(name: str, host: str, port: int, max_model_len: int | None, served_name: str | None) -> int:
     """A local OpenAI-compatible vLLM server (CPU build on a machine without GPU) for a model by name or
     directory: the server the demo starts, for the rank stage's ``--engine endpoint`` and the chat stage."""
-    from .testing import vllm_server
+    from ..testing.servers import vllm_server
 
     if lookup(name) is None and not os.path.isdir(os.path.expanduser(name)):
         raise ConfigError(f"models serve: '{name}' is neither a memsifter model name ({', '.join(REGISTRY)}) "

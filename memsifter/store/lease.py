@@ -32,12 +32,12 @@ lease turns into garbage has lost it (:class:`LeaseLostError` at its next heartb
 publishes). A ``_LEASE`` that is a directory and an output that cannot be written (a regular file on
 the way, a read-only filesystem) are one :class:`~memsifter.errors.StorageError` line naming the path
 (exit 2). ``MEMSIFTER_LEASE_TTL`` must lie in 5 s .. 1 day and ``MEMSIFTER_LEASE_WAIT`` be >= 0
-(:func:`memsifter.storage.setting`).
+(:func:`memsifter.store.storage.setting`).
 
 The heartbeat is watched: if its thread dies (any exception out of its loop), :meth:`Lease.check`
 raises :class:`LeaseLostError` naming the exception, so the stage fails before it publishes instead
 of publishing under a lease nobody renews. After the storage layer gave up on an object store
-(:func:`memsifter.storage.store_down`), the heartbeat and the release skip it: the lease then
+(:func:`memsifter.store.storage.store_down`), the heartbeat and the release skip it: the lease then
 expires by itself, and the failing command ends within its retry budget.
 
 For ``memsifter status``: :func:`read_holder` reads the holder of a prefix and :func:`holder_state`
@@ -64,7 +64,7 @@ import uuid
 from typing import Any, Iterator
 
 from . import storage
-from .errors import MemsifterError, StorageError
+from ..errors import MemsifterError, StorageError
 
 log = logging.getLogger(__name__)
 LEASE = storage.LEASE_NAME   # "_LEASE"

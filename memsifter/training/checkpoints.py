@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from . import storage
+from ..store import storage
 
 CHECKPOINTS = "checkpoints"                       # under the train output
 COMPLETE_MARKER = "_COMPLETE.json"                # in a step directory, written last

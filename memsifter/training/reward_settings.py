@@ -1,4 +1,4 @@
-"""How :mod:`memsifter.rewards` scores rollouts: the one definition of the reward settings.
+"""How :mod:`memsifter.training.rewards` scores rollouts: the one definition of the reward settings.
 
 The train stage's config holds them (``reward:``, passed to verl as the reward function's
 ``reward_kwargs``; no secrets), and the reward function reads them back with
@@ -34,7 +34,7 @@ def _env(name: str) -> str | None:
 
 
 class RewardSettings(BaseModel):
-    """How ``memsifter.rewards`` scores rollouts (passed as verl ``reward_kwargs``; no secrets)."""
+    """How ``memsifter.training.rewards`` scores rollouts (passed as verl ``reward_kwargs``; no secrets)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -85,8 +85,8 @@ class RewardSettings(BaseModel):
         return cls.model_validate(vals)
 
     def endpoint(self) -> Any:
-        """The working LLM as a :class:`memsifter.llm.LLMEndpoint`."""
-        from .llm import LLMEndpoint
+        """The working LLM as a :class:`memsifter.models.llm.LLMEndpoint`."""
+        from ..models.llm import LLMEndpoint
 
         return LLMEndpoint(base_url=self.base_url, model=self.model, api_key_env=self.api_key_env,
                            temperature=self.temperature, max_tokens=self.max_tokens,

@@ -5,7 +5,7 @@
   The URL must be named (config or ``MEMSIFTER_LLM_BASE_URL`` / ``OPENAI_BASE_URL``): there is no
   built-in default, so nothing is sent to a hosted API unasked (:meth:`LLMEndpoint.check`).
 * Credentials never leave in text: a password in the URL is sent as its Basic header while the client
-  knows only the bare URL, and every error is passed through :func:`memsifter.redact.redact` (servers
+  knows only the bare URL, and every error is passed through :func:`memsifter.security.redact.redact` (servers
   echo keys in their error bodies).
 * Bounded concurrency (asyncio semaphore), retries with exponential backoff and jitter on 429, 5xx,
   timeouts and connection errors; other 4xx fail at once.
@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import storage
-from .redact import redact, strip_userinfo
+from ..store import storage
+from ..security.redact import redact, strip_userinfo
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class LLMEndpoint(BaseModel):
         ``base_url`` or from ``MEMSIFTER_LLM_BASE_URL`` / ``OPENAI_BASE_URL`` set by the user, never
         from the OpenAI client's built-in default (a user's memory would be sent to api.openai.com
         just because ``OPENAI_API_KEY`` happens to be set). ``what`` names the config field."""
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         url = self.resolved_base_url()
         if not url:
@@ -117,7 +117,7 @@ class LLMEndpoint(BaseModel):
         url = self.resolved_base_url()
         if url and _loopback(url):
             return "EMPTY"
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"{what}: LLM endpoint {self.display_url()} (model {self.model}): the API key variable "
                           f"{self.api_key_env} is not set; set it (in Kubernetes: from a Secret) or set "

@@ -20,7 +20,7 @@ The token-cost model (the rank stage's, MEMSIFTER.md §4), counted with the mode
    does not fit.
 4. The final prompt is counted exactly; while it exceeds ``limit``, the last session taken that is not
    required is dropped.
-5. The chosen sessions are listed by ``history_order`` (:func:`memsifter.context.shown_order`): local
+5. The chosen sessions are listed by ``history_order`` (:func:`memsifter.retrieval.context.shown_order`): local
    id i is the i-th listed session.
 """
 
@@ -75,7 +75,7 @@ class Window:
 class PromptBuilder:
     """Builds prompts that show a question's haystack sessions within a token budget (see the module).
 
-    ``counter``: a :class:`memsifter.context.TokenCounter` (or anything with ``count_many(texts, cap=)``
+    ``counter``: a :class:`memsifter.retrieval.context.TokenCounter` (or anything with ``count_many(texts, cap=)``
     and ``chat_prompt_tokens(messages)``). ``template``: a prompt with a ``{history}`` slot (and the
     other slots :meth:`build` fills). Exactly one of ``limit`` (prompt tokens at most) and
     ``history_budget`` (history tokens at most) is given. ``answer_prefix``: an assistant prefill

@@ -99,7 +99,7 @@ def build_random_model(out_dir: str, shape: dict, corpus: Iterable[str] = (), to
         model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     _mark(out_dir, cfg, f"Randomly initialised Qwen3 ({sum(p.numel() for p in model.parameters())/1e9:.2f}B "
-                        f"parameters) built by memsifter.tiny.build_random_model; random weights.\n")
+                        f"parameters) built by memsifter.models.tiny.build_random_model; random weights.\n")
     return out_dir
 
 
@@ -132,5 +132,5 @@ def build_tiny_model(out_dir: str, corpus: Iterable[str] = (), vocab_size: int =
                       pad_token_id=fast.pad_token_id, torch_dtype="float32")
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(out_dir, safe_serialization=True)
-    _mark(out_dir, cfg, "Untrained tiny stand-in model built by memsifter.tiny; random weights.\n")
+    _mark(out_dir, cfg, "Untrained tiny stand-in model built by memsifter.models.tiny; random weights.\n")
     return out_dir

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from importlib import resources
 
-from . import rankings, storage
-from .errors import ConfigError
+from . import rankings
+from ..store import storage
+from ..errors import ConfigError
 from .render import defuse_chat_markers
 
 # The ranker's shipped prompt by style (rank's and prepare-rl's ``prompt_style``).
@@ -35,7 +36,7 @@ def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
 def fill(template: str, **slots: str) -> str:
     """Literal slot replacement in one pass (session text may contain braces or even a slot name
     like ``{current}``, so neither str.format nor successive replaces). Chat-template markers in the
-    values (``<|im_end|>``…) are defused (:func:`memsifter.render.defuse_chat_markers`): filled text
+    values (``<|im_end|>``…) are defused (:func:`memsifter.retrieval.render.defuse_chat_markers`): filled text
     is data, never prompt structure; the template's own text is kept as it is."""
     if not slots:
         return template
@@ -50,7 +51,7 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 def extract_answer(text: str | None) -> str:
     """Text inside the last <answer>…</answer> after the last </think>; else the whole reply.
 
-    As for rankings (:func:`memsifter.rankings.answer_part`), a reply that echoes the history shown
+    As for rankings (:func:`memsifter.retrieval.rankings.answer_part`), a reply that echoes the history shown
     counts only after its last ``</session>``: an ``<answer>`` written in a session is not the model's."""
     if not text:
         return ""

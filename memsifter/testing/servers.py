@@ -211,7 +211,7 @@ def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    from .vllm_env import cpu_engine_env
+    from ..models.vllm_env import cpu_engine_env
 
     env.update({k: v for k, v in cpu_engine_env().items() if k not in os.environ})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,

@@ -1,0 +1,1 @@
+"""Rankings, rendering sessions, the one prompt builder (the session window) and the metrics."""

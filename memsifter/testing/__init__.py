@@ -1,0 +1,1 @@
+"""Test support shipped with the package: local servers (vLLM, SeaweedFS), fault injection."""

@@ -1,0 +1,1 @@
+"""What training adds: rewards, checkpoints, training metrics, verl patches."""
