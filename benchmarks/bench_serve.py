@@ -425,12 +425,28 @@ def report(res: dict, out: str) -> None:
                          f"{r['p99_ms']:.1f} | {r['errors']} | {ratio} |")
     if res.get("soak"):
         s = res["soak"]
-        lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min): {s['requests']} requests, "
+        lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min"
+                  + (f", run {s['date']}" if s.get("date") else "") + f"): {s['requests']} requests, "
                   f"{s['errors']} errors, {s['qps']:.1f} q/s, p99 {s['p99_ms']:.1f} ms; index re-published at "
                   f"{s['reload_at_s']} s, reloads seen {s['reloads_seen']}; RSS {s['rss_first_mb']} -> "
                   f"{s['rss_last_mb']} MB (max {s['rss_max_mb']}), growth {100 * s['rss_growth']:.1f}%."]
+    if res.get("soak", {}).get("note"):
+        lines[-1] += f" Note: {res['soak']['note']}."
+    pr = res.get("prepare", {})
+    if pr.get("identity"):
+        i = pr["identity"]
+        lines += ["", "Identity with the embed stage's rankings.parquet (every question, the service's code): full order "
+                  f"identical for {i['stored_query_vectors']['full_order_identical']}/{i['stored_query_vectors']['questions']} "
+                  "with stored query vectors (the default), "
+                  f"{i['fresh_query_vectors']['full_order_identical']}/{i['fresh_query_vectors']['questions']} with query "
+                  "vectors computed by the service."]
+    u = res.get("units_first_embedding") or (pr.get("units") if (pr.get("units") or {}).get("embedded_this_run") else None)
+    if u:
+        n, secs = u.get("texts", u.get("embedded_this_run")), u.get("seconds", u.get("seconds_this_run"))
+        lines += ["", f"Unit vectors of every session (once, cached in the state): {n} texts embedded in {secs:.0f} s "
+                  f"({n / secs:.1f} texts/s); index load (BM25 views of every corpus): {pr.get('index_load_seconds')} s."]
     for e in res.get("earlier_soaks", []):
-        lines += [f"Earlier soak ({e['note']}): {e['requests']} requests, {e['errors']} errors, {e['qps']:.1f} q/s, "
+        lines += ["", f"Earlier soak ({e['note']}): {e['requests']} requests, {e['errors']} errors, {e['qps']:.1f} q/s, "
                   f"p99 {e['p99_ms']:.1f} ms; reloads seen {e['reloads_seen']}; RSS {e['rss_first_mb']} -> "
                   f"{e['rss_last_mb']} MB (max {e['rss_max_mb']}), growth {100 * e['rss_growth']:.1f}%."]
     with open(os.path.join(out, "serve.md"), "w") as f:
