@@ -104,7 +104,7 @@ def test_models_cli(smollm2_dir):
 # --------------------------------------------------------------------------- first run: concurrent materialization
 _CONCURRENT = r"""
 import json, os, sys, threading
-from memsifter import models
+from memsifter.models import registry as models
 
 built = []                                   # (kind, dest) of every build that actually ran
 real_convert, real_merge_build = models._convert_gguf, models._merge_into
@@ -162,7 +162,7 @@ def test_concurrent_processes_build_one_entry_once(tmp_path):
     """The per-entry lock holds across processes: four processes asking for one entry, one build."""
     script = r"""
 import os, sys, time
-from memsifter import models
+from memsifter.models import registry as models
 def build(tmp):
     with open(os.path.join(sys.argv[2], f"built-{os.getpid()}"), "w"):
         pass

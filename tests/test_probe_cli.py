@@ -255,7 +255,7 @@ def test_status_lists_each_stage_once_however_the_run_is_named(tmp_path, monkeyp
 
 def _killed_holder(prefix: str) -> int:
     """A real process that takes the lease on ``prefix`` (60 s TTL), then is killed: its lease stays."""
-    code = ("import sys, time\nfrom memsifter import lease\n"
+    code = ("import sys, time\nfrom memsifter.store import lease\n"
             f"lease.Lease({prefix!r}, purpose='stage embed', ttl=60).acquire()\nprint('held', flush=True)\n"
             "time.sleep(120)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)

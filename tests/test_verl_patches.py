@@ -51,7 +51,7 @@ def test_import_verl_installs_it_in_a_fresh_process(tmp_path):
 import json, torch, verl
 from verl.utils import torch_functional as vf
 from verl.workers.engine.fsdp import transformer_impl as ti
-from memsifter import verl_patches
+from memsifter.training import verl_patches
 calls = []
 real = verl_patches.logprobs_rows
 def spy(x, y):
