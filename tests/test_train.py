@@ -504,16 +504,25 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     monkeypatch.setattr(train, "_run_verl", fake_verl)
     monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
     model = fake_model_dir(tmp_path)
-    m1 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod1"), "model": model})
+    m1 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod1"), "model": model,
+                    "n_gpus_per_node": 2})
     assert m1["stats"]["complete_steps"] == [5, 10] and m1["stats"]["resumed_from"] is None
     # a second run on a fresh pod (empty local disk) resumes from step 10 in S3
     m2 = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod2"), "experiment_name": "again",
-                    "model": model},
+                    "model": model, "n_gpus_per_node": 2},
                    force=True, replace=True)  # another experiment name: another config, so --replace
     assert seen == [0, 10] and m2["stats"]["resumed_from"] == 10
     assert m2["stats"]["complete_steps"] == [5, 10, 15, 20]
     assert json.loads(storage.read_text(storage.join(out, "checkpoints.json")))["steps"] == [5, 10, 15, 20]
     assert "trainer.nnodes=1" in storage.read_text(storage.join(out, "overrides.txt"))
+    # the checkpoints were written by 2 GPU processes: a run on 1 GPU is refused before anything starts
+    # (verl 0.9.1 would die in a worker, opening model_world_size_1_rank_0.pt)
+    with pytest.raises(ConfigError, match=r"written by 2 GPU processes and this run has nnodes x "
+                                          r"n_gpus_per_node = 1; .*collect.*merge"):
+        train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod3"), "experiment_name": "one",
+                   "model": model, "n_gpus_per_node": 1}, force=True, replace=True)
+    assert seen == [0, 10], "verl never started"
+    assert train.checkpoint_world_size(storage.join(out, "checkpoints"), 20) == 2
 
 
 def test_example_train_config_validates_and_matches_the_defaults():

@@ -101,7 +101,7 @@ def publish_derived(ds, uri: str, note: dict, name: str) -> None:
 def bm25_rankings(data: str) -> None:
     """The rank stage's pre-filter order: BM25 only (nothing embedded: cheap on a CPU)."""
     if not os.path.exists(os.path.join(data + "-embed", "_SUCCESS")):
-        cli(["run", "embed", "--input", data, "--output", data + "-embed", "--primary", "bm25", "--no-cascade",
+        cli(["run", "embed", "--input", data, "--output", data + "-embed", "--primary", "bm25", "--no-cascade", "--no-zsum",
              "--no-dense", "--no-chunked", "--no-turns", "-q"])
 
 

@@ -485,8 +485,8 @@ def main() -> None:
     for r in runs:  # before the model is built: a typo costs nothing
         if r.startswith("chunk"):
             chunk_tokens(r)
-        elif r not in ("ours", "prefill", "original", "ok", "hf"):
-            raise SystemExit(f"--runs: unknown run {r!r} (ours, prefill, original, ok, hf, chunkN)")
+        elif r not in ("ours", "prefill", "original", "ok", "hf", "tp2", "rep2"):
+            raise SystemExit(f"--runs: unknown run {r!r} (ours, prefill, original, ok, hf, chunkN, tp2, rep2)")
     from memsifter.data.model import read_dataset
     from memsifter.models.tiny import QWEN3_4B, build_random_model, build_tiny_model
 
@@ -555,6 +555,10 @@ def main() -> None:
             elif r.startswith("chunk"):
                 record(rank_run(f"ours-{r}", a, model, speed,
                                 {"batch_size": a.questions, "max_num_batched_tokens": chunk_tokens(r)}))
+            elif r in ("tp2", "rep2"):  # issue 35: one engine over 2 GPUs, or 2 engines of 1 GPU each
+                record(rank_run(f"ours-{r}", a, model, speed,
+                                {"batch_size": a.questions, **({"tensor_parallel_size": 2} if r == "tp2"
+                                                               else {"replicas": 2})}))
             elif r == "ok":
                 record(rank_run("ok-path", a, model, {"constrained_output": True, "max_tokens": 64, **sub},
                                 {"batch_size": a.questions}))

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / ".gpu"
 LOCK = Path(__file__).with_name("wheels.lock")
 # a call carries <= 64 MiB with the checkout (~18 MB since the shipped adapter): 40 MiB pieces
-PIECE = 40 * 1024 * 1024
+PIECE = 33 * 1024 * 1024
 BUILT: set[str] = set()  # packages built into wheels here from an sdist (lock() marks them built_here)
 
 # What the runs import directly; versions pinned.

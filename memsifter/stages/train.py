@@ -856,6 +856,32 @@ def mark_complete(ckpt_uri: str, step: int) -> dict:
     return marker
 
 
+def checkpoint_world_size(ckpt_uri: str, step: int) -> int | None:
+    """How many GPU processes wrote ``global_step_<step>`` (from its ``_COMPLETE.json`` file list)."""
+    marker = storage.join(ckpt_uri, f"global_step_{step}", COMPLETE_MARKER)
+    try:
+        files = json.loads(storage.read_bytes(marker)).get("files") or {}
+    except Exception:  # noqa: BLE001 - an unreadable marker: verl finds out
+        return None
+    sizes = {int(m.group(1)) for f in files if (m := re.fullmatch(r"actor/model_world_size_(\d+)_rank_\d+\.pt", f))}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_resume_world_size(config: TrainConfig, ckpt_uri: str, step: int) -> None:
+    """verl 0.9.1 reloads an FSDP checkpoint only on the world size that wrote it (every rank opens
+    ``model_world_size_<W>_rank_<r>.pt``; another W dies in a Ray worker with FileNotFoundError after
+    minutes of start-up). Refuse before anything starts, in one line, with the ways on."""
+    written = checkpoint_world_size(ckpt_uri, step)
+    now = config.nnodes * config.n_gpus_per_node
+    if written is not None and written != now:
+        raise ConfigError(
+            f"train: the checkpoint to resume ({storage.join(ckpt_uri, f'global_step_{step}')}) was written by "
+            f"{written} GPU processes and this run has nnodes x n_gpus_per_node = {now}; verl resumes an FSDP "
+            f"checkpoint only on the same count: run on {written} GPUs, or `memsifter run collect` + `run merge` "
+            f"that step and start a new run from the merged model (model: <merged>, another output), or set "
+            f"verl.trainer.resume_mode: disable to start over")
+
+
 def restore_step(ckpt_uri: str, step: int | None, local_root: str) -> int | None:
     """Make ``local_root`` resume from ``step`` (download it, write verl's tracker); None: from scratch."""
     tracker = os.path.join(local_root, TRACKER)
@@ -1098,6 +1124,8 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     ckpt_uri = checkpoint_uri(config)
     steps = complete_steps(ckpt_uri)
     resume = steps[-1] if steps and verl.get("trainer.resume_mode") == "auto" else None
+    if resume is not None:
+        check_resume_world_size(config, ckpt_uri, resume)
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
