@@ -187,13 +187,18 @@ def main_run(a) -> None:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
         t = time.time()
-        prepare(a)
-        event(f"prepared data and model in {time.time() - t:.0f}s")
+        if storage.exists(f"{RUN}/rl/_SUCCESS") and os.path.exists(f"{a.work}/model/config.json"):
+            event("data and model of an earlier invocation reused")
+        else:
+            prepare(a)
+            event(f"prepared data and model in {time.time() - t:.0f}s")
         plan = [("1gpu-full-tp1", 1, 1, 0), ("2gpu-full-tp1", 2, 1, 0), ("2gpu-lora-tp2", 2, 2, 16)]
         for name, gpus, tp, lora in plan:
-            if a.only and name not in a.only:
-                continue
             log = f"{a.out}/{name}.log"
+            if a.only and name not in a.only:
+                if os.path.exists(log):  # a run of an earlier invocation (same --work): its steps in the table
+                    res["steps"] += rows(name, "earlier", 0.0, log, a)
+                continue
             if name == "2gpu-full-tp1":
                 ckpt = f"{RUN}/{name}/checkpoints"
                 k = train_until_checkpoint(a, train_cfg(a, name, gpus, tp, lora, a.steps), log, ckpt, 2, 900)
@@ -205,14 +210,20 @@ def main_run(a) -> None:
                 last = [x for x in open(f"{a.out}/{name}-on-1gpu.log", errors="replace").read().splitlines() if x.strip()]
                 event(f"{name} resumed on 1 GPU: exit {rc} in {dt:.1f}s: {last[-1][:400] if last else ''}")
                 log = f"{a.out}/{name}-resumed.log"
+                # the same world size (2 FSDP ranks) with the rollout over both GPUs: the rollout's tensor
+                # parallel size is not part of the checkpoint
+                tp = a.resume_tp
+                name_run = f"{name} (resumed, rollout TP {tp})"
+            else:
+                name_run = name
             rc, dt = sh(ms("run", "train", "--config", train_cfg(a, name, gpus, tp, lora, a.steps)), log, check=False)
             man = storage.read_manifest(f"{RUN}/{name}") if rc == 0 else {}
-            res["steps"] += rows(name, rc, dt, log, a)
-            event(f"{name}: exit {rc} in {dt:.0f}s; resumed_from {man.get('stats', {}).get('resumed_from')}; "
+            res["steps"] += rows(name_run, rc, dt, log, a)
+            event(f"{name_run}: exit {rc} in {dt:.0f}s; resumed_from {man.get('stats', {}).get('resumed_from')}; "
                   f"complete steps {man.get('stats', {}).get('complete_steps')}")
             subprocess.run(["ray", "stop", "--force"], capture_output=True)
         for name in ("2gpu-full-tp1", "2gpu-lora-tp2"):
-            if a.only and name not in a.only:
+            if (a.only and name not in a.only) or a.no_collect:
                 continue
             ck = f"{RUN}/{name}/checkpoints"
             if not storage.exists(storage.join(f"{RUN}/{name}", "checkpoints.json")):
@@ -249,14 +260,16 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=3072)
     ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--resume-tp", type=int, default=2, help="rollout TP of the resumed 2-GPU run")
     ap.add_argument("--wait-s", type=float, default=540)
+    ap.add_argument("--no-collect", action="store_true")
     a = ap.parse_args()
     det = os.path.join(a.work, "detached")
     if a.what == "start":
         os.makedirs(det, exist_ok=True)
         argv = [sys.executable, os.path.abspath(__file__), "run", "--out", det, "--work", a.work,
                 "--steps", str(a.steps), "--batch", str(a.batch), "--n", str(a.n), "--response", str(a.response),
-                "--prompt", str(a.prompt), *(["--only", *a.only] if a.only else [])]
+                "--prompt", str(a.prompt), "--resume-tp", str(a.resume_tp), *(["--only", *a.only] if a.only else [])]
         with open(os.path.join(det, "driver.log"), "w") as f:
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         print(f"started pid {p.pid}; logs in {det}", flush=True)
