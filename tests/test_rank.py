@@ -428,3 +428,16 @@ def test_long_contexts_get_the_measured_prefill_chunk_on_gpu():
     assert kw(140000) == LONG_PREFILL_CHUNK == 16384
     assert kw(65536) == 16384 and kw(32768) is None and kw(140000, on_gpu=False) is None
     assert kw(140000, max_num_batched_tokens=4096) == 4096
+
+
+def test_engine_batches_spread_over_every_replica():
+    """Measured on 2 H100s (benchmarks/gpu/results/2026-11-26-h100x2-multigpu): 64 prompts sent as one
+    batch of 64 to 2 replicas ran on one of them (1.01x of one engine). Batches are cut so that every
+    replica gets work, and never above the configured size."""
+    from memsifter.stages.rank import engine_batch
+
+    assert engine_batch(64, 64, 2) == 32
+    assert engine_batch(8, 64, 2) == 8
+    assert engine_batch(64, 3, 4) == 1
+    assert engine_batch(16, 0, 2) == 1
+    assert engine_batch(10, 25, 1) == 10

@@ -175,6 +175,12 @@ class RankConfig(StageConfig):
 DEFAULT_MAX_TOKENS = 16384
 
 
+def engine_batch(batch_size: int, rows: int, replicas: int) -> int:
+    """Rows per Ray Data batch: ``batch_size`` at most, and small enough that every replica gets a batch
+    (a single batch goes to a single engine)."""
+    return max(1, min(batch_size, -(-rows // max(1, replicas))))
+
+
 def resolve_style(config: RankConfig, tokenizer: Any) -> str:
     """The prompt style in effect: ``auto`` is ``thinking`` when the tokenizer has a ``<think>`` token
     (MemSifter-4B-Thinking, Qwen3), else ``direct`` (SmolLM2 and other small instruct models)."""
@@ -367,8 +373,12 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.update(engine_env() if on_gpu else cpu_engine_env())
     env.update(v.env)
+    batch = engine_batch(v.batch_size, len(todo), v.replicas)
+    if batch < v.batch_size:
+        log.info("rank: batches of %d rows (vllm.batch_size %d) so that each of %d replica(s) gets work",
+                 batch, v.batch_size, v.replicas)
     pcfg: dict[str, Any] = dict(model_source=models.resolve(config.model), engine_kwargs=kw, concurrency=v.replicas,
-                                batch_size=v.batch_size, runtime_env={"env_vars": env},
+                                batch_size=batch, runtime_env={"env_vars": env},
                                 should_continue_on_error=True)
     cpu_stage = v.cpu_stage_cpus or (None if on_gpu else 0.1)
     map_kw: dict[str, Any] = {}
@@ -403,7 +413,7 @@ def generate_vllm(config: RankConfig, todo: list[Prompted]) -> Iterator[dict]:
             sp["structured_outputs"] = {"regex": constrained_regex(config, len(p.id_map))}
         items.append({"question_id": p.question_id, "messages": p.messages, "sp": sp})
     # One block per engine batch, so that results stream back (and are saved) batch by batch.
-    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // v.batch_size)))
+    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // batch)))
     for row in processor(ds).iter_rows():
         err = row.get("__inference_error__")
         if err:
