@@ -129,6 +129,10 @@ def tiny_config(info: registry.StageInfo, ctx: dict) -> dict:
         "synth": {"questions": 2, "sessions_per_question": 3},
         "embed": {"gpus_per_worker": 0, "workers": 1, "max_batch_size": 16, "tokens_per_batch": 4096},
         "rank": {"engine": "endpoint", "context_limit": 1500, "max_tokens": 48, "top_k": 3},
+        # the reading agent only (agent:search needs a memory service: the chart wires its RayService's URL)
+        "agents": {"methods": ["agent:memory"], "max_questions": 1,
+                   "agent_options": {"agent:memory": {"memory_tokens": 32, "answer_tokens": 16}}},
+        "prepare-agents": {"recipe": {"train": {"lme": 2}, "test": {"lme": 1}}},
         "prepare-rl": {"recipe": {"train": {"lme": 2}, "test": {"lme": 1}},
                        "history_budget_tokens": 2048, "max_prompt_tokens": 4096},
         "train": {"dry_run": True, "nnodes": 1, "n_gpus_per_node": GPUS,

@@ -16,7 +16,8 @@ def test_wiring_table_is_what_the_pipeline_does():
     ev = infos["evaluate"].wiring
     assert ev["rankings"] == {"from": ["embed", "rank"], "list": True, "cases": {
         "": [], "embed": ["embed"], "rank": ["rank"], "embed,rank": ["embed", "rank"]}}
-    assert ev["answers"]["cases"] == {"": [], "chat": ["chat"]}
+    assert ev["answers"]["cases"] == {"": [], "chat": ["chat"], "agents": ["agents"],   # wire="all": every one
+                                      "chat,agents": ["chat", "agents"]}
     emb = infos["embed"].wiring["input"]
     assert emb["from"] == ["import", "synth"] and emb["cases"]["import"] == ["import"]
     assert emb["cases"]["synth"] == ["synth"]
@@ -26,7 +27,8 @@ def test_wiring_table_is_what_the_pipeline_does():
     # wire="none" fields are never filled; a producer that runs later (collect for train) is not a candidate
     assert "compare" not in infos["chat"].wiring and "init_adapter" not in infos["train"].wiring
     # inputs: what each field reads when all its producers could run (the chart README's summary)
-    assert infos["evaluate"].inputs == {"input": "import", "rankings": ["embed", "rank"], "answers": ["chat"]}
+    assert infos["evaluate"].inputs == {"input": "import", "rankings": ["embed", "rank"],
+                                        "answers": ["chat", "agents"]}
     assert infos["import"].unwired == ["source"]
 
 

@@ -333,3 +333,36 @@ def http_search(base_url: str, corpus_id: str, api_key_env: str | None = None, t
 
     search.close = client.close  # type: ignore[attr-defined]
     return search
+
+
+# --------------------------------------------------------------------------- the service's URL and key (stages' configs)
+def check_search_url(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    from ..errors import ConfigError
+    from ..security.redact import redact, strip_userinfo
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        ok = False
+    if not ok:
+        shown = strip_userinfo(url)[0] if "://" in url else url
+        raise ConfigError(f"search_url = {redact(shown)!r}: expected the memory service's http:// or https:// base "
+                          "URL, e.g. http://127.0.0.1:8000")
+
+
+def search_key(env: str | None) -> str | None:
+    """The memory service's key from the variable ``env`` names (None: anonymous access); a variable named
+    but unset is one line."""
+    from ..errors import ConfigError
+
+    if not env:
+        return None
+    key = os.environ.get(env)
+    if not key:
+        raise ConfigError(f"search_api_key_env: the variable {env} is not set (the memory service's API key); set "
+                          "it (in Kubernetes: from a Secret) or set search_api_key_env: null for anonymous access")
+    return key

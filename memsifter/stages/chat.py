@@ -16,6 +16,8 @@
   ``method`` column and the status of the ranking each context came from, so ``evaluate`` reports F1
   by method and marks a method whose rankings were fallbacks. ``session_tokens`` shows each session
   by its turns closest to the question (:func:`memsifter.retrieval.render.condense_session`).
+* Tokens read per answer (``prompt_tokens``: the whole prompt as ``tokenizer`` counts it with the chat
+  template, else the estimate of 4 characters per token), for ``evaluate``'s cost per question.
 * Answer = the text inside the last ``<answer>…</answer>`` after any ``</think>``, else the whole
   reply. Per question: exact match and token F1 against the gold answer; optionally an LLM judge
   (yes/no, ``prompts/judge.txt``).
@@ -281,13 +283,15 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
                 "f1": token_f1(ans, q.answer) if ok else None,
                 "judge": judge_verdict(d.get("judge_raw")) if ok and config.judge else None,
                 "context_session_ids": shown, "context_tokens": ctx_tokens,
+                "prompt_tokens": counter.chat_prompt_tokens(msgs),
             })
     schema = pa.schema([("question_id", pa.string()), ("method", pa.string()), ("dataset", pa.string()),
                         ("question_type", pa.string()),
                         ("question", pa.string()), ("gold_answer", pa.string()), ("answer", pa.string()),
                         ("raw_response", pa.string()), ("status", pa.string()), ("reason", pa.string()),
                         ("ranking_status", pa.string()), ("exact_match", pa.float64()), ("f1", pa.float64()), ("judge", pa.float64()),
-                        ("context_session_ids", pa.list_(pa.string())), ("context_tokens", pa.int64())])
+                        ("context_session_ids", pa.list_(pa.string())), ("context_tokens", pa.int64()),
+                        ("prompt_tokens", pa.int64())])
     out.write_table("answers.parquet", pa.Table.from_pylist(out_rows, schema=schema))
     main = methods[0]["label"]
     okr = [r for r in out_rows if r["status"] == "ok" and r["method"] == main]

@@ -30,9 +30,18 @@ Methods are never compared on different questions silently: ``question_sets`` sa
 method was scored on the same questions; when not, the report says so above the tables, gives every
 method's n, and scores every method again on the questions all of them ranked (``on_common``).
 
+Answer files of the ``agents`` stage (the memory agents: ``agent:search``, ``agent:memory``,
+``agent:memory+recall``) are scored the same way, beside chat's methods. ``side_by_side`` puts every
+answer method on the questions all of them answered (EM and F1 with n and intervals) with its cost per
+question, each a mean with its n: LLM calls (a chat answer is one request), tokens read (prompt tokens
+over all calls: the agents' from the server's usage, chat's ``prompt_tokens`` as its tokenizer counts
+the prompt) and seconds (an agent's episode; chat answers in batches and records none: ``-``).
+
 Outputs: ``report.json``, ``report.md``, ``recall_curve.png`` (recall@k, k = 1..``curve_max_k``, of
-every method; written when there are rankings), ``answer_f1_by_method.png`` and
-``answer_f1_by_type.png`` (written when there are answers: a plot with no data is not written).
+every method; written when there are rankings), ``answer_f1_by_method.png``,
+``answer_f1_by_type.png`` (written when there are answers: a plot with no data is not written) and
+``answer_f1_and_cost.png`` (F1 against tokens read per question, one point per method, on the same
+questions; written when some method recorded its tokens).
 """
 
 from __future__ import annotations
@@ -59,7 +68,9 @@ class EvaluateConfig(StageConfig):
     input: str = uri_field("published dataset", stage=("import", "synth"))
     rankings: list[str] = uri_field("rankings to score: stage outputs (embed, rank) or parquet files",
                                     default_factory=list, stage=("embed", "rank"), wire="all")
-    answers: list[str] = uri_field("chat outputs to score", default_factory=list, stage="chat")
+    answers: list[str] = uri_field("answer files to score: chat outputs (no memory, first stage, rankers, oracle) "
+                                   "and agents outputs (the memory agents), side by side",
+                                   default_factory=list, stage=("chat", "agents"), wire="all")
     ks: list[int] = Field(default_factory=lambda: [1, 5, 10], description="cut-offs")
     curve_max_k: int = Field(20, ge=1, description="largest k of the recall curves")
     ndcg_variant: Literal["standard", "original"] = Field(
@@ -216,6 +227,54 @@ def score_answers(rows: list[dict]) -> dict:
             "by_type": groups("question_type"), "by_dataset": groups("dataset")}
 
 
+COST_KEYS = ("llm_calls", "prompt_tokens", "seconds")
+
+
+def _cost_stat(vals: list) -> dict | None:
+    vals = [float(v) for v in vals if v is not None]
+    return {"mean": round(sum(vals) / len(vals), 2), "n": len(vals)} if vals else None
+
+
+def answer_cost(rs: list[dict], tokens: str | None) -> dict:
+    """Cost per answered question: LLM calls, tokens read (prompt tokens) and seconds, each ``{"mean", "n"}``
+    or None where the rows do not record it. A chat row is one request (its judge's aside); an agents
+    row carries its own counts (``llm_calls``, ``prompt_tokens``, ``seconds``). ``tokens`` says how the
+    tokens were counted."""
+    ok = [r for r in rs if r["status"] == "ok"]
+    return {"llm_calls": _cost_stat([r["llm_calls"] if "llm_calls" in r else 1 for r in ok]),
+            "prompt_tokens": _cost_stat([r.get("prompt_tokens") for r in ok]),
+            "seconds": _cost_stat([r.get("seconds") for r in ok]), "tokens": tokens}
+
+
+def side_by_side(rows_by_label: dict[str, list[dict]], costs: dict[str, dict]) -> dict:
+    """Every answer method (chat's contexts and the agents) on the questions all of them answered: EM and
+    F1 with n and 95% bootstrap intervals, and the cost per question, over exactly those questions.
+    ``same``: every method answered the same questions (else ``per_method`` gives each one's n and only
+    the common ones are compared)."""
+    answered = {label: {r["question_id"] for r in rs if r["status"] == "ok"} for label, rs in rows_by_label.items()}
+    same = len({frozenset(a) for a in answered.values()}) <= 1
+    common = set.intersection(*answered.values()) if answered else set()
+    out: dict = {"same": same, "questions": len(common), "per_method": {k: len(v) for k, v in answered.items()},
+                 "methods": {}}
+    for label, rs in rows_by_label.items():
+        on = [r for r in rs if r["status"] == "ok" and r["question_id"] in common]
+        entry: dict = {"n": len(on)}
+        for k in ("exact_match", "f1"):
+            vals = _answer_values(on, k)
+            entry[k] = round(sum(vals) / len(vals), 4) if vals else None
+        entry["ci"] = {k: mean_interval(_answer_values(on, k)) for k in ("exact_match", "f1")}
+        entry["cost"] = answer_cost(on, costs.get(label, {}).get("tokens"))
+        out["methods"][label] = entry
+    return out
+
+
+def _cost_cell(c: dict | None) -> str:
+    if not c:
+        return "-"
+    m = c["mean"]
+    return (f"{m:,.0f}" if m >= 100 else f"{m:.2f}") + f" (n={c['n']})"
+
+
 def _fmt(v) -> str:
     return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -322,6 +381,25 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                 lines.append(f"| {t} | {o['n']} | {o['answered']} | {_cell(o, 'exact_match')} | {_cell(o, 'f1')} | "
                              f"{_cell(o, 'judge')} |")
             lines.append("")
+    sbs = report.get("side_by_side") or {}
+    if sbs.get("methods"):
+        lines += ["## Side by side on the same questions", "",
+                  f"Every answer method on the {sbs['questions']} questions all of them answered"
+                  + ("" if sbs["same"] else " (**the methods answered different question sets**: n per method "
+                     + ", ".join(f"{k} {v}" for k, v in sbs["per_method"].items()) + "; only the common ones are "
+                     "compared here)")
+                  + ". Cost per question, mean (n): *LLM calls* (a chat answer is one request; its judge aside), "
+                  "*tokens read* (prompt tokens over all calls: the agents' from the server's usage, chat's as its "
+                  "tokenizer counts its prompt), *seconds* (an agent's episode, wall clock; chat answers in batches: "
+                  "-). `-`: not recorded.", "",
+                  "| method | n | exact match | F1 | LLM calls | tokens read | seconds | tokens counted by |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for label, e in sbs["methods"].items():
+            c, ci = e["cost"], e.get("ci") or {}
+            lines.append(f"| {label} | {e['n']} | {_fmt_ci(e['exact_match'], ci.get('exact_match'))} | "
+                         f"{_fmt_ci(e['f1'], ci.get('f1'))} | {_cost_cell(c['llm_calls'])} | "
+                         f"{_cost_cell(c['prompt_tokens'])} | {_cost_cell(c['seconds'])} | {c.get('tokens') or '-'} |")
+        lines.append("")
     if written_plots:
         lines += ["Plots (error bars and bands: 95% bootstrap intervals; n in the legends): "
                   + ", ".join(f"`{p}`" for p in written_plots) + ".", ""]
@@ -445,6 +523,40 @@ def f1_by_method_figure(report: dict):
     return fig
 
 
+def f1_and_cost_figure(report: dict):
+    """Answer F1 (95% bootstrap error bars) against tokens read per question, one point per method, on the
+    questions every method answered (``side_by_side``); methods whose tokens are not recorded are named
+    in the title instead."""
+    plt = _pyplot()
+    sbs = report["side_by_side"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    unknown = []
+    xs = []
+    for i, (label, e) in enumerate(sbs["methods"].items()):
+        tok = e["cost"].get("prompt_tokens")
+        if tok is None or e.get("f1") is None:
+            unknown.append(label)
+            continue
+        x = max(1.0, tok["mean"])
+        xs.append(x)
+        ci = (e.get("ci") or {}).get("f1")
+        ax.errorbar([x], [e["f1"]], yerr=_yerr([e["f1"]], [ci]), fmt="o", ms=7, capsize=3, color=f"C{i % 10}",
+                    label=f"{label} (n={e['n']})")
+    if xs and max(xs) / min(xs) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("tokens read per question (prompt tokens over all LLM calls, mean)")
+    ax.set_ylabel("answer token F1")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    title = f"answer F1 vs tokens read, on the same {sbs['questions']} questions (error bars: 95% bootstrap)"
+    if unknown:
+        title += "\ntokens not recorded (not shown): " + ", ".join(unknown)
+    ax.set_title(title, fontsize=8)
+    if xs:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
 def plots(report: dict, max_k: int) -> dict[str, bytes]:
     """The plots that have data: the recall curves when there are rankings, the answer plots when there
     are answers (a plot of nothing is not written)."""
@@ -455,6 +567,9 @@ def plots(report: dict, max_k: int) -> dict[str, bytes]:
     if report["answers"]:
         figs["answer_f1_by_method.png"] = f1_by_method_figure(report)
         figs["answer_f1_by_type.png"] = f1_by_type_figure(report)
+    sbs = report.get("side_by_side") or {}
+    if any(e["cost"].get("prompt_tokens") and e.get("f1") is not None for e in (sbs.get("methods") or {}).values()):
+        figs["answer_f1_and_cost.png"] = f1_and_cost_figure(report)
     out = {}
     for name, fig in figs.items():
         out[name] = _png(fig)
@@ -520,13 +635,17 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                 report["retrieval"][label]["input_order"], changes[label] = input_order_entry(rows, ds, given)
             elif given_error:
                 report["retrieval"][label]["input_order"] = {"error": given_error[:300]}
+    rows_by_label: dict[str, list[dict]] = {}
     for uri in config.answers:
         path = uri if uri.endswith(".parquet") else storage.published_file(uri, "answers.parquet")
-        model, meta = None, {}
+        model, meta, tokens = None, {}, None
         if not uri.endswith(".parquet"):
             m = storage.read_manifest(uri)
             model = (m.get("config", {}).get("endpoint") or {}).get("model")
             meta = (m.get("stats") or {}).get("methods") or {}
+            tokens = ("server usage" if m.get("stage") == "agents" else
+                      f"tokenizer {m['config']['tokenizer']}" if (m.get("config") or {}).get("tokenizer") else
+                      "estimate (4 characters a token)")
         rows = storage.read_parquet(path).to_pylist()
         by_method: dict[str, list[dict]] = {}
         for r in rows:  # one chat output answers with one or more contexts (methods)
@@ -544,13 +663,17 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
             retrieval, retrieval_on = _answer_retrieval(
                 method, info, ds, config, per_method,
                 {r["question_id"] for r in rs if r["status"] == "ok" and r.get("question_id")})
+            cost = answer_cost(rs, tokens if any(r.get("prompt_tokens") is not None for r in rs) else None)
             report["answers"][label] = {"source": path, "model": model, "method": method,
                                         "kind": info.get("kind") or ("rankings" if status else None),
                                         "ranking_status": status, "fallback": fallback_note(status),
-                                        "retrieval": retrieval, "retrieval_on": retrieval_on, **score_answers(rs)}
+                                        "retrieval": retrieval, "retrieval_on": retrieval_on, **score_answers(rs),
+                                        "cost": cost}
+            rows_by_label[label] = rs
     for label, r in report["retrieval"].items():
         r["fallback"] = fallback_note(r["status"])
     report["question_sets"] = question_sets(per_method, changes)
+    report["side_by_side"] = side_by_side(rows_by_label, {k: v["cost"] for k, v in report["answers"].items()})
     out.write_json("report.json", report)
     faults.checkpoint("saved", done=1)
     figures = plots(report, config.curve_max_k)
@@ -561,6 +684,11 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                               "input_order": _stat_input_order(v.get("input_order"))}
                           for k, v in report["retrieval"].items()},
             "question_sets": _stat_question_sets(report["question_sets"]),
+            "side_by_side": {**{k: v for k, v in report["side_by_side"].items() if k != "methods"},
+                             "methods": {k: {"n": v["n"], "exact_match": v["exact_match"], "f1": v["f1"],
+                                             "ci": v["ci"], **{c: (v["cost"].get(c) or {}).get("mean")
+                                                               for c in COST_KEYS}}
+                                         for k, v in report["side_by_side"]["methods"].items()}},
             "answers": {k: {**v["overall"], "ci": {m: (v.get("ci") or {}).get(m) for m in ("exact_match", "f1")},
                             "retrieval": v.get("retrieval"), "retrieval_on": v.get("retrieval_on"),
                             "fallback": v.get("fallback"), "model": v.get("model")}

@@ -29,6 +29,18 @@ Evaluation on the ``eval_split`` rows (prepare-rl's ``test``): loss, and greedy 
 ranking against the gold local ids, before training and after each epoch, beside the first stage's
 NDCG on the same rows.
 
+Agent traces (``traces``, issue 33), instead of ``data``: the SFT traces of a ``prepare-agents`` output
+(``sft_train.jsonl``; its ``sft_<eval_split>.jsonl`` for evaluation), one multi-turn chat record per
+trajectory, of every agent that output prepared (prepare one agent's data, ``agents: [agent:search]``, to
+train an adapter for it alone). A record is tokenized as the verl agent loop
+tokenizes a conversation: the whole of it through the model's chat template
+(``apply_chat_template(messages, tokenize=True)``); the loss covers the assistant replies only, each with
+the end-of-turn token that closes it (found by rendering the conversation up to each reply, with and
+without it: :func:`encode_chat`); prompts and observations (user messages, the template's text) are
+labelled -100. Evaluation: loss, and the share of greedy replies that parse with the agent's own parser
+(``parse_rate``: the last reply of up to ``eval_generate`` records regenerated from the messages before
+it, cut at the record's stop strings as the server cuts them).
+
 Output: ``adapter/`` (``adapter_config.json`` with ``base_model_name_or_path`` = ``model`` as given, so
 ``memsifter models`` names stay portable, and ``adapter_model.safetensors`` in bf16) or ``model/``
 (full fine-tune, HF directory), ``metrics.jsonl`` (one record per optimizer step and per evaluation),
@@ -47,7 +59,7 @@ import tempfile
 import time
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..store import storage
 from ..errors import InputError
@@ -61,8 +73,12 @@ log = logging.getLogger(__name__)
 class SFTConfig(StageConfig):
     model: str = Field("smollm2-135m-instruct", description="base ranker: hub id, local dir, s3:// URI or a "
                        "name of `memsifter models list`")
-    data: str = uri_field("prepare-rl output (train_*.parquet; its eval split for evaluation)",
-                          stage="prepare-rl")
+    data: str | None = uri_field("prepare-rl output (train_*.parquet; its eval split for evaluation); or "
+                                 "give traces instead (then set data: null in a pipeline with prepare-rl)",
+                                 None, stage="prepare-rl")
+    traces: str | None = uri_field("prepare-agents output: train on its SFT traces (sft_train.jsonl; "
+                                   "sft_<eval_split>.jsonl for evaluation), loss on the assistant replies",
+                                   None, stage="prepare-agents", wire="none")
     target: Literal["gold_first", "first_stage"] = Field("gold_first", description="answer taught: gold "
                                                          "sessions first, then first-stage order; or the "
                                                          "first stage's order alone")
@@ -79,8 +95,16 @@ class SFTConfig(StageConfig):
     seed: int = 0
     max_rows: int | None = Field(None, ge=1, description="train on the first N rows only (smoke runs)")
     eval_split: str = Field("test", description="prepare-rl split for evaluation ('' for none)")
-    eval_generate: int = Field(64, ge=0, description="eval rows answered greedily for format rate and NDCG")
+    eval_generate: int = Field(64, ge=0, description="eval rows answered greedily for format rate and NDCG "
+                               "(traces: records whose last reply is regenerated for the parse rate)")
     device: str = runtime_field("auto", "auto: cuda when available, else cpu")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SFTConfig":
+        if (self.data is None) == (self.traces is None):
+            raise ValueError("give either data (prepare-rl rows: the ranker) or traces (prepare-agents SFT "
+                             "traces: the memory agents), not both and not neither")
+        return self
 
     def preflight(self) -> None:
         """A base model this machine could not load is one line before anything is read or loaded."""
@@ -205,12 +229,13 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], top_k: int, devi
 
 
 def eval_loss(model: Any, data: list[tuple[list[int], list[int]]], device: str, budget: int) -> float:
+    """Mean loss per labelled token of ``data`` ((ids, labels) pairs)."""
     import torch
 
     model.eval()
     tot, n = 0.0, 0
     with torch.no_grad():
-        for b in batches([len(p) + len(a) for p, a in data], budget, 0):
+        for b in batches([len(ids) for ids, _ in data], budget, 0):
             ids, labels, mask = collate([data[i] for i in b], 0)
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
             k = int((labels[:, 1:] != -100).sum())
@@ -219,19 +244,167 @@ def eval_loss(model: Any, data: list[tuple[list[int], list[int]]], device: str, 
     return tot / max(1, n)
 
 
+def labelled(prompt: list[int], answer: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a prompt and its answer: the loss on the answer only."""
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
 def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
+    """Right-padded batch of (ids, labels) pairs: ids, labels (-100 on padding), attention mask."""
     import torch
 
-    width = max(len(p) + len(a) for p, a in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    width = max(len(ids) for ids, _ in items)
+    ids_t = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels_t = torch.full((len(items), width), -100, dtype=torch.long)
     mask = torch.zeros((len(items), width), dtype=torch.long)
-    for r, (p, a) in enumerate(items):
-        seq = p + a
-        ids[r, :len(seq)] = torch.tensor(seq)
-        labels[r, len(p):len(seq)] = torch.tensor(a)
-        mask[r, :len(seq)] = 1
-    return ids, labels, mask
+    for r, (ids, labels) in enumerate(items):
+        ids_t[r, :len(ids)] = torch.tensor(ids)
+        labels_t[r, :len(labels)] = torch.tensor(labels)
+        mask[r, :len(ids)] = 1
+    return ids_t, labels_t, mask
+
+
+# --------------------------------------------------------------------------- agent traces
+def trace_records(uri: str, split: str) -> list[dict]:
+    """The SFT trace records of one split of a prepare-agents output."""
+    manifest = storage.read_manifest(uri)
+    if manifest.get("stage") != "prepare-agents":
+        raise InputError(f"the output of stage '{manifest.get('stage')}', not prepare-agents", file=uri,
+                         field="traces")
+    name = (((manifest.get("stats") or {}).get("traces") or {}).get("files") or {}).get(split)
+    if not name:
+        return []
+    where = storage.join(uri, name)
+    out: list[dict] = []
+    for n, line in enumerate(storage.read_text(storage.published_file(uri, name)).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"not JSON ({e})", file=where, item=f"line {n}") from None
+        msgs = r.get("messages") if isinstance(r, dict) else None
+        if (not isinstance(msgs, list) or len(msgs) < 2 or any(
+                not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)
+                for m in msgs) or msgs[0]["role"] == "assistant" or msgs[-1]["role"] != "assistant"):
+            raise InputError("expected chat messages ({role, content}), not starting with an assistant message and "
+                             "ending with one", file=where, item=f"line {n}", field="messages")
+        out.append(r)
+    return out
+
+
+def end_of_turn_ids(tokenizer: Any, path: str | None = None) -> set[int]:
+    """Token ids that end a reply: the tokenizer's eos and the model's generation eos (SmolLM2's tokenizer
+    names ``<|im_start|>`` its eos, its generation config ``<|im_end|>``)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    f = os.path.join(path, "generation_config.json") if path else None
+    if f and os.path.isfile(f):
+        with open(f) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        ids.update(int(x) for x in (eos if isinstance(eos, list) else [eos]) if x is not None)
+    return ids
+
+
+def render_ids(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    return list(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True,
+                                              add_generation_prompt=generation_prompt, return_dict=False))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict], eot: set[int], where: str = "") -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation: ids = the whole conversation through the chat template (as the verl
+    agent loop renders it); labels = the ids of each assistant reply and the end-of-turn token closing it,
+    -100 elsewhere. A reply's span is found by rendering the conversation up to it with the generation
+    prompt (where the reply starts) and up to it included (the end-of-turn token is the last of ``eot``
+    there; the template's text after it, ChatML's newline, is not the model's)."""
+    ids = render_ids(tokenizer, messages)
+    labels = [-100] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise InputError("a conversation starting with an assistant message", file=where, field="messages")
+        before = render_ids(tokenizer, messages[:i], True)
+        upto = render_ids(tokenizer, messages[:i + 1])
+        if ids[:len(before)] != before or ids[:len(upto)] != upto or len(upto) <= len(before):
+            raise InputError(f"the chat template does not render message {i} as the continuation of the messages "
+                             f"before it (a template that rewrites earlier turns): its reply cannot be masked",
+                             file=where, field="messages")
+        end = len(upto)
+        for j in range(len(upto) - 1, len(before) - 1, -1):
+            if upto[j] in eot:
+                end = j + 1
+                break
+        labels[len(before):end] = ids[len(before):end]
+    return ids, labels
+
+
+def reply_parses(method: str, kind: str, text: str, stop: list[str]) -> bool:
+    """Whether a reply to a request of ``kind`` parses with the agent's own parser (well-formed tags and the
+    action the request asks for)."""
+    from ..agents.base import close_stop
+
+    text = close_stop(text, stop)
+    if method == "agent:search":
+        from ..agents.search import parse_reply
+
+        p = parse_reply(text)
+        return p.ok and (kind != "answer" or p.action == "answer")
+    from ..agents.memory import parse_answer, parse_notes
+
+    if kind == "answer":
+        answer, problems = parse_answer(text)
+        return answer is not None and not problems
+    return not parse_notes(text, recall=method == "agent:memory+recall").problems
+
+
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """``text`` up to and including the first stop string in it (as a server stops)."""
+    hits = [(text.find(s), s) for s in stop if s and text.find(s) >= 0]
+    if not hits:
+        return text
+    i, s = min(hits)
+    return text[:i + len(s)]
+
+
+def evaluate_traces(model: Any, tokenizer: Any, records: list[dict], device: str, generate: int,
+                    batch: int = 16) -> dict:
+    """Greedy regeneration of the last reply of ``generate`` records (evenly spaced in the file), in
+    left-padded batches of records with the same stop strings, each reply at most its record's ``max_tokens``
+    and stopped at those strings (as the server stops it): the share that parses (:func:`reply_parses`)."""
+    import torch
+
+    model.eval()
+    n = min(generate, len(records))
+    rows = [records[i * len(records) // n] for i in range(n)]   # spread over the file: every agent and kind
+    ok, samples = 0, []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get("stop") or ()), []).append(r)
+    parts = [(stop, g[i:i + batch]) for stop, g in groups.items() for i in range(0, len(g), batch)]
+    with torch.no_grad():
+        for stop, part in parts:
+            prompts = [render_ids(tokenizer, r["messages"][:-1], True) for r in part]
+            width = max(len(p) for p in prompts)
+            x = torch.full((len(part), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                x[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            new = max(int(r.get("max_tokens") or 256) for r in part)
+            y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                               do_sample=False, pad_token_id=pad, stop_strings=list(stop) or None,
+                               tokenizer=tokenizer)
+            for r, out in zip(part, y):
+                text = cut_at_stop(tokenizer.decode(out[width:], skip_special_tokens=True), list(r.get("stop") or []))
+                good = reply_parses(str(r.get("method")), str(r.get("kind")), text, list(r.get("stop") or []))
+                ok += int(good)
+                if len(samples) < 3:
+                    samples.append(text[:200])
+    m = max(1, len(rows))
+    return {"rows": len(rows), "parse_rate": ok / m, "valid_format": ok / m, "samples": samples}
 
 
 # --------------------------------------------------------------------------- the stage
@@ -267,7 +440,8 @@ def save_adapter(model: Any, base_ref: str, dest: str) -> None:
 
 
 @stage("sft", SFTConfig, family="train", gpus=1,
-       help="Warm-up fine-tune of the ranker (LoRA by default) on prepare-rl rows: gold-first or first-stage targets")
+       help="Warm-up fine-tune (LoRA by default): the ranker on prepare-rl rows, or the memory agents on "
+            "prepare-agents traces")
 def run(config: SFTConfig, out: storage.Publication) -> dict:
     import torch
     from tqdm import tqdm
@@ -276,21 +450,38 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)
-    train_rows = split_rows(config.data, "train")
-    if not train_rows:
-        raise InputError("no train rows (is this a prepare-rl output?)", file=config.data, field="data")
+    source = config.traces or config.data
+    if config.traces:
+        train_rows = trace_records(config.traces, "train")
+        if not train_rows:
+            raise InputError("no train trace records (is this a prepare-agents output with traces: true?)",
+                             file=config.traces, field="traces")
+    else:
+        train_rows = split_rows(config.data, "train")
+        if not train_rows:
+            raise InputError("no train rows (is this a prepare-rl output?)", file=config.data, field="data")
     if config.max_rows:
         train_rows = train_rows[:config.max_rows]
-    eval_rows = split_rows(config.data, config.eval_split) if config.eval_split else []
+    if config.traces:
+        eval_rows = trace_records(config.traces, config.eval_split) if config.eval_split else []
+    else:
+        eval_rows = split_rows(config.data, config.eval_split) if config.eval_split else []
     model, tok, path = load_base(config.model, device)
-    examples = [encode(tok, r, answer_text(target_ids(r, config.target, config.top_k, config.data)))
-                for r in train_rows]
-    eval_examples = [encode(tok, r, answer_text(target_ids(r, config.target, config.top_k, config.data)))
-                     for r in eval_rows]
-    longest = max(len(p) + len(a) for p, a in examples)
+    if config.traces:
+        eot = end_of_turn_ids(tok, path)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eot.update(int(x) for x in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if x is not None)
+        examples = [encode_chat(tok, r["messages"], eot, config.traces) for r in train_rows]
+        eval_examples = [encode_chat(tok, r["messages"], eot, config.traces) for r in eval_rows]
+    else:
+        examples = [labelled(*encode(tok, r, answer_text(target_ids(r, config.target, config.top_k, config.data))))
+                    for r in train_rows]
+        eval_examples = [labelled(*encode(tok, r, answer_text(target_ids(r, config.target, config.top_k, config.data))))
+                         for r in eval_rows]
+    longest = max(len(ids) for ids, _ in examples)
     if longest > config.batch_tokens:
-        raise InputError(f"a row has {longest} tokens, more than batch_tokens={config.batch_tokens}",
-                         file=config.data, field="batch_tokens")
+        raise InputError(f"a {'record' if config.traces else 'row'} has {longest} tokens, more than "
+                         f"batch_tokens={config.batch_tokens}", file=source, field="batch_tokens")
     if config.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -300,7 +491,7 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    plan = [batches([len(p) + len(a) for p, a in examples], config.batch_tokens, config.seed + e)
+    plan = [batches([len(ids) for ids, _ in examples], config.batch_tokens, config.seed + e)
             for e in range(config.epochs)]
     total = sum(len(p) for p in plan)
     warmup = int(config.warmup_ratio * total)
@@ -314,11 +505,17 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
         t0 = time.time()
         with autocast:
             r = {"epoch": epoch, "step": step, "eval_loss": eval_loss(model, eval_examples, device, config.batch_tokens)}
-            if config.eval_generate:
+            if config.eval_generate and config.traces:
+                r.update(evaluate_traces(model, tok, eval_rows, device, config.eval_generate))
+            elif config.eval_generate:
                 r.update(evaluate_rows(model, tok, eval_rows, config.top_k, device, config.eval_generate, max_new))
         r["eval_s"] = round(time.time() - t0, 2)
-        log.info("sft eval (epoch %d, step %d): loss %.4f, valid format %s, NDCG@10 %s (first stage %s)",
-                 epoch, step, r["eval_loss"], r.get("valid_format"), r.get("ndcg@10"), r.get("first_stage_ndcg@10"))
+        if config.traces:
+            log.info("sft eval (epoch %d, step %d): loss %.4f, replies that parse %s", epoch, step,
+                     r["eval_loss"], r.get("parse_rate"))
+        else:
+            log.info("sft eval (epoch %d, step %d): loss %.4f, valid format %s, NDCG@10 %s (first stage %s)",
+                     epoch, step, r["eval_loss"], r.get("valid_format"), r.get("ndcg@10"), r.get("first_stage_ndcg@10"))
         records.append({"kind": "eval", **{k: v for k, v in r.items() if k != "samples"}})
         return r
 
@@ -368,10 +565,12 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     out.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     out.write_json("eval.json", {"evaluations": [e for e in evals if e]})
-    out.write_bytes("sft_curves.png", trainmetrics.plot_sft(records, f"sft: {config.model}, target {config.target}"))
+    what = "agent traces" if config.traces else f"target {config.target}"
+    out.write_bytes("sft_curves.png", trainmetrics.plot_sft(records, f"sft: {config.model}, {what}"))
     first, last = (evals[0] or {}), (evals[-1] or {})
+    keys = ("eval_loss", "parse_rate") if config.traces else ("eval_loss", "valid_format", "ndcg@10",
+                                                               "first_stage_ndcg@10")
     return {"rows": len(examples), "eval_rows": len(eval_rows), "steps": step, "epochs": config.epochs,
             "trainable_params": n_train, "artifact": folder, "artifact_bytes": size, "train_s": round(train_s, 1),
             "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "device": device,
-            "before": {k: first.get(k) for k in ("eval_loss", "valid_format", "ndcg@10", "first_stage_ndcg@10")},
-            "after": {k: last.get(k) for k in ("eval_loss", "valid_format", "ndcg@10", "first_stage_ndcg@10")}}
+            "before": {k: first.get(k) for k in keys}, "after": {k: last.get(k) for k in keys}}

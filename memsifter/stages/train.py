@@ -45,6 +45,18 @@ function's ``acc`` metric; the V1 replay buffer bounds over-generation with
 ``max_num_gen_batches``; the stage enforces that bound itself (:func:`collapse_guard`: training stops
 after a step that needed more prompts, checkpoints kept, ``stopped_early`` in the report). The overlong penalty is
 ``reward.reward_kwargs.overlong_buffer_cfg`` read by the ``dapo`` reward manager.
+
+Memory agents (issue 33): when the data's rows carry ``agent_name`` (a prepare-agents output; ``agent.loops``
+decides, :func:`agent_names`), verl runs the agents' own episodes as agent loops
+(:mod:`memsifter.agents.verl_loop`): ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` is the shipped
+``memsifter/configs/verl/agent_loops.yaml``, ``trainer.use_v1`` stays true (its worker takes a list of
+outputs per episode, scores the last and copies the reward; GRPO's advantage is copied likewise), the reward
+manager is ``naive`` unless ``verl:`` names one (it passes the last output's ``extra_fields``, the episode's
+parsed answer, to the reward function; ``dapo``'s overlong penalty does not apply), the reward kwargs carry
+``agent_metric`` / ``agent_format_score`` (``agent:``), and ``search_url`` / ``search_api_key_env`` (the
+variable's name) go into the Ray job's environment for the search agent. Size ``verl.data.max_prompt_length``
+and ``max_response_length`` for the agents (a trajectory's prompt and its response with observations must fit;
+the loop stops an episode that would not, as a format failure).
 """
 
 from __future__ import annotations
@@ -64,9 +76,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..store import storage
 from ..training.checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
@@ -74,6 +86,7 @@ from ..errors import ConfigError, InputError
 from ..training.reward_settings import RewardSettings
 from ..stage import StageConfig, runtime_field, stage, suggest, uri_field
 from ..models.vllm_env import engine_env
+from ..agents import verl_names
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +94,24 @@ ENV_CHECKPOINT_URI = "MEMSIFTER_CHECKPOINT_URI"
 # Non-secret settings forwarded to verl's Ray actors (credentials stay in the pods' environment).
 FORWARD_ENV = ("MEMSIFTER_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION",
                "AWS_DEFAULT_REGION", "HF_HUB_OFFLINE")
+
+
+class AgentTraining(BaseModel):
+    """How memory-agent rows (prepare-agents: a column ``agent_name``) are trained: verl runs the agents'
+    own episodes as agent loops (:mod:`memsifter.agents.verl_loop`, ``memsifter/configs/verl/agent_loops.yaml``;
+    the search agent against the memory service at the train config's ``search_url``); the reward is the
+    episode's answer against the gold answer (``metric``) plus a format term (``format_score``;
+    :func:`memsifter.training.rewards.agent_reward`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loops: Literal["auto", "on", "off"] = Field("auto", description="auto: agent loops when the data's rows carry "
+                                                "agent_name (read from the data; a dry run of s3:// data reads "
+                                                "nothing: set on); on: always; off: never (ranker rows)")
+    metric: Literal["f1", "em"] = Field("f1", description="answer score against the gold answer: token F1 or "
+                                        "exact match")
+    format_score: float = Field(0.1, ge=0, le=1, description="weight f of the format term: reward = (1 - f) x "
+                                "metric + f x (every reply well formed and an answer given)")
 
 
 class TrainConfig(StageConfig):
@@ -103,6 +134,16 @@ class TrainConfig(StageConfig):
     fast_logprobs: bool = Field(True, description="compute the actor's token log-probs in blocks instead of "
                                 "verl's row-by-row fallback (used without flash-attn; memsifter.training.verl_patches)")
     reward: RewardSettings = Field(default_factory=RewardSettings)
+    agent: AgentTraining = Field(default_factory=AgentTraining, description=(
+        "memory-agent rows (prepare-agents): agent loops and the answer reward"))
+    search_url: str | None = Field(
+        None, description="base URL of the memory service (memsifter serve) the search agent searches during "
+        "rollouts (corpus = each row's corpus_id), e.g. http://127.0.0.1:8000; needed for memsifter_search rows "
+        "(prepare-agents); passed to verl's Ray workers as $MEMSIFTER_AGENT_SEARCH_URL. On Kubernetes the chart "
+        "sets it to its RayService's URL when serve.enabled", json_schema_extra={"runtime": True, "serve_url": True})
+    search_api_key_env: str | None = runtime_field(
+        None, "name of the env var (in the pods) holding the memory service's API key (null: anonymous access); "
+        "the workers get the name, never the key")
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
     keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
                                         "(trainer.max_actor_ckpt_to_keep); S3 keeps every one")
@@ -130,6 +171,10 @@ class TrainConfig(StageConfig):
         if self.reward.mode == "task" and not self.reward.base_url:
             raise ValueError("reward.mode 'task' needs reward.base_url (the working LLM's OpenAI-compatible "
                              "URL) and reward.model; or use reward.mode 'dcg' (no LLM calls)")
+        if self.search_url:
+            from ..agents.search import check_search_url
+
+            check_search_url(self.search_url)
         # the verl: block and extra_overrides, checked (the override file is read when verl is started)
         s = settings(self)
         if self.init_adapter and not (s.get("actor_rollout_ref.model.lora_rank") or 0) > 0:
@@ -557,6 +602,54 @@ def checkpoint_uri(config: TrainConfig) -> str:
     return storage.join(config.output, CHECKPOINTS)
 
 
+AGENT_COLUMN = "agent_name"
+
+
+def agent_names(config: TrainConfig, remote: bool = False) -> set[str] | None:
+    """The ``agent_name`` values of the data's rows (train and test files): an empty set for rows without
+    the column (the ranker's prepare-rl rows); None when not read (``s3://`` data unless ``remote``: a dry
+    run makes no object-store call). ``agent.loops: off`` reads nothing and gives an empty set."""
+    if config.agent.loops == "off" or (storage.is_s3(config.data) and not remote):
+        return set() if config.agent.loops == "off" else None
+    import pyarrow.parquet as pq
+
+    try:
+        train, test = data_files(config)
+    except Exception:  # noqa: BLE001 - unpublished input (a dry run composes anyway)
+        return None
+    names: set[str] = set()
+    for f in train + test:
+        uri = storage.join(config.data, f)
+        fs, path = storage.resolve(uri)
+        with fs.open_input_file(path) as fh:
+            pf = pq.ParquetFile(fh)
+            if AGENT_COLUMN not in pf.schema_arrow.names:
+                continue
+            col = pf.read(columns=[AGENT_COLUMN]).column(AGENT_COLUMN)
+        for v in col.unique().to_pylist():
+            if v is None or v not in verl_names.LOOPS:
+                raise InputError(f"agent_name {v!r} is not a memsifter agent loop (known: "
+                                 f"{', '.join(verl_names.LOOPS)})", file=uri, field=AGENT_COLUMN)
+            names.add(v)
+    return names
+
+
+def agent_loops(config: TrainConfig, names: set[str] | None) -> set[str] | None:
+    """The agent loops a run needs (None: not agent rows), by ``agent.loops`` and the names read; checks
+    that the search loop has a memory service to search."""
+    if config.agent.loops == "off" or (config.agent.loops == "auto" and not names):
+        return None
+    if config.agent.loops == "on" and names is not None and not names:
+        raise ConfigError(f"train: agent.loops is on, but the rows of {config.data} have no {AGENT_COLUMN} column "
+                          "(a prepare-agents output has it)")
+    loops = set(names) if names else set(verl_names.LOOPS)
+    if loops & verl_names.SEARCH_LOOPS and not config.search_url and names is not None:
+        raise ConfigError("train: the data has memsifter_search rows and search_url is not set: the search agent "
+                          "searches the memory service (memsifter serve) during rollouts; set search_url (e.g. "
+                          "--set search_url=http://127.0.0.1:8000)")
+    return loops
+
+
 def model_path(config: TrainConfig) -> str:
     """Where verl loads the base model: the staged copy of an ``s3://`` model, the local directory of a
     ``memsifter models`` name (e.g. smollm2-135m-instruct, materialized on first use), else as given."""
@@ -609,12 +702,22 @@ def attention(s: VerlSettings) -> tuple[str, bool]:
 
 
 def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
-                   val_files: list[str] | None = None, file_lines: list[str] | None = None) -> list[str]:
+                   val_files: list[str] | None = None, file_lines: list[str] | None = None,
+                   remote: bool = False) -> list[str]:
     """The Hydra overrides for ``verl.trainer.main_ppo`` (MEMSIFTER.md §6): the recipe with the config's
     ``verl:`` block merged over it, what the config's own fields set, what is derived from verl's values
     (unless set), then the lines of ``verl_overrides_file`` (``file_lines``; None: read it) and
-    ``extra_overrides`` as written. A key verl reads but does not declare gets '+'."""
+    ``extra_overrides`` as written. A key verl reads but does not declare gets '+'.
+
+    Rows of the memory agents (an ``agent_name`` column, :func:`agent_names`; ``remote``: read ``s3://``
+    data too) get verl's agent loops: ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` = the
+    shipped ``memsifter/configs/verl/agent_loops.yaml``, the v1 trainer (``trainer.use_v1``: a loop returns
+    one output per trajectory), the ``naive`` reward manager unless the user chose one (it hands the last
+    output's ``extra_fields``, the episode's answer, to the reward function), the reward's ``agent_metric``
+    and ``agent_format_score``, and the memory service's URL (and its key's variable name) in the Ray job's
+    environment."""
     p = local_paths(config)
+    loops = agent_loops(config, agent_names(config, remote))
     if train_files is None or val_files is None:
         tr, te = data_files(config)
         train_files = [f"{p['data']}/{f}" for f in tr]
@@ -668,11 +771,27 @@ def verl_overrides(config: TrainConfig, train_files: list[str] | None = None,
     for path, value in derived:
         if not _has(final, path):
             _set(final, path, value)
+    if loops is not None:
+        if s.get("trainer.use_v1") is False:
+            raise ConfigError("train: agent rows need verl's v1 trainer (an agent loop returns one output per "
+                              "trajectory): leave verl.trainer.use_v1 at true")
+        agent_keys = [("actor_rollout_ref.rollout.agent.agent_loop_config_path", verl_names.config_path()),
+                      ("trainer.use_v1", True),
+                      ("reward.custom_reward_function.reward_kwargs.agent_metric", config.agent.metric),
+                      ("reward.custom_reward_function.reward_kwargs.agent_format_score", config.agent.format_score)]
+        if not _has(expand(config.verl), "reward.reward_manager.name"):
+            agent_keys.append(("reward.reward_manager.name", "naive"))
+        for path, value in agent_keys:
+            _set(final, path, value)
     # the Ray job's environment: the checkpoint URI, non-secret store settings, vLLM's, and the user's
     user_env = get(s.tree, ENV_KEY) or {}
     env: dict[str, Any] = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
     env.update(engine_env())  # verl's vLLM rollout servers run in these Ray actors
+    if loops is not None and config.search_url:  # the search agent's memory service (a name, never a key)
+        env[verl_names.SEARCH_URL_ENV] = config.search_url
+        if config.search_api_key_env:
+            env[verl_names.SEARCH_KEY_ENV] = config.search_api_key_env
     env.update(user_env)
     if config.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
         from memsifter.training import verl_patches
@@ -770,6 +889,9 @@ def dry_run(config: TrainConfig, validate: bool = True, in_process: bool = False
         if unchecked is not None:
             unchecked.append(f"data {config.data}: not read (a dry run makes no object-store call); "
                              f"file names assumed: {train + test}")
+            if config.agent.loops == "auto":
+                unchecked.append("agent rows (an agent_name column): not looked for, composed as ranker rows; "
+                                 "for prepare-agents data set agent.loops: on")
     else:
         try:
             train, test = data_files(config)
@@ -1118,7 +1240,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     p = local_paths(config)
     lines = override_lines(config)
     overrides = verl_overrides(config, [f"{p['data']}/{f}" for f in train], [f"{p['data']}/{f}" for f in test],
-                               lines)
+                               lines, remote=True)
     verl = settings(config, lines)
     composed = compose(config, overrides)
     ckpt_uri = checkpoint_uri(config)

@@ -47,6 +47,25 @@ under a local path or s3:// prefix, so a restarted run re-sends nothing it alrea
 ``answer_prompt`` (MEMSIFTER_REWARD_ANSWER_PROMPT: a replacement for ``prompts/chat.txt``, the chat
 stage's template, slots ``{history}``, ``{current}``, ``{date}``), ``format`` (MEMSIFTER_REWARD_FORMAT:
 ``exact``, MemSifter's K-ids rule, or ``partial``).
+
+Memory agents (issue 33)
+------------------------
+Rows with ``data_source == "memsifter_agent"`` (prepare-agents; ``ground_truth`` the gold answer) are
+agent episodes run by :mod:`memsifter.agents.verl_loop`: the reward is the outcome of the episode,
+``score = (1 - f) * m + f * format_ok`` with ``m`` the token F1 (``agent_metric: f1``, the default) or the
+exact match (``em``) of the episode's answer against the gold answer (``memsifter.retrieval.metrics``;
+0 without an answer), ``format_ok`` 1 when every reply of the episode was well formed and an answer came,
+and ``f = agent_format_score`` (default 0.1): a correct, well-formed episode scores 1.0, a well-formed
+wrong one 0.1, a correct answer after a malformed step 0.9, no answer 0. The answer and ``format_ok`` are
+the episode's own (the agent's parser, handed over by the loop in the last output's ``extra_fields``,
+which verl's ``naive`` reward manager merges into ``extra_info``: ``agent_answer``, ``agent_format_ok``);
+without them (another reward manager, a plain evaluation) the final reply of ``solution_str`` (after the
+last ``assistant`` turn marker of a whole search trajectory) is parsed with the agents' answer parser
+(:func:`memsifter.agents.memory.parse_answer`). Settings: ``agent_metric``
+(MEMSIFTER_REWARD_AGENT_METRIC), ``agent_format_score`` (MEMSIFTER_REWARD_AGENT_FORMAT_SCORE), reward
+kwargs the train stage writes from its ``agent:`` block. Metrics: ``acc`` (= score), ``answer_f1``,
+``answer_em``, ``format_ok``, ``has_answer``, ``searches``, ``chunks``, ``recalls``, ``llm_calls``,
+``over_budget``, ``reward_error``.
 """
 
 from __future__ import annotations
@@ -56,11 +75,12 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import threading
 from typing import Any, Sequence
 
 from ..models.llm import ChatClient, ResponseCache, request_key, run_sync
-from ..retrieval.metrics import dcg_over_gold, ndcg, token_f1
+from ..retrieval.metrics import dcg_over_gold, exact_match, ndcg, token_f1
 from ..retrieval.prompting import extract_answer, fill, load_prompt  # as the chat and rank stages use them
 from ..retrieval.rankings import parse_ranking
 from ..retrieval.render import render_history_texts
@@ -245,6 +265,78 @@ async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
             "llm_calls": len(batch)}
 
 
+# --------------------------------------------------------------------------- memory agents (issue 33)
+AGENT_SOURCE = "memsifter_agent"  # = memsifter.agents.verl_names.DATA_SOURCE
+AGENT_METRICS = ("f1", "em")
+AGENT_FORMAT_SCORE = 0.1
+AGENT_COUNTS = ("searches", "chunks", "recalls", "llm_calls")
+
+
+def agent_settings(**kwargs: Any) -> tuple[str, float]:
+    """(answer metric, format score) from the reward kwargs, else the environment, else f1 / 0.1."""
+    metric = kwargs.get("agent_metric") or os.environ.get("MEMSIFTER_REWARD_AGENT_METRIC") or "f1"
+    fs = kwargs.get("agent_format_score")
+    if fs is None:
+        fs = os.environ.get("MEMSIFTER_REWARD_AGENT_FORMAT_SCORE") or AGENT_FORMAT_SCORE
+    metric, fs = str(metric).lower(), float(fs)
+    if metric not in AGENT_METRICS:
+        raise ValueError(f"agent_metric {metric!r}: expected one of {AGENT_METRICS}")
+    if not 0.0 <= fs <= 1.0:
+        raise ValueError(f"agent_format_score {fs}: expected a number from 0 to 1")
+    return metric, fs
+
+
+def final_reply(text: str) -> str:
+    """The last reply of a decoded response: a search trajectory holds the environment's turns too (chat
+    markers decoded without their special tokens leave a line ``assistant`` before each reply)."""
+    i = text.rfind("\nassistant\n")
+    return text[i + len("\nassistant\n"):] if i >= 0 else text
+
+
+def parse_agent_answer(solution_str: str) -> tuple[str | None, bool]:
+    """(answer, well formed) of an episode's final reply, by the agents' own answer parser."""
+    from ..agents.memory import parse_answer
+
+    answer, problems = parse_answer(final_reply(solution_str or ""))
+    return answer, answer is not None and not problems
+
+
+def _golds(ground_truth: Any) -> list[str]:
+    if isinstance(ground_truth, (list, tuple)) or hasattr(ground_truth, "tolist"):
+        items = list(ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth)
+        return [str(g) for g in items] or [""]
+    return [str(ground_truth)]
+
+
+def agent_reward(solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any) -> dict:
+    """The outcome reward of one agent episode (see the module doc); never raises."""
+    info = dict(extra_info or {})
+    try:
+        metric, fs = agent_settings(**kwargs)
+        if "agent_format_ok" in info:  # the episode's own parse, from the verl loop
+            answer = info.get("agent_answer")
+            answer = None if answer is None or (isinstance(answer, float) and math.isnan(answer)) else str(answer)
+            well_formed = bool(info.get("agent_format_ok")) and answer is not None
+        else:
+            answer, well_formed = parse_agent_answer(solution_str)
+        golds = _golds(ground_truth)
+        f1 = max(token_f1(answer, g) for g in golds) if answer is not None else 0.0
+        em = max(exact_match(answer, g) for g in golds) if answer is not None else 0.0
+        m = f1 if metric == "f1" else em
+        score = (1.0 - fs) * m + fs * float(well_formed)
+        out = {"score": score, "acc": score, "answer_f1": f1, "answer_em": em, "format_ok": float(well_formed),
+               "has_answer": float(answer is not None), "reward_error": 0.0}
+    except Exception as e:  # noqa: BLE001 - a reward must never crash the trainer
+        log.warning("agent reward failed: %s: %s", type(e).__name__, e)
+        out = {"score": 0.0, "acc": 0.0, "answer_f1": 0.0, "answer_em": 0.0, "format_ok": 0.0, "has_answer": 0.0,
+               "reward_error": 1.0}
+    for k in AGENT_COUNTS:
+        v = info.get(f"agent_{k}")
+        out[k] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    out["over_budget"] = float(bool(info.get("agent_over_budget")))
+    return out
+
+
 # --------------------------------------------------------------------------- verl entry points
 def _result(settings: RewardSettings, score: float, *, format_ok: bool, dcg: float, n_ranked: int,
             task: dict | None = None, error: bool = False, ndcg10: float = 0.0) -> dict:
@@ -266,8 +358,10 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
     run (verl stacks them): ``acc`` (= score, the DAPO group filter metric), ``format_ok``, ``dcg``,
     ``ndcg10`` (NDCG@10 of the ranking over the shown sessions, 0 when invalid),
     ``n_ranked``, ``reward_error``; in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
-    ``llm_failed``.
+    ``llm_failed``. Agent rows (``data_source == "memsifter_agent"``): :func:`agent_reward`.
     """
+    if data_source == AGENT_SOURCE:
+        return agent_reward(solution_str, ground_truth, extra_info, **kwargs)
     settings = RewardSettings.resolve(**kwargs)
     try:
         gold, n = parse_ground_truth(ground_truth)

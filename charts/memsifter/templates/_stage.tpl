@@ -34,12 +34,17 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
      field, what memsifter.pipeline.wire does for each set of its producers that run (`cases`, keyed by
      the enabled producers in order of preference); this only looks the enabled ones up and fails with the
      pipeline's refusal (two alternative producers enabled, or a required input no enabled stage makes).
-     A producer's output is its own `config.output` when set. dict root name */}}
+     A producer's output is its own `config.output` when set. A stage that reads the memory service's URL
+     (its facts' `serveUrl` field, e.g. agents' search_url) gets this release's RayService URL when
+     serve.enabled and its config leaves the field out. dict root name */}}
 {{- define "memsifter.stageConfig" -}}
 {{- $facts := index (include "memsifter.facts" .root | fromJson) .name }}
 {{- $cfg := deepCopy ((index .root.Values.stages .name | default dict).config | default dict) }}
 {{- if not (get $cfg "output") }}
 {{- $_ := set $cfg "output" (include "memsifter.stageOutput" .) }}
+{{- end }}
+{{- if and $facts.serveUrl .root.Values.serve.enabled (not (hasKey $cfg $facts.serveUrl)) }}
+{{- $_ := set $cfg $facts.serveUrl (include "memsifter.serveUrl" .root) }}
 {{- end }}
 {{- include "memsifter.wireInputs" (dict "root" .root "cfg" $cfg "wiring" $facts.wiring) }}
 {{- end }}

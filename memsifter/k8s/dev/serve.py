@@ -91,7 +91,8 @@ def serve_group(families: list[str]) -> Group:
     return Group(
         "The memory retrieval service (`memsifter serve`: Search-R1's POST /retrieve, the memory API) as a KubeRay "
         "RayService named <fullname>; KubeRay's Service <fullname>-serve-svc:8000 reaches it (NOTES.txt).", {
-            "enabled": Value(False, "Create the RayService.", {"type": "boolean"}),
+            "enabled": Value(False, "Create the RayService; stages that search it (agents: search_url) get its URL.",
+                             {"type": "boolean"}),
             "config": Value({}, "The service's config (ServeConfig, `memsifter serve --help`; README: serve.config): only "
                             "what differs from its defaults; its deployments' replicas, CPUs and GPUs come from it. "
                             f"index: default the output of stages.{INDEX_STAGE} when that is enabled (the plan's "

@@ -257,7 +257,20 @@ def stage_facts(infos: list[StageInfo]) -> dict:
                    "defaultGpusPerNode": i.capacity_defaults["gpusPerNode"]}
         out[i.name] = {"family": i.family, "gpus": i.gpus, "needs": list(i.needs), "inputs": dict(i.inputs),
                        "wiring": dict(i.wiring), "capacity": cap, "required": i.required_user_fields, "help": i.help}
+        serve_url = serve_url_field(i.config)
+        if serve_url:
+            out[i.name]["serveUrl"] = serve_url
     return out
+
+
+def serve_url_field(config: Any) -> str | None:
+    """The config field a stage reads the memory service's base URL from (marked ``serve_url`` in its
+    ``json_schema_extra``, e.g. the agents stage's ``search_url``): with ``serve.enabled`` the chart fills
+    it with the RayService's URL where the stage's config leaves it out (``memsifter.stageConfig``)."""
+    for name, f in config.model_fields.items():
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("serve_url"):
+            return name
+    return None
 
 
 # --------------------------------------------------------------------------- values.yaml
@@ -404,6 +417,8 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
     for i in infos:
         f = facts[i.name]
         wired = ", ".join(f"`{k}` ← {_producers(v)}" for k, v in f["wiring"].items())
+        if f.get("serveUrl"):
+            wired += (", " if wired else "") + f"`{f['serveUrl']}` ← the RayService's URL (serve.enabled)"
         gpus = f"{i.capacity_defaults['gpusPerNode']} × `{i.capacity['nodes']}` nodes" if i.capacity else str(i.gpus)
         out.append(f"| `{i.name}` | {i.family} | {gpus} | {', '.join(i.needs) or '-'} | {wired or '-'} | "
                    f"{', '.join(f'`{r}`' for r in f['required']) or '-'} |\n")

@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""The memory agents on one GPU (issue 33 item 4): base → SFT warm start → GRPO, each evaluated on a held-out
+split beside the same model answering with no memory, from the first stage, and from the gold sessions.
+
+    source benchmarks/gpu/install.sh
+    python3 benchmarks/gpu/run_agents.py start --lme DATA/longmemeval_s_train348.json.gz \\
+        --locomo DATA/locomo_dev2.json.gz --out "$OUT"          # detached (setsid); then, as often as needed:
+    python3 benchmarks/gpu/run_agents.py wait --out "$OUT"
+
+The test data are arguments (any LongMemEval_S-format and LoCoMo-format files). Every step is a ``memsifter``
+CLI call against a SeaweedFS started here, as a user runs it:
+
+1. ``run import`` of both files, one combined dataset, its BM25 first stage (``run embed``: no encoder is
+   needed on the host) — the memory service's index and the memory agents' chunk order;
+2. ``run prepare-agents``: held-out and train splits (disjoint by haystack: one LoCoMo conversation held
+   out whole), verl rows and SFT traces; the held-out questions published as their own dataset;
+3. ``memsifter serve --no-ray`` (the memory service, loopback) and ``memsifter models serve`` (vLLM);
+4. ``base``: ``run agents`` (each agent) and ``run chat`` (no memory, first stage, gold sessions) on the
+   held-out questions with SmolLM2-135M-Instruct;
+5. ``run sft`` on the traces (LoRA) → ``sft``: ``run agents`` with the adapter;
+6. ``run train`` (GRPO through verl's agent loops, the search agent against the service, the SFT adapter
+   continued, checkpoints to S3) → ``run collect`` → ``grpo``: ``run agents`` with that adapter;
+7. ``run evaluate`` of every answers file: one table (F1 / EM with 95% intervals, cost per question) and
+   its plot; ``agents.md`` with the phases' times.
+
+A phase already finished in ``--work`` is skipped on a re-run (the stages' own skip of published outputs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_train import ROOT, ms, sh, verl_steps, write_yaml  # noqa: E402
+
+sys.path.insert(0, ROOT)
+
+RUN = "s3://memsifter/agents"
+BASE = "smollm2-135m-instruct"
+AGENTS = ["agent:search", "agent:memory"]
+
+
+def combined(a) -> None:
+    """Import both files and publish their union (one memory service holds every question's corpus)."""
+    from memsifter.data.model import Dataset, read_dataset
+    from memsifter.stage import code_version
+    from memsifter.store import storage
+
+    if storage.exists(f"{RUN}/all/_SUCCESS"):
+        return
+    parts = []
+    for fmt, src, name in (("longmemeval", a.lme, "longmemeval_s"), ("locomo", a.locomo, "locomo")):
+        if not src:
+            continue
+        sh(ms("run", "import", "--format", fmt, "--source", src, "--output", f"{RUN}/{name}", "--dataset-name",
+              name, "-q"),
+           f"{a.out}/import-{name}.log")
+        parts.append(read_dataset(f"{RUN}/{name}"))
+    sessions, questions = {}, []
+    for ds in parts:
+        sessions.update(ds.sessions)
+        questions += ds.questions
+    pub = storage.Publication(f"{RUN}/all", "import", {"derived": "union of the imports"}, "all", code_version())
+    pub.publish(Dataset(sessions, questions).write(pub))
+
+
+def bm25(a, data: str) -> None:
+    sh(ms("run", "embed", "--input", data, "--output", f"{data}-embed", "--primary", "bm25", "--no-cascade",
+          "--no-zsum", "--no-dense", "--no-chunked", "--no-turns", "-q"), f"{a.out}/embed-{data.rsplit('/', 1)[-1]}.log")
+
+
+def heldout(a) -> list[str]:
+    """The held-out split's questions, published as their own dataset (every stage answers exactly these)."""
+    from memsifter.data.model import Dataset, read_dataset
+    from memsifter.stage import code_version
+    from memsifter.store import storage
+
+    rows = storage.read_parquet(storage.join(f"{RUN}/prep", "test.parquet")).to_pylist()
+    ids = list(dict.fromkeys(json.loads(r["extra_info"])["question_id"] if isinstance(r["extra_info"], str)
+                             else r["extra_info"]["question_id"] for r in rows))
+    if not storage.exists(f"{RUN}/heldout/_SUCCESS"):
+        ds = read_dataset(f"{RUN}/all")
+        keep = set(ids)
+        qs = [q for q in ds.questions if q.question_id in keep]
+        used = {s for q in qs for s in q.haystack_session_ids}
+        pub = storage.Publication(f"{RUN}/heldout", "import", {"derived": "prepare-agents test split"}, "heldout",
+                                  code_version())
+        pub.publish(Dataset({k: v for k, v in ds.sessions.items() if k in used}, qs).write(pub))
+        bm25(a, f"{RUN}/heldout")
+    return ids
+
+
+class Server:
+    """A background server (own process group), stopped with everything it started."""
+
+    def __init__(self, cmd: list[str], log: str, port: int, path: str = "/healthz", timeout: float = 600):
+        import urllib.request
+
+        self.p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                  start_new_session=True)
+        t = time.time()
+        while True:
+            if self.p.poll() is not None:
+                raise SystemExit(f"server exited ({self.p.returncode}): {cmd} (log {log})")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() - t > timeout:
+                    self.stop()
+                    raise SystemExit(f"server not ready in {timeout:.0f}s: {cmd} (log {log})")
+                time.sleep(3)
+        print(f"server up in {time.time() - t:.0f}s: {' '.join(cmd[-6:])}", flush=True)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.p.pid, sig)
+                self.p.wait(timeout=30)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def vllm(a, model: str, tag: str) -> Server:
+    return Server(ms("models", "serve", model, "--port", str(a.llm_port), "--max-model-len", "8192",
+                     "--served-name", "agent"), f"{a.out}/vllm-{tag}.log", a.llm_port, "/v1/models")
+
+
+def endpoint(a) -> dict:
+    return {"base_url": f"http://127.0.0.1:{a.llm_port}/v1", "model": "agent", "api_key_env": None,
+            "concurrency": a.concurrency, "timeout_s": 600}
+
+
+def answer_agents(a, tag: str) -> str:
+    out = f"{RUN}/agents-{tag}"
+    cfg = write_yaml(f"{a.work}/agents-{tag}.yaml", {
+        "input": f"{RUN}/heldout", "embeddings": f"{RUN}/heldout-embed", "output": out, "methods": a.agents,
+        "endpoint": endpoint(a), "search_url": f"http://127.0.0.1:{a.serve_port}", "tokenizer": BASE,
+        "max_failed_fraction": 0.02})
+    sh(ms("run", "agents", "--config", cfg), f"{a.out}/agents-{tag}.log", check=False)
+    return out
+
+
+def answer_chat(a, tag: str) -> str:
+    out = f"{RUN}/chat-{tag}"
+    cfg = write_yaml(f"{a.work}/chat-{tag}.yaml", {
+        "input": f"{RUN}/heldout", "rankings": f"{RUN}/heldout-embed", "output": out,
+        "baselines": ["none", "oracle"], "endpoint": {**endpoint(a), "temperature": 0.0, "max_tokens": 64},
+        "context_tokens": 6144, "max_failed_fraction": 0.02})
+    sh(ms("run", "chat", "--config", cfg), f"{a.out}/chat-{tag}.log", check=False)
+    return out
+
+
+def main_run(a) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    from memsifter.store import storage
+    from memsifter.testing.servers import seaweedfs
+
+    times: dict[str, float] = {}
+    notes: list[str] = []
+
+    def phase(name: str, t0: float) -> None:
+        times[name] = round(time.time() - t0, 1)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {times[name]}s", flush=True)
+        with open(f"{a.out}/agents.md", "w") as f:
+            f.write("| phase | seconds |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in times.items()))
+            f.write("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+
+    with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
+        os.environ.update(s3.env())
+        storage.ensure_bucket("s3://memsifter/")
+        t = time.time()
+        combined(a)
+        if not storage.exists(f"{RUN}/all-embed/_SUCCESS"):
+            bm25(a, f"{RUN}/all")
+        prep = write_yaml(f"{a.work}/prepare-agents.yaml", {
+            "datasets": [f"{RUN}/all"], "embeddings": [f"{RUN}/all-embed"], "output": f"{RUN}/prep",
+            "agents": a.agents, "recipe": {"test": json.loads(a.test), "train": json.loads(a.train)},
+            "max_chunks": a.max_chunks, "tokenizer": BASE})
+        sh(ms("run", "prepare-agents", "--config", prep), f"{a.out}/prepare-agents.log")
+        ids = heldout(a)
+        notes.append(f"held-out questions: {len(ids)}; prepare-agents stats: "
+                     f"{json.dumps(storage.read_manifest(f'{RUN}/prep').get('stats', {}))[:1500]}")
+        phase("data", t)
+        service = Server(ms("serve", "--index", f"{RUN}/all-embed", "--dataset", f"{RUN}/all", "--no-ray",
+                            "--port", str(a.serve_port), "--workdir", f"{a.work}/serve"),
+                         f"{a.out}/serve.log", a.serve_port)
+        answers: list[str] = []
+        try:
+            if "base" in a.phases:
+                t = time.time()
+                srv = vllm(a, BASE, "base")
+                try:
+                    answers.append(answer_chat(a, "base"))
+                    answers.append(answer_agents(a, "base"))
+                finally:
+                    srv.stop()
+                phase("base answers (chat baselines + agents)", t)
+            sft_adapter = f"{a.work}/sft-adapter"
+            if "sft" in a.phases:
+                t = time.time()
+                cfg = write_yaml(f"{a.work}/sft.yaml", {
+                    "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16, "lr": 2e-4,
+                    "epochs": a.sft_epochs, "batch_tokens": 32768, "eval_generate": 32})
+                sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
+                storage.download_dir(f"{RUN}/sft/adapter", sft_adapter)
+                phase("sft", t)
+                t = time.time()
+                srv = vllm(a, sft_adapter, "sft")
+                try:
+                    answers.append(answer_agents(a, "sft"))
+                finally:
+                    srv.stop()
+                phase("sft answers", t)
+            if "grpo" in a.phases:
+                t = time.time()
+                cfg = write_yaml(f"{a.work}/train.yaml", {
+                    "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
+                    **({"init_adapter": f"{RUN}/sft/adapter"} if os.path.isdir(sft_adapter) else {}),
+                    "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
+                    "search_url": f"http://127.0.0.1:{a.serve_port}", "local_dir": f"{a.work}/pod",
+                    "verl": {
+                        "data": {"max_prompt_length": 6144, "max_response_length": 2048,
+                                 "train_batch_size": a.batch, "gen_batch_size": a.batch},
+                        "algorithm": {"filter_groups": {"enable": False}},
+                        "actor_rollout_ref": {
+                            "model": {"lora_rank": 16, "lora_alpha": 32},
+                            "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
+                                      "fsdp_config": {"param_offload": False, "optimizer_offload": False},
+                                      "optim": {"lr": 1e-5, "lr_warmup_steps": 0}},
+                            "rollout": {"n": a.n, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
+                                        "enforce_eager": True}},
+                        "trainer": {"save_freq": a.steps, "test_freq": -1, "total_training_steps": a.steps}},
+                })
+                rc, dt = sh(ms("run", "train", "--config", cfg), f"{a.out}/train.log", check=False)
+                steps = verl_steps(f"{a.out}/train.log")
+                with open(f"{a.out}/train_steps.json", "w") as f:
+                    json.dump(steps, f, indent=1)
+                notes.append(f"train: exit {rc} in {dt:.0f}s, {len(steps)} steps")
+                if rc == 0:
+                    sh(ms("run", "collect", "--checkpoints", f"{RUN}/train", "--output", f"{RUN}/collect"),
+                       f"{a.out}/collect.log")
+                    man = storage.read_manifest(f"{RUN}/collect")
+                    adapters = [f for f in storage.list_files(f"{RUN}/collect") if f.endswith("adapter_config.json")]
+                    notes.append(f"collect: {adapters[-3:]} {json.dumps(man.get('stats', {}))[:400]}")
+                    if adapters:
+                        local = storage.download_dir(storage.join(f"{RUN}/collect", adapters[-1].rsplit("/", 1)[0]),
+                                                     f"{a.work}/grpo-adapter")
+                        phase("grpo train + collect", t)
+                        t = time.time()
+                        srv = vllm(a, local, "grpo")
+                        try:
+                            answers.append(answer_agents(a, "grpo"))
+                        finally:
+                            srv.stop()
+                        phase("grpo answers", t)
+        finally:
+            service.stop()
+        t = time.time()
+        done = [x for x in answers if storage.exists(f"{x}/_SUCCESS")]
+        notes.append(f"answers published: {done}")
+        cfg = write_yaml(f"{a.work}/evaluate.yaml", {"input": f"{RUN}/heldout", "rankings": [f"{RUN}/heldout-embed"],
+                                                     "answers": done, "output": f"{RUN}/evaluate"})
+        sh(ms("run", "evaluate", "--config", cfg, "--force"), f"{a.out}/evaluate.log", check=False)
+        if storage.exists(f"{RUN}/evaluate/_SUCCESS"):
+            for f in ("report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png"):
+                if storage.exists(f"{RUN}/evaluate/{f}"):
+                    storage.copy_file(f"{RUN}/evaluate/{f}", f"{a.out}/{f}")
+        phase("evaluate", t)
+    print("] done", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("--lme", help="a LongMemEval_S-format file (.json or .json.gz)")
+    ap.add_argument("--locomo", help="a LoCoMo-format file")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--work", default="/root/gpu-agents")
+    ap.add_argument("--phases", default="base,sft,grpo")
+    ap.add_argument("--agents", default=",".join(AGENTS))
+    ap.add_argument("--test", default='{"longmemeval_s": 110, "locomo": 150}', help="held-out recipe (JSON)")
+    ap.add_argument("--train", default='{"longmemeval_s": 210, "locomo": 200}', help="train recipe (JSON)")
+    ap.add_argument("--max-chunks", type=int, default=12)
+    ap.add_argument("--sft-epochs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--serve-port", type=int, default=8100)
+    ap.add_argument("--llm-port", type=int, default=8200)
+    ap.add_argument("--wait-s", type=float, default=540)
+    a = ap.parse_args()
+    a.agents = [x for x in a.agents.split(",") if x]
+    a.phases = [x for x in a.phases.split(",") if x]
+    det = os.path.join(a.work, "detached")
+    if a.what == "start":
+        os.makedirs(det, exist_ok=True)
+        argv = [sys.executable, os.path.abspath(__file__), "run", *sys.argv[2:]]
+        argv = [x for x in argv]
+        if "--out" in argv:
+            i = argv.index("--out")
+            argv[i + 1] = det
+        else:
+            argv += ["--out", det]
+        for p in ("lme", "locomo"):
+            v = getattr(a, p)
+            if v:
+                argv[argv.index(v)] = os.path.abspath(v)
+        with open(os.path.join(det, "driver.log"), "w") as f:
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        print(f"started pid {p.pid}; logs in {det}", flush=True)
+        return
+    if a.what == "wait":
+        t = time.time()
+        log = os.path.join(det, "driver.log")
+        while time.time() - t < a.wait_s:
+            if os.path.exists(log) and "] done" in open(log, errors="replace").read():
+                break
+            time.sleep(10)
+        os.makedirs(a.out, exist_ok=True)
+        for f in ("agents.md", "report.md", "report.json", "answer_f1_and_cost.png", "train_steps.json"):
+            if os.path.exists(os.path.join(det, f)):
+                shutil.copy(os.path.join(det, f), a.out)
+        subprocess.run(f"tar czf {a.out}/agents-logs.tar.gz -C {det} --exclude='*.png' .", shell=True)
+        print(open(log, errors="replace").read()[-5000:])
+        return
+    main_run(a)
+
+
+if __name__ == "__main__":
+    main()
