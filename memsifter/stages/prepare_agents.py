@@ -411,7 +411,8 @@ class Builder:
             return Task(q.question_id, q.question, q.question_date, search=refuse), info
         if method == "agent:search":
             order = self.orders.get(q.question_id)
-            search, how = self.searcher.for_question(self.ds, q, order[0] if order else None)  # type: ignore[union-attr]
+            assert self.searcher is not None
+            search, how = self.searcher.for_question(self.ds, q, order[0] if order else None)
             how = f"{how} (embed output)" if order else f"{how} (no embed output covers it)"
             self.search_methods[how] = self.search_methods.get(how, 0) + 1
             return Task(q.question_id, q.question, q.question_date, search=search), info
