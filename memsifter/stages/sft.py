@@ -153,8 +153,24 @@ def encode(tokenizer: Any, row: dict, answer: str | None) -> tuple[list[int], li
     if answer is None:
         return p_ids, []
     a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
+    eos = reply_end_id(tokenizer)
     return p_ids, a_ids + ([eos] if eos is not None else [])
+
+
+def reply_end_id(tokenizer: Any) -> int | None:
+    """The token that closes an assistant reply in the chat template (ChatML: ``<|im_end|>``), else the
+    tokenizer's eos. SmolLM2's converted tokenizer names ``<|im_start|>`` its eos; a reply ending in it
+    would teach the model to open a new turn instead of ending its own."""
+    marker = "\u2063REPLY\u2063"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 - no chat template: the tokenizer's eos
+        return tokenizer.eos_token_id
+    i = text.rfind(marker)
+    tail = tokenizer(text[i + len(marker):], add_special_tokens=False)["input_ids"] if i >= 0 else []
+    # the first token after the reply (SmolLM2 does not even list <|im_end|> among its special tokens)
+    return int(tail[0]) if tail else tokenizer.eos_token_id
 
 
 def batches(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
