@@ -79,7 +79,6 @@ import time
 from typing import Any, Callable, Literal, Sequence
 
 import pyarrow as pa
-import yaml
 from pydantic import Field, field_validator
 
 from ..agents.verl_names import DATA_SOURCE, LOOPS
@@ -88,6 +87,7 @@ from ..errors import ConfigError, InputError
 from ..retrieval import rankings
 from ..stage import StageConfig, stage, uri_field
 from ..store import storage
+from ..data.recipe import load_recipe
 
 log = logging.getLogger(__name__)
 
@@ -111,27 +111,7 @@ ROW_SCHEMA = pa.schema([
 ])
 
 
-def _load_recipe(value: Any) -> dict[str, dict[str, int]]:
-    if isinstance(value, str):
-        text = storage.read_text(value)
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"recipe {value}: not valid YAML/JSON: {e}") from e
-        if isinstance(value, dict) and "recipe" in value and len(value) == 1:
-            value = value["recipe"]
-    if not isinstance(value, dict) or not value:
-        raise ValueError("recipe must map split -> {dataset: count}")
-    out: dict[str, dict[str, int]] = {}
-    for split, entries in value.items():
-        if not isinstance(entries, dict) or not entries:
-            raise ValueError(f"recipe split '{split}': expected a mapping dataset -> count")
-        out[str(split)] = {}
-        for ds, n in entries.items():
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"recipe {split}.{ds}: count must be a non-negative integer, got {n!r}")
-            out[str(split)][str(ds)] = n
-    return out
+_load_recipe = load_recipe  # the one recipe reader (memsifter/data/recipe.py)
 
 
 class PrepareAgentsConfig(StageConfig):
