@@ -250,6 +250,35 @@ def test_ranker_train_settings_parse_as_yaml():
         run_ranker.train_setting("fast_logprobs")
 
 
+def test_ranker_listing_orders_name_their_rows_and_rankers(tmp_path, monkeypatch):
+    """Issue 34: a phase may name its listing order (``sft@shuffled``); the shuffled listing's rows and rankers
+    are kept apart from the first-stage listing's, and each trained ranker is ranked with its own order."""
+    run_ranker = importlib.import_module("run_ranker")
+    prepare_ranker = importlib.import_module("prepare_ranker")
+    assert prepare_ranker.rl_name("first_stage") == "rl" and prepare_ranker.rl_name("shuffled") == "rl-shuffled"
+    with pytest.raises(SystemExit, match="history order"):
+        prepare_ranker.rl_name("chronological")
+    assert run_ranker.phase_order("sft@shuffled", "first_stage") == ("sft", "shuffled")
+    assert run_ranker.phase_order("dcg", "shuffled") == ("dcg", "shuffled")
+    assert run_ranker.phase_order("dcg@", "first_stage") == ("dcg", "first_stage")
+    for bad in ("sft@random", "train"):
+        with pytest.raises(SystemExit, match="--phases item"):
+            run_ranker.phase_order(bad, "first_stage")
+    # adapters on disk decide which rankers the eval phase ranks, and with which listing
+    monkeypatch.setattr(run_ranker, "RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(run_ranker, "STATE", str(tmp_path / "state"))
+    assert [r[0] for r in run_ranker.rankers()] == ["base-free", "base-structured"]
+    for kind in ("sft", "sft-shuf", "dcg-shuf"):
+        d = tmp_path / "runs" / f"adapter-{kind}"
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+    got = {r[0]: (r[1] is not None, r[2], r[3]) for r in run_ranker.rankers()}
+    assert got == {"base-free": (False, False, "first_stage"), "base-structured": (False, True, "first_stage"),
+                   "sft": (True, False, "first_stage"), "base-free-shuf": (False, False, "shuffled"),
+                   "base-structured-shuf": (False, True, "shuffled"), "sft-shuf": (True, False, "shuffled"),
+                   "dcg-shuf": (True, False, "shuffled")}
+
+
 def test_dapo_ab_table_ratios(tmp_path):
     """dapo_ab.py: medians over training steps only (validation-only rows skipped), times as baseline/run."""
     dapo_ab = importlib.import_module("dapo_ab")

@@ -859,3 +859,14 @@ def test_entropy_memory_benchmark_runs_on_the_cpu():
     assert set(rows) == {"none", "plain", "ckpt"}
     assert rows["plain"]["saved_bytes"] > rows["ckpt"]["saved_bytes"] > 0
     assert rows["plain"]["saved_bytes"] > rows["none"]["saved_bytes"] > 0
+
+
+def test_agent_loops_on_off_as_yaml_reads_them(tmp_path):
+    """``--set agent.loops=on`` reaches the config as YAML's true: taken as "on" (and false as "off"), while a
+    wrong word still fails naming the field."""
+    base = {"output": str(tmp_path / "o"), "data": str(tmp_path / "d")}
+    assert TrainConfig(**base, agent={"loops": True}).agent.loops == "on"
+    assert TrainConfig(**base, agent={"loops": False}).agent.loops == "off"
+    assert TrainConfig(**base, agent={"loops": "auto"}).agent.loops == "auto"
+    with pytest.raises(ValueError, match="loops"):
+        TrainConfig(**base, agent={"loops": "sometimes"})

@@ -39,6 +39,16 @@ CONTEXT_LIMIT = 1900  # rank stage: template + history budget of the same size
 # already carries the retriever's judgement; with chronological lists (the original's), the SFT'd and
 # DAPO-trained 135M rankers of 2026-11-24 machines 1-2 ranked no better than a random order.
 HISTORY_ORDER = "first_stage"
+# Issue 34: a listing that carries no first-stage signal (each sample's sessions shuffled, ids renumbered), so
+# a ranker cannot score by copying the order it is shown. Its rows go to ``rl-shuffled``.
+ORDERS = ("first_stage", "shuffled")
+
+
+def rl_name(order: str) -> str:
+    """The prepare-rl output (under the data root) of a listing order."""
+    if order not in ORDERS:
+        raise SystemExit(f"history order {order!r}: expected one of {', '.join(ORDERS)}")
+    return "rl" if order == "first_stage" else f"rl-{order}"
 
 
 def cli(args: list[str], log: str) -> None:
@@ -116,6 +126,8 @@ def main() -> int:
     p.add_argument("--test", action="append", default=[], metavar="FORMAT:FILE",
                    help="another dataset for the held-out table (e.g. locomo:/data/locomo10.json): imported and "
                         "ranked by the first stage into OUT/data/test_<name>; run_ranker.py evaluates it with --test")
+    p.add_argument("--history-order", default=HISTORY_ORDER, choices=ORDERS,
+                   help="how the ranker's prompt lists the shown sessions (shuffled: rows in OUT/rl-shuffled)")
     p.add_argument("--tests-only", action="store_true", help="only add the --test datasets to an existing OUT")
     a = p.parse_args()
     if a.tests_only:
@@ -137,9 +149,10 @@ def main() -> int:
     data = [os.path.join(a.out, "data", n) for n in files]
     recipe = {"train": {"lme_train": 10_000, "locomo_train": 10_000},
               "test": {"lme_heldout": a.val_per_dataset, "locomo_heldout": a.val_per_dataset}}
-    args = ["run", "prepare-rl", "--output", os.path.join(a.out, "rl"), "--tokenizer", "smollm2-135m-instruct",
+    rl = os.path.join(a.out, rl_name(a.history_order))
+    args = ["run", "prepare-rl", "--output", rl, "--tokenizer", "smollm2-135m-instruct",
             "--prompt-style", "direct", "--session-tokens", str(SESSION_TOKENS),
-            "--history-budget-tokens", str(HISTORY_TOKENS), "--history-order", HISTORY_ORDER, "--max-prompt-tokens", "2600", "--seed", str(a.seed),
+            "--history-budget-tokens", str(HISTORY_TOKENS), "--history-order", a.history_order, "--max-prompt-tokens", "2600", "--seed", str(a.seed),
             "--set", "recipe=" + json.dumps(recipe)]
     args += ["--set", "datasets=" + json.dumps(data), "--set", "similarities=" + json.dumps([d + "-embed" for d in data])]
     cli(args, log)
@@ -147,7 +160,7 @@ def main() -> int:
         add_test(spec, os.path.join(a.out, "data"), lambda args, _n: cli(args, log))
     from memsifter.store import storage
 
-    st = storage.read_manifest(os.path.join(a.out, "rl"))["stats"]
+    st = storage.read_manifest(rl)["stats"]
     print(json.dumps({k: st[k] for k in ("rows", "rows_by_dataset", "shortfall", "sessions_kept_mean",
                                          "prompt_tokens_mean", "prompt_tokens_max", "order_source")}, indent=1))
     return 0

@@ -161,6 +161,25 @@ def answer_chat(a, tag: str) -> str:
     return out
 
 
+def evaluate(a, answers: list[str]) -> list[str]:
+    """The side-by-side table of every answers output published so far (run after each phase too, so that a
+    run cut short still leaves its table); copied next to the logs."""
+    from memsifter.store import storage
+
+    earlier = [f"{RUN}/chat-base", f"{RUN}/agents-base", f"{RUN}/agents-sft", f"{RUN}/agents-grpo"]  # a re-run's too
+    done = [x for x in dict.fromkeys(earlier + answers) if storage.exists(f"{x}/_SUCCESS")]
+    if not done:
+        return done
+    cfg = write_yaml(f"{a.work}/evaluate.yaml", {"input": f"{RUN}/heldout", "rankings": [f"{RUN}/heldout-embed"],
+                                                 "answers": done, "output": f"{RUN}/evaluate"})
+    sh(ms("run", "evaluate", "--config", cfg, "--force"), f"{a.out}/evaluate.log", check=False)
+    if storage.exists(f"{RUN}/evaluate/_SUCCESS"):
+        for f in ("report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png"):
+            if storage.exists(f"{RUN}/evaluate/{f}"):
+                storage.copy_file(f"{RUN}/evaluate/{f}", f"{a.out}/{f}")
+    return done
+
+
 def main_run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -207,12 +226,13 @@ def main_run(a) -> None:
                 finally:
                     srv.stop()
                 phase("base answers (chat baselines + agents)", t)
+                evaluate(a, answers)
             sft_adapter = f"{a.work}/sft-adapter"
             if "sft" in a.phases:
                 t = time.time()
                 cfg = write_yaml(f"{a.work}/sft.yaml", {
                     "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16, "lr": 2e-4,
-                    "epochs": a.sft_epochs, "batch_tokens": 32768, "eval_generate": 32})
+                    "epochs": a.sft_epochs, "batch_tokens": 32768, "eval_generate": 0})  # answers measure it
                 sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
                 storage.download_dir(f"{RUN}/sft/adapter", sft_adapter)
                 phase("sft", t)
@@ -223,6 +243,7 @@ def main_run(a) -> None:
                 finally:
                     srv.stop()
                 phase("sft answers", t)
+                evaluate(a, answers)
             if "grpo" in a.phases:
                 t = time.time()
                 cfg = write_yaml(f"{a.work}/train.yaml", {
@@ -243,11 +264,19 @@ def main_run(a) -> None:
                                         "enforce_eager": True}},
                         "trainer": {"save_freq": a.steps, "test_freq": -1, "total_training_steps": a.steps}},
                 })
+                if a.train_dry_run:  # the composed verl config only (agent loops on: a dry run reads no s3 data)
+                    sh(ms("run", "train", "--config", cfg, "--dry-run", "--set", "agent.loops=on"),
+                       f"{a.out}/train-dry-run.log")
+                    a.phases = []
+                    raise SystemExit(0)
                 rc, dt = sh(ms("run", "train", "--config", cfg), f"{a.out}/train.log", check=False)
                 steps = verl_steps(f"{a.out}/train.log")
                 with open(f"{a.out}/train_steps.json", "w") as f:
                     json.dump(steps, f, indent=1)
                 notes.append(f"train: exit {rc} in {dt:.0f}s, {len(steps)} steps")
+                for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
+                    if storage.exists(f"{RUN}/train/{f}"):
+                        storage.copy_file(f"{RUN}/train/{f}", f"{a.out}/train_{f}")
                 if rc == 0:
                     sh(ms("run", "collect", "--checkpoints", f"{RUN}/train", "--output", f"{RUN}/collect"),
                        f"{a.out}/collect.log")
@@ -268,15 +297,7 @@ def main_run(a) -> None:
         finally:
             service.stop()
         t = time.time()
-        done = [x for x in answers if storage.exists(f"{x}/_SUCCESS")]
-        notes.append(f"answers published: {done}")
-        cfg = write_yaml(f"{a.work}/evaluate.yaml", {"input": f"{RUN}/heldout", "rankings": [f"{RUN}/heldout-embed"],
-                                                     "answers": done, "output": f"{RUN}/evaluate"})
-        sh(ms("run", "evaluate", "--config", cfg, "--force"), f"{a.out}/evaluate.log", check=False)
-        if storage.exists(f"{RUN}/evaluate/_SUCCESS"):
-            for f in ("report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png"):
-                if storage.exists(f"{RUN}/evaluate/{f}"):
-                    storage.copy_file(f"{RUN}/evaluate/{f}", f"{a.out}/{f}")
+        notes.append(f"answers published: {evaluate(a, answers)}")
         phase("evaluate", t)
     print("] done", flush=True)
 
@@ -301,6 +322,7 @@ def main() -> None:
     ap.add_argument("--serve-port", type=int, default=8100)
     ap.add_argument("--llm-port", type=int, default=8200)
     ap.add_argument("--wait-s", type=float, default=540)
+    ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
     a.phases = [x for x in a.phases.split(",") if x]
@@ -330,7 +352,8 @@ def main() -> None:
                 break
             time.sleep(10)
         os.makedirs(a.out, exist_ok=True)
-        for f in ("agents.md", "report.md", "report.json", "answer_f1_and_cost.png", "train_steps.json"):
+        for f in ("agents.md", "report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png",
+                  "train_steps.json", "train_metrics.jsonl", "train_training_curves.png"):
             if os.path.exists(os.path.join(det, f)):
                 shutil.copy(os.path.join(det, f), a.out)
         subprocess.run(f"tar czf {a.out}/agents-logs.tar.gz -C {det} --exclude='*.png' .", shell=True)

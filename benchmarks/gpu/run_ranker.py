@@ -52,7 +52,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepare_ranker import CONTEXT_LIMIT, HISTORY_ORDER, SESSION_TOKENS  # noqa: E402  (add_test in datasets)
+from prepare_ranker import CONTEXT_LIMIT, ORDERS, SESSION_TOKENS, rl_name  # noqa: E402  (add_test in datasets)
 
 WORK = os.environ.get("MEMSIFTER_RANKER_WORK", "/root/gpu-ranker")
 # what the GPU run reads (carried, <= 64 MiB): the held-out datasets and their first stage, the RL rows
@@ -61,6 +61,9 @@ STATE = os.path.join(ROOT, ".gpu", "ranker-state")  # adapters carried from an e
 RUNS = os.path.join(WORK, "runs")
 RES = os.path.join(WORK, "results")
 HELDOUT = ("lme_heldout", "locomo_heldout")
+# a ranker trained on one listing order is ranked with that order; the shuffled listing's rankers and runs
+# carry this suffix (sft-shuf, dcg-shuf, base-structured-shuf)
+SUFFIX = {"first_stage": "", "shuffled": "-shuf"}
 BASE = "smollm2-135m-instruct"
 W_PORT, T_PORT = 8011, 8012
 
@@ -154,12 +157,13 @@ def served(model_dir: str, name: str, port: int, util: float, lora: bool = False
         logf.close()
 
 
-def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structured: bool) -> str:
+def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structured: bool,
+         order: str = "first_stage") -> str:
     out = os.path.join(RUNS, f"rank-{tag}-{ds}")
     cfg = config(f"rank-{tag}-{ds}", {
         "input": f"{DATA}/data/{ds}", "embeddings": f"{DATA}/data/{ds}-embed", "output": out,
         "model": model_ref, "tokenizer": BASE, "prompt_style": "direct", "context_limit": CONTEXT_LIMIT,
-        "session_tokens": SESSION_TOKENS, "history_order": HISTORY_ORDER, "temperature": 0.0, "constrained_output": structured,
+        "session_tokens": SESSION_TOKENS, "history_order": order, "temperature": 0.0, "constrained_output": structured,
         "answer_prefix": "auto" if structured else "", "engine": "endpoint",
         "endpoint": {"base_url": url, "model": served_name, "api_key_env": None, "concurrency": 64}})
     cli(f"rank-{tag}-{ds}", ["run", "rank", "--config", cfg, "-q"])
@@ -193,13 +197,15 @@ def keep_adapter(kind: str, src: str) -> str:
     return dest
 
 
-def phase_sft(a) -> None:
-    out = os.path.join(RUNS, "sft")
-    cfg = config("sft", {"output": out, "model": BASE, "data": f"{DATA}/rl", **SFT})
-    cli("sft", ["run", "sft", "--config", cfg])
-    keep_adapter("sft", os.path.join(out, "adapter"))
+def phase_sft(a, order: str = "first_stage") -> None:
+    kind = "sft" + SUFFIX[order]
+    out = os.path.join(RUNS, kind)
+    cfg = config(kind, {"output": out, "model": BASE, "data": f"{DATA}/{rl_name(order)}", **SFT})
+    cli(kind, ["run", "sft", "--config", cfg])
+    keep_adapter(kind, os.path.join(out, "adapter"))
     for f in ("metrics.jsonl", "eval.json", "sft_curves.png"):
-        shutil.copy(os.path.join(out, f), os.path.join(RES, f"sft_{f}" if not f.startswith("sft") else f))
+        shutil.copy(os.path.join(out, f), os.path.join(RES, f"{kind}_{f}" if not f.startswith("sft") else
+                                                       f.replace("sft", kind, 1)))
 
 
 def train_setting(spec: str) -> tuple[str, object]:
@@ -213,10 +219,10 @@ def train_setting(spec: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
-def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
+def phase_train(a, kind: str, init: str, reward: dict, steps: int, order: str = "first_stage") -> None:
     from memsifter.store import storage
 
-    kind = kind + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
+    kind = kind + SUFFIX[order] + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
     out = f"s3://memsifter/ranker/train-{kind}"
     from memsifter.stage import set_path
     from memsifter.stages.train import get
@@ -232,7 +238,7 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
         verl["actor_rollout_ref"]["actor"]["optim"]["lr"] = a.full_lr
         verl["trainer"]["save_freq"] = steps
     data = {
-        "output": out, "data": f"{DATA}/rl", "model": model, "init_adapter": init, "nnodes": 1,
+        "output": out, "data": f"{DATA}/{rl_name(order)}", "model": model, "init_adapter": init, "nnodes": 1,
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
         "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
         "verl": verl, "extra_overrides": list(a.train_extra or [])}
@@ -273,13 +279,18 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int) -> None:
     status(**{f"adapter_{kind}_step": last})
 
 
-def rankers() -> list[tuple[str, str | None, bool]]:
-    """(tag, adapter dir or None for the base, structured)."""
-    out = [("base-free", None, False), ("base-structured", None, True)]
-    for kind in ("sft", "dcg", "task"):
-        d = adapter_dir(kind)
-        if d:
-            out.append((kind, d, False))
+def rankers() -> list[tuple[str, str | None, bool, str]]:
+    """(tag, adapter dir or None for the base, structured, listing order): the base with the first-stage
+    listing, then each order's trained adapters (and the base with that listing, when it has any)."""
+    out = []
+    for order in ORDERS:
+        suf = SUFFIX[order]
+        trained = [(kind + suf, adapter_dir(kind + suf), False, order) for kind in ("sft", "dcg", "task")]
+        trained = [t for t in trained if t[1]]
+        if order == "first_stage" or trained or any(
+                os.path.exists(os.path.join(RUNS, f"rank-base-structured{suf}-{ds}")) for ds in HELDOUT):
+            out += [(f"base-free{suf}", None, False, order), (f"base-structured{suf}", None, True, order)]
+        out += trained
     return out
 
 
@@ -302,7 +313,7 @@ def phase_rank_all(a, url: str, names: list[str]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = []
-    for tag, adapter, structured in rankers():
+    for tag, adapter, structured, order in rankers():
         served_name = "working"
         if adapter is not None:
             load_lora(url, tag, adapter)
@@ -311,7 +322,7 @@ def phase_rank_all(a, url: str, names: list[str]) -> None:
             if not os.path.exists(os.path.join(RUNS, f"rank-{tag}-{ds}", "_SUCCESS")):
                 # model = the adapter: the rank stage resolves it (merged onto the base) for its context
                 # and labels the method 'rank:adapter-<kind>'; the tokenizer is the base's
-                jobs.append((tag, ds, url, served_name, adapter or BASE, structured))
+                jobs.append((tag, ds, url, served_name, adapter or BASE, structured, order))
     def one(j: tuple) -> None:
         try:
             rank(*j)
@@ -330,7 +341,8 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
 
     table: dict = {}
     for ds in names:
-        ranks = [(tag, os.path.join(RUNS, f"rank-{tag}-{ds}")) for tag, _, _ in rankers()]
+        listing = {tag: order for tag, _, _, order in rankers()}
+        ranks = [(tag, os.path.join(RUNS, f"rank-{tag}-{ds}")) for tag in listing]
         ranks = [(t, r) for t, r in ranks if os.path.exists(os.path.join(r, "_SUCCESS"))]
         embed = f"{DATA}/data/{ds}-embed"
         best = ranks[-1][1]  # the most trained ranker fills the main context; the others compare
@@ -355,18 +367,26 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
         # its input's.
         q = {x.question_id: x for x in read_dataset(f"{DATA}/data/{ds}").questions if rankings.eligible(x)}
         rows = {}
-        for tag, r in ranks + [("first-stage", embed)]:
+        per_q: dict[str, dict[str, float]] = {}
+        for tag, r in [("first-stage", embed)] + ranks:
             rr = [x for x in rankings.read_rankings(r) if x["question_id"] in q]
             ms = [question_metrics(x["ranked_session_ids"], q[x["question_id"]].gold_session_ids, [5, 10]) for x in rr]
+            per_q[tag] = {x["question_id"]: m["ndcg@10"] for x, m in zip(rr, ms)}
+            # paired with the first stage on the same questions: the shipping test of a trained ranker
+            both = [k for k in per_q[tag] if k in per_q["first-stage"]]
+            gain = [per_q[tag][k] - per_q["first-stage"][k] for k in both]
             ok = sum(1 for x in rr if x.get("status", "ok") == "ok")
             given = rankings.ranker_input(r) if tag != "first-stage" else None
             io = (order_change_summary(list(rankings.order_changes(rr, list(q.values()), given).values()))
                   if given else None)
-            rows[tag] = {"questions": len(rr), "valid_format": round(ok / max(1, len(rr)), 3) if tag != "first-stage" else None,
+            rows[tag] = {"listing": listing.get(tag, "-"), "questions": len(rr), "valid_format": round(ok / max(1, len(rr)), 3) if tag != "first-stage" else None,
                          "ndcg@10": round(sum(m["ndcg@10"] for m in ms) / max(1, len(ms)), 4),
                          "ndcg@10_ci": mean_interval([m["ndcg@10"] for m in ms]),
                          "recall_any@5": round(sum(m["recall_any@5"] for m in ms) / max(1, len(ms)), 4),
-                         "input_order": io}
+                         "input_order": io,
+                         "ndcg@10_gain_vs_first_stage": (round(sum(gain) / len(gain), 4) if gain and tag != "first-stage"
+                                                          else None),
+                         "ndcg@10_gain_ci": mean_interval(gain) if tag != "first-stage" else None}
         # the reference of the targets: a random valid ranking of the same shown sessions (the rank
         # stage's own prompt builder on the same config; random_baseline.py)
         if ranks:
@@ -388,11 +408,12 @@ def write_table(table: dict) -> None:
     from memsifter.retrieval.metrics import INPUT_ORDER_NOTE
 
     lines = ["*order changed vs input*: questions on which the ranker's order of the sessions it was shown differs "
-             "from the first-stage order it was given; *τ vs input*: its mean Kendall τ to that order. A ranker "
+             "from the first stage's order of them (for a shuffled listing, an order it was not shown); *τ vs input*: its mean Kendall τ to that order. A ranker "
              f"that changed none **{INPUT_ORDER_NOTE}**: its NDCG and recall are the first stage's, not learned.", ""]
     for ds, rows in table.items():
-        lines += [f"### {ds}", "", "| ranker | questions | valid format | NDCG@10 [95% CI] | recall_any@5 | "
-                  "order changed vs input | τ vs input |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"### {ds}", "", "| ranker | listing | questions | valid format | NDCG@10 [95% CI] | recall_any@5 | "
+                  "ΔNDCG@10 vs first stage [95% CI] | order changed vs input | τ vs input |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for tag, r in rows.items():
             if tag.startswith("_"):
                 continue
@@ -404,11 +425,25 @@ def write_table(table: dict) -> None:
             changed = f"{io['changed']}/{io['n']} ({io['changed_share']:.0%})" if io else "-"
             tau = "-" if not io or io["tau_mean"] is None else f"{io['tau_mean']:.3f}"
             shown = f"{tag} — **{INPUT_ORDER_NOTE}**" if same else tag
-            lines.append(f"| {shown} | {r['questions']} | {vf} | {nd} | {r['recall_any@5']:.3f} | {changed} | {tau} |")
+            g, gci = r.get("ndcg@10_gain_vs_first_stage"), r.get("ndcg@10_gain_ci")
+            gain = "-" if g is None else f"{g:+.3f}" + (f" [{gci['ci_low']:+.3f}, {gci['ci_high']:+.3f}]" if gci else "")
+            lines.append(f"| {shown} | {r.get('listing', '-')} | {r['questions']} | {vf} | {nd} | "
+                         f"{r['recall_any@5']:.3f} | {gain} | {changed} | {tau} |")
         lines += ["", "answers (working LLM SmolLM2-135M-Instruct, F1 per context):", "",
                   "```", json.dumps(rows.get("_answers"), indent=1)[:3000], "```", ""]
     open(os.path.join(RES, "table.md"), "w").write("\n".join(lines) + "\n")
     log("table.md written")
+
+
+def phase_order(token: str, default: str) -> tuple[str, str]:
+    """A ``--phases`` item ``NAME[@ORDER]`` -> (name, listing order): ``sft@shuffled`` trains on the shuffled
+    listing's rows; a bare name takes ``--order``."""
+    name, _, order = token.partition("@")
+    order = order or default
+    if name not in ("base", "sft", "dcg", "task", "eval") or order not in ORDERS:
+        raise SystemExit(f"--phases item {token!r}: expected base|sft|dcg|task|eval, optionally @"
+                         + "|@".join(ORDERS))
+    return name, order
 
 
 def run_all(a) -> None:
@@ -427,7 +462,7 @@ def run_all(a) -> None:
     with seaweedfs(workdir=os.path.join(WORK, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
-        need = {"base", "task", "eval"} & set(phases)  # the working LLM / base ranker server
+        need = {"base", "task", "eval"} & {phase_order(p, a.order)[0] for p in phases}  # the working LLM / base ranker server
         with (served(base_dir, "working", W_PORT, 0.15, lora=True) if need else contextlib.nullcontext("")) as url:
             os.environ["MEMSIFTER_WORKING_URL"] = url
             done = []
@@ -435,20 +470,23 @@ def run_all(a) -> None:
                 t1 = time.time()
                 status(phase=ph)
                 try:
-                    if ph == "base":
+                    name, order = phase_order(ph, a.order)
+                    suf = SUFFIX[order]
+                    if name == "base":
                         # the base ranker is the same vLLM server as the working LLM (one model, two names)
                         for ds in names:
-                            rank("base-free", ds, url, "working", BASE, False)
-                            rank("base-structured", ds, url, "working", BASE, True)
-                    elif ph == "sft":
-                        phase_sft(a)
-                    elif ph == "dcg":
-                        phase_train(a, "dcg", adapter_dir("sft"), {"mode": "dcg", "format": "exact"}, a.dcg_steps)
-                    elif ph == "task":
-                        init = adapter_dir("dcg") or adapter_dir("sft")
+                            rank(f"base-free{suf}", ds, url, "working", BASE, False, order)
+                            rank(f"base-structured{suf}", ds, url, "working", BASE, True, order)
+                    elif name == "sft":
+                        phase_sft(a, order)
+                    elif name == "dcg":
+                        phase_train(a, "dcg", adapter_dir("sft" + suf), {"mode": "dcg", "format": "exact"},
+                                    a.dcg_steps, order)
+                    elif name == "task":
+                        init = adapter_dir("dcg" + suf) or adapter_dir("sft" + suf)
                         phase_train(a, "task", init, {"mode": "task", "format": "exact", "base_url": url,
                                                       "model": "working", "api_key_env": None, "temperature": 0.0,
-                                                      "max_tokens": 24, "concurrency": 128}, a.task_steps)
+                                                      "max_tokens": 24, "concurrency": 128}, a.task_steps, order)
                     elif ph == "eval":
                         phase_rank_all(a, url, names)
                         write_table(phase_answers(a, url, names))
@@ -482,6 +520,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("action", choices=["start", "run", "wait", "poll"])
     ap.add_argument("--phases", default="base,sft,dcg,task,eval")
+    ap.add_argument("--order", default="first_stage", choices=ORDERS,
+                    help="the listing order of phases named without @ORDER (issue 34: shuffled cannot be copied)")
     ap.add_argument("--dcg-steps", type=int, default=24)
     ap.add_argument("--task-steps", type=int, default=12)
     ap.add_argument("--test", action="append", help="FORMAT:FILE of another dataset to evaluate on")
@@ -498,7 +538,9 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(RES, exist_ok=True)
     if a.action == "start":
-        args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--dcg-steps", str(a.dcg_steps),
+        for p in a.phases.split(","):
+            phase_order(p, a.order)  # a bad item stops here, not in the detached run
+        args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--order", a.order, "--dcg-steps", str(a.dcg_steps),
                 "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
         args += sum((["--train-extra", o] for o in a.train_extra or []), []) + (["--tag", a.tag] if a.tag else [])
         args += sum((["--set", o] for o in a.set or []), [])

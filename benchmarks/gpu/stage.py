@@ -13,6 +13,7 @@ at a time; each piece carries its own sha256 and the whole pack's.
     # on the host, for each piece copied into the checkout's .gpu/: `bash benchmarks/gpu/recv.sh`
     # (checks it, keeps it in $MEMSIFTER_GPU_STAGE); then `source benchmarks/gpu/install.sh`
     # (join, sha256 check, install, smoke imports);
+    python benchmarks/gpu/stage.py data FILE_OR_DIR[=NAME] ...   # input data too big for one call -> .gpu/yNN/
     python3 benchmarks/gpu/stage.py join y DEST   # on the host: data pieces .gpu/yNN -> DEST
 
 Resolution is our own small fixed-point walk over Requires-Dist, because pip cannot be told which
@@ -276,11 +277,18 @@ def extra(specs: list[str]) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["lock", "build", "extra", "resplit", "join"])
+    ap.add_argument("action", choices=["lock", "build", "extra", "resplit", "join", "data"])
     ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs")
     a = ap.parse_args()
     if a.action == "extra":
         extra(a.specs)
+    elif a.action == "data":  # input files or folders too big for one call -> .gpu/yNN (join y DEST on the host)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for spec in a.specs:  # PATH or PATH=NAME (the name it gets under DEST)
+                path, _, name = spec.partition("=")
+                t.add(path, arcname=name or os.path.basename(path.rstrip("/")))
+        print("data:", " ".join(split(buf.getvalue(), "y")), f"({len(buf.getvalue()) / 2**20:.1f} MiB)")
     elif a.action == "join":  # on the machine: pieces <prefix>NN staged by recv.sh -> extracted into DEST
         prefix, dest = a.specs
         stage_dir = Path(os.environ.get("MEMSIFTER_GPU_STAGE", "/root/gpu-stage"))

@@ -78,7 +78,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..store import storage
 from ..training.checkpoints import CHECKPOINTS, COMPLETE_MARKER, TRACKER, complete_steps
@@ -108,6 +108,12 @@ class AgentTraining(BaseModel):
     loops: Literal["auto", "on", "off"] = Field("auto", description="auto: agent loops when the data's rows carry "
                                                 "agent_name (read from the data; a dry run of s3:// data reads "
                                                 "nothing: set on); on: always; off: never (ranker rows)")
+    @field_validator("loops", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        """YAML reads a bare ``on`` / ``off`` (``--set agent.loops=on``) as true / false: take them as meant."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     metric: Literal["f1", "em"] = Field("f1", description="answer score against the gold answer: token F1 or "
                                         "exact match")
     format_score: float = Field(0.1, ge=0, le=1, description="weight f of the format term: reward = (1 - f) x "
