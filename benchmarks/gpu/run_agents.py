@@ -132,8 +132,17 @@ class Server:
 
 
 def vllm(a, model: str, tag: str) -> Server:
-    return Server(ms("models", "serve", model, "--port", str(a.llm_port), "--max-model-len", "8192",
-                     "--served-name", "agent"), f"{a.out}/vllm-{tag}.log", a.llm_port, "/v1/models")
+    """vLLM's OpenAI server on this GPU for a model name or directory (an adapter directory is merged onto its
+    base first, as the stages load it); ``memsifter models serve`` is the CPU build's server."""
+    from memsifter.models import registry
+    from memsifter.models.vllm_env import engine_env
+
+    os.environ.update({k: v for k, v in engine_env().items() if k not in os.environ})
+    path = registry.resolve(model)
+    return Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+                   "--served-model-name", "agent", "--host", "127.0.0.1", "--port", str(a.llm_port),
+                   "--dtype", "bfloat16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.6",
+                   "--max-num-seqs", "256", "--enforce-eager"], f"{a.out}/vllm-{tag}.log", a.llm_port, "/v1/models")
 
 
 def endpoint(a) -> dict:
