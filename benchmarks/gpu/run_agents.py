@@ -100,11 +100,12 @@ def heldout(a) -> list[str]:
 class Server:
     """A background server (own process group), stopped with everything it started."""
 
-    def __init__(self, cmd: list[str], log: str, port: int, path: str = "/healthz", timeout: float = 600):
+    def __init__(self, cmd: list[str], log: str, port: int, path: str = "/healthz", timeout: float = 600,
+                 env: dict | None = None):
         import urllib.request
 
         self.p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                  start_new_session=True)
+                                  start_new_session=True, env={**os.environ, **(env or {})})
         t = time.time()
         while True:
             if self.p.poll() is not None:
@@ -141,7 +142,7 @@ def vllm(a, model: str, tag: str) -> Server:
     path = registry.resolve(model)
     return Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                    "--served-model-name", "agent", "--host", "127.0.0.1", "--port", str(a.llm_port),
-                   "--dtype", "bfloat16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.6",
+                   "--dtype", "bfloat16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.3",
                    "--max-num-seqs", "256", "--enforce-eager"], f"{a.out}/vllm-{tag}.log", a.llm_port, "/v1/models")
 
 
@@ -223,7 +224,10 @@ def main_run(a) -> None:
         phase("data", t)
         service = Server(ms("serve", "--index", f"{RUN}/all-embed", "--dataset", f"{RUN}/all", "--no-ray",
                             "--port", str(a.serve_port), "--workdir", f"{a.work}/serve"),
-                         f"{a.out}/serve.log", a.serve_port)
+                         f"{a.out}/serve.log", a.serve_port,
+                         # the service scores on the CPU; without this a library it imports (JAX's default
+                         # preallocation) took 75% of the GPU's memory, and vLLM could not start
+                         env={"CUDA_VISIBLE_DEVICES": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
         answers: list[str] = []
         try:
             if "base" in a.phases:
