@@ -209,6 +209,8 @@ def main_run(a) -> None:
     with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
+        if a.published:
+            restore(a.published)
         t = time.time()
         combined(a)
         if not storage.exists(f"{RUN}/all-embed/_SUCCESS"):
@@ -315,9 +317,51 @@ def main_run(a) -> None:
     print("] done", flush=True)
 
 
+PUBLISHED = ("chat-base", "agents-base", "agents-sft", "agents-grpo")
+
+
+def running_s3() -> dict:
+    """The S3 settings of the running driver's SeaweedFS (its endpoint and key, from its process)."""
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if len(cmd) > 1 and cmd[0].endswith(b"weed") and b"mini" in cmd:
+            env = dict(x.split(b"=", 1) for x in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in x)
+            port = next(x.split(b"=")[1] for x in cmd if x.startswith(b"-s3.port="))
+            return {"MEMSIFTER_S3_ENDPOINT": f"http://127.0.0.1:{port.decode()}", "AWS_REGION": "us-east-1",
+                    **{k: env[k.encode()].decode() for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}
+    raise SystemExit("export: no running SeaweedFS of a driver here")
+
+
+def export(out: str) -> None:
+    """Copy the answers published so far out of the running driver's store into OUT/published/ (to carry to
+    another machine: ``run --published DIR`` puts them back and evaluates them with the rest)."""
+    os.environ.update(running_s3())
+    from memsifter.store import storage
+
+    for name in PUBLISHED:
+        if storage.exists(f"{RUN}/{name}/_SUCCESS"):
+            storage.download_dir(f"{RUN}/{name}", os.path.join(out, "published", name))
+            print(f"export: {name}", flush=True)
+
+
+def restore(src: str) -> None:
+    """Answers published on another machine (``export``), back into this run's store (never over a newer one)."""
+    from memsifter.store import storage
+
+    for name in PUBLISHED:
+        d = os.path.join(src, name)
+        if os.path.isfile(os.path.join(d, "_SUCCESS")) and not storage.exists(f"{RUN}/{name}/_SUCCESS"):
+            for rel in sorted(storage.list_files(d), key=lambda r: r == "_SUCCESS"):  # the marker last
+                storage.copy_file(os.path.join(d, rel), storage.join(f"{RUN}/{name}", rel))
+            print(f"restored {name} from {src}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("what", choices=["start", "run", "wait", "export"])
     ap.add_argument("--lme", help="a LongMemEval_S-format file (.json or .json.gz)")
     ap.add_argument("--locomo", help="a LoCoMo-format file")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -335,6 +379,7 @@ def main() -> None:
     ap.add_argument("--serve-port", type=int, default=8100)
     ap.add_argument("--llm-port", type=int, default=8200)
     ap.add_argument("--wait-s", type=float, default=540)
+    ap.add_argument("--published", help="answers exported from another machine (run_agents.py export): evaluated too")
     ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
@@ -356,6 +401,9 @@ def main() -> None:
         with open(os.path.join(det, "driver.log"), "w") as f:
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         print(f"started pid {p.pid}; logs in {det}", flush=True)
+        return
+    if a.what == "export":
+        export(a.out)
         return
     if a.what == "wait":
         t = time.time()
