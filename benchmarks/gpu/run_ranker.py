@@ -333,6 +333,24 @@ def phase_rank_all(a, url: str, names: list[str]) -> None:
         list(ex.map(one, jobs))
 
 
+def answer_with(ds: str, url: str, ranks: list, embed: str, ev: str) -> None:
+    """The working LLM answers the held-out part with each ranker's context (chat), then evaluate."""
+    best = ranks[-1][1]  # the most trained ranker fills the main context; the others compare
+    chat = os.path.join(RUNS, f"chat-{ds}-{len(ranks)}")
+    cfg = config(f"chat-{ds}", {
+        "input": f"{DATA}/data/{ds}", "rankings": best, "embeddings": embed,
+        "compare": [r for _, r in ranks[:-1]] + [embed], "baselines": ["none", "oracle"],
+        "output": chat, "tokenizer": BASE, "context_tokens": 2048, "session_tokens": 256,
+        "endpoint": {"base_url": url, "model": "working", "api_key_env": None, "temperature": 0.0,
+                     "max_tokens": 24, "concurrency": 64}})
+    cli(f"chat-{ds}", ["run", "chat", "--config", cfg])
+    cfg = config(f"evaluate-{ds}", {"input": f"{DATA}/data/{ds}", "rankings": [r for _, r in ranks] + [embed],
+                                    "answers": [chat], "output": ev})
+    cli(f"evaluate-{ds}", ["run", "evaluate", "--config", cfg])
+    shutil.copytree(ev, os.path.join(RES, f"evaluate-{ds}"), dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("_staging", "_work"))
+
+
 def phase_answers(a, url: str, names: list[str]) -> dict:
     from memsifter.retrieval import rankings
     from memsifter.store import storage
@@ -345,21 +363,9 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
         ranks = [(tag, os.path.join(RUNS, f"rank-{tag}-{ds}")) for tag in listing]
         ranks = [(t, r) for t, r in ranks if os.path.exists(os.path.join(r, "_SUCCESS"))]
         embed = f"{DATA}/data/{ds}-embed"
-        best = ranks[-1][1]  # the most trained ranker fills the main context; the others compare
-        chat = os.path.join(RUNS, f"chat-{ds}-{len(ranks)}")
-        cfg = config(f"chat-{ds}", {
-            "input": f"{DATA}/data/{ds}", "rankings": best, "embeddings": embed,
-            "compare": [r for _, r in ranks[:-1]] + [embed], "baselines": ["none", "oracle"],
-            "output": chat, "tokenizer": BASE, "context_tokens": 2048, "session_tokens": 256,
-            "endpoint": {"base_url": url, "model": "working", "api_key_env": None, "temperature": 0.0,
-                         "max_tokens": 24, "concurrency": 64}})
-        cli(f"chat-{ds}", ["run", "chat", "--config", cfg])
-        ev = os.path.join(RUNS, f"evaluate-{ds}-{len(ranks)}")
-        cfg = config(f"evaluate-{ds}", {"input": f"{DATA}/data/{ds}", "rankings": [r for _, r in ranks] + [embed],
-                                        "answers": [chat], "output": ev})
-        cli(f"evaluate-{ds}", ["run", "evaluate", "--config", cfg])
-        shutil.copytree(ev, os.path.join(RES, f"evaluate-{ds}"), dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("_staging", "_work"))
+        ev = None if a.no_answers else os.path.join(RUNS, f"evaluate-{ds}-{len(ranks)}")
+        if ev:  # --no-answers: rankings only (the table's retrieval columns), no chat and no evaluate
+            answer_with(ds, url, ranks, embed, ev)
         # retrieval per ranker: NDCG@10 / recall_any@5 of the published ranking over the whole haystack
         # (with their 95% bootstrap intervals), the model's own valid-format rate, and what it did to the
         # order it was given (the first stage's): questions whose shown sessions it reordered, mean
@@ -397,7 +403,7 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
             rows["random-valid"] = {"questions": rb["random_valid"]["questions"], "valid_format": 1.0,
                                     "ndcg@10": rb["random_valid"]["ndcg@10"],
                                     "recall_any@5": rb["random_valid"]["recall_any@5"]}
-        st = storage.read_manifest(ev).get("stats", {})
+        st = storage.read_manifest(ev).get("stats", {}) if ev else {}
         rows["_answers"] = (st.get("answers") or {})
         table[ds] = rows
     json.dump(table, open(os.path.join(RES, "table.json"), "w"), indent=1)
@@ -532,6 +538,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="a setting of the train phases' config (e.g. fast_logprobs=false, "
                          "verl.actor_rollout_ref.rollout.n=4)")
+    ap.add_argument("--no-answers", action="store_true", help="eval: rankings and their table only (no chat, no evaluate)")
     ap.add_argument("--tag", default="", help="suffix of the train phases' outputs (train-dcg<TAG>)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--max-s", type=float, default=540)
@@ -543,7 +550,7 @@ def main() -> int:
         args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--order", a.order, "--dcg-steps", str(a.dcg_steps),
                 "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
         args += sum((["--train-extra", o] for o in a.train_extra or []), []) + (["--tag", a.tag] if a.tag else [])
-        args += sum((["--set", o] for o in a.set or []), [])
+        args += sum((["--set", o] for o in a.set or []), []) + (["--no-answers"] if a.no_answers else [])
         with open(os.path.join(RES, "driver.log"), "ab") as f:
             p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")
