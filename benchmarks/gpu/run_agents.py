@@ -282,7 +282,8 @@ def main_run(a) -> None:
                 t = time.time()
                 cfg = write_yaml(f"{a.work}/train.yaml", {
                     "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
-                    **({"init_adapter": f"{RUN}/sft/adapter"} if os.path.isdir(sft_adapter) else {}),
+                    # the SFT warm start, run here or restored from another machine (--published)
+                    **({"init_adapter": f"{RUN}/sft/adapter"} if storage.exists(f"{RUN}/sft/_SUCCESS") else {}),
                     "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
                     "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
                     "local_dir": f"{a.work}/pod",
@@ -337,7 +338,7 @@ def main_run(a) -> None:
     print("] done", flush=True)
 
 
-PUBLISHED = ("chat-base", "agents-base", "agents-sft", "agents-grpo")
+PUBLISHED = ("chat-base", "agents-base", "sft", "agents-sft", "agents-grpo")  # what export carries between machines
 
 
 def running_s3() -> dict:
