@@ -179,6 +179,15 @@ def answer_agents(a, tag: str) -> str:
     return cfg["output"]
 
 
+def served_answers(a, model: str, tag: str) -> str:
+    """The agents' held-out answers with ``model`` (a trained adapter) served by vLLM for the duration."""
+    srv = vllm(a, model, tag)
+    try:
+        return answer_agents(a, tag)
+    finally:
+        srv.stop()
+
+
 def answer_chat(a, tag: str) -> str:
     out = f"{RUN}/chat-{tag}"
     cfg = write_yaml(f"{a.work}/chat-{tag}.yaml", {
@@ -271,11 +280,7 @@ def main_run(a) -> None:
                 storage.download_dir(f"{RUN}/sft/adapter", sft_adapter)
                 phase("sft", t)
                 t = time.time()
-                srv = vllm(a, sft_adapter, "sft")
-                try:
-                    answers.append(answer_agents(a, "sft"))
-                finally:
-                    srv.stop()
+                answers.append(served_answers(a, sft_adapter, "sft"))
                 phase("sft answers", t)
                 evaluate(a, answers)
             if "grpo" in a.phases:
@@ -324,11 +329,7 @@ def main_run(a) -> None:
                                                      f"{a.work}/grpo-adapter")
                         phase("grpo train + collect", t)
                         t = time.time()
-                        srv = vllm(a, local, "grpo")
-                        try:
-                            answers.append(answer_agents(a, "grpo"))
-                        finally:
-                            srv.stop()
+                        answers.append(served_answers(a, local, "grpo"))
                         phase("grpo answers", t)
         finally:
             service.stop()

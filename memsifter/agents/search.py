@@ -337,18 +337,11 @@ def http_search(base_url: str, corpus_id: str, api_key_env: str | None = None, t
 
 # --------------------------------------------------------------------------- the service's URL and key (stages' configs)
 def check_search_url(url: str) -> None:
-    from urllib.parse import urlsplit
-
     from ..errors import ConfigError
+    from ..models.llm import http_url_ok
     from ..security.redact import redact, strip_userinfo
 
-    try:
-        parts = urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        ok = False
-    if not ok:
+    if not http_url_ok(url):
         shown = strip_userinfo(url)[0] if "://" in url else url
         raise ConfigError(f"search_url = {redact(shown)!r}: expected the memory service's http:// or https:// base "
                           "URL, e.g. http://127.0.0.1:8000")

@@ -1,7 +1,7 @@
 """A training-data recipe: per split, how many questions of each dataset (prepare-rl, prepare-agents).
 
 Given inline (``{split: {dataset: count}}``) or as the URI of a YAML/JSON file holding that mapping (or
-``{recipe: ...}``)."""
+``{recipe: ...}``). :func:`load_datasets` is the union of the recipe's input datasets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import yaml
 
+from ..errors import InputError
 from ..store import storage
+from .model import Dataset, Question, read_dataset
 
 
 def load_recipe(value: Any) -> dict[str, dict[str, int]]:
@@ -33,3 +35,24 @@ def load_recipe(value: Any) -> dict[str, dict[str, int]]:
                 raise ValueError(f"recipe {split}.{ds}: count must be a non-negative integer, got {n!r}")
             out[str(split)][str(ds)] = n
     return out
+
+
+def load_datasets(uris: list[str]) -> Dataset:
+    """The union of published datasets (a session shared by two must have the same contents; a question may
+    appear in only one), one InputError naming the dataset otherwise."""
+    sessions: dict = {}
+    questions: list[Question] = []
+    seen: set[str] = set()
+    for uri in uris:
+        ds = read_dataset(uri)
+        for sid, s in ds.sessions.items():
+            old = sessions.get(sid)
+            if old is not None and old.content_hash != s.content_hash:
+                raise InputError(f"session '{sid}' has different contents in two input datasets", file=uri)
+            sessions[sid] = s
+        for q in ds.questions:
+            if q.question_id in seen:
+                raise InputError(f"question '{q.question_id}' appears in two input datasets", file=uri)
+            seen.add(q.question_id)
+            questions.append(q)
+    return Dataset(sessions, questions)

@@ -35,6 +35,18 @@ from ..security.redact import redact, strip_userinfo
 log = logging.getLogger(__name__)
 
 
+def http_url_ok(url: str) -> bool:
+    """An http:// or https:// URL with a host and a valid port (if any)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+        return parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        return False
+
+
 class LLMEndpoint(BaseModel):
     """Where and how to call an OpenAI-compatible chat model."""
 
@@ -92,15 +104,7 @@ class LLMEndpoint(BaseModel):
             raise ConfigError(f"{what}.base_url is not set: name the OpenAI-compatible server the requests go to "
                               f"(e.g. --set {what}.base_url=http://127.0.0.1:8000/v1, or "
                               "https://api.openai.com/v1 to use OpenAI), or set MEMSIFTER_LLM_BASE_URL")
-        from urllib.parse import urlsplit
-
-        try:
-            parts = urlsplit(url)
-            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-            parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError:
-            ok = False
-        if not ok:
+        if not http_url_ok(url):
             raise ConfigError(f"{what}.base_url = {redact(url, self.secrets())!r}: expected an http:// or https:// "
                               "URL with a host, e.g. http://127.0.0.1:8000/v1")
         self.api_key(what)

@@ -82,12 +82,12 @@ import pyarrow as pa
 from pydantic import Field, field_validator
 
 from ..agents.verl_names import DATA_SOURCE, LOOPS
-from ..data.model import Dataset, Question, read_dataset
+from ..data.model import Dataset, Question
 from ..errors import ConfigError, InputError
 from ..retrieval import rankings
 from ..stage import StageConfig, stage, uri_field
 from ..store import storage
-from ..data.recipe import load_recipe
+from ..data.recipe import load_datasets, load_recipe
 
 log = logging.getLogger(__name__)
 
@@ -164,25 +164,6 @@ class PrepareAgentsConfig(StageConfig):
 
 
 # --------------------------------------------------------------------------- inputs
-def _load_datasets(uris: list[str]) -> Dataset:
-    sessions: dict = {}
-    questions: list[Question] = []
-    seen: set[str] = set()
-    for uri in uris:
-        ds = read_dataset(uri)
-        for sid, s in ds.sessions.items():
-            old = sessions.get(sid)
-            if old is not None and old.content_hash != s.content_hash:
-                raise InputError(f"session '{sid}' has different contents in two input datasets", file=uri)
-            sessions[sid] = s
-        for q in ds.questions:
-            if q.question_id in seen:
-                raise InputError(f"question '{q.question_id}' appears in two input datasets", file=uri)
-            seen.add(q.question_id)
-            questions.append(q)
-    return Dataset(sessions, questions)
-
-
 def _load_orders(uris: list[str]) -> dict[str, tuple[str, list[str]]]:
     """question_id -> (embed output, session ids best first)."""
     out: dict[str, tuple[str, list[str]]] = {}
@@ -492,7 +473,7 @@ def _summary(values: list[int]) -> dict:
        help="Memory-agent data: verl rows per (question, agent) with agent_name, and oracle SFT traces")
 def run(config: PrepareAgentsConfig, out: storage.Publication) -> dict:
     t0 = time.time()
-    ds = _load_datasets(config.datasets)
+    ds = load_datasets(config.datasets)
     orders = _load_orders(config.embeddings)
     known = sorted({q.dataset for q in ds.questions})
     for split, entries in config.recipe.items():

@@ -55,9 +55,9 @@ from pydantic import Field, field_validator
 
 from ..retrieval import rankings
 from ..store import storage
-from ..data.recipe import load_recipe
+from ..data.recipe import load_datasets, load_recipe
 from ..retrieval.context import HistoryOrder, TokenCounter, load_tokenizer
-from ..data.model import Dataset, Question, read_dataset
+from ..data.model import Dataset, Question
 from ..errors import InputError
 from ..retrieval.metrics import dcg_over_gold
 from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
@@ -147,25 +147,6 @@ class PrepareRLConfig(StageConfig):
 
 
 # --------------------------------------------------------------------------- inputs
-def _load_datasets(uris: list[str]) -> Dataset:
-    sessions: dict = {}
-    questions: list[Question] = []
-    seen: set[str] = set()
-    for uri in uris:
-        ds = read_dataset(uri)
-        for sid, s in ds.sessions.items():
-            old = sessions.get(sid)
-            if old is not None and old.content_hash != s.content_hash:
-                raise InputError(f"session '{sid}' has different contents in two input datasets", file=uri)
-            sessions[sid] = s
-        for q in ds.questions:
-            if q.question_id in seen:
-                raise InputError(f"question '{q.question_id}' appears in two input datasets", file=uri)
-            seen.add(q.question_id)
-            questions.append(q)
-    return Dataset(sessions, questions)
-
-
 def _load_orders(uris: list[str]) -> dict[str, list[str]]:
     """question_id -> session ids, most similar / relevant first."""
     out: dict[str, list[str]] = {}
@@ -290,7 +271,7 @@ def shard_sizes(n: int, max_rows: int) -> list[int]:
 @stage("prepare-rl", PrepareRLConfig, family="train",
        help="verl RL data: recipe sampling (anchor curriculum), ranker prompts within the token budget")
 def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
-    ds = _load_datasets(config.datasets)
+    ds = load_datasets(config.datasets)
     prev = _load_orders(config.previous_rankings)
     sims = _load_orders(config.similarities)
     builder = Builder(config, ds, sims, prev)

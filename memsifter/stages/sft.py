@@ -206,6 +206,19 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
 
 
 # --------------------------------------------------------------------------- evaluation
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """Token-id prompts as one left-padded batch for ``generate``: (input_ids, attention_mask)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    x = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        x[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return x, mask
+
+
 def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], top_k: int, device: str,
                   generate: int, max_new_tokens: int, batch: int = 16) -> dict:
     """Greedy answers of the first ``generate`` rows (left-padded batches: one token step costs the
@@ -220,19 +233,14 @@ def evaluate_rows(model: Any, tokenizer: Any, rows: list[dict], top_k: int, devi
         for b in range(0, len(rows), batch):
             part = rows[b:b + batch]
             prompts = [encode(tokenizer, r, None)[0] for r in part]
-            width = max(len(p) for p in prompts)
-            x = torch.full((len(part), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(part), width), dtype=torch.long)
-            for i, p in enumerate(prompts):
-                x[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+            x, mask = left_padded(prompts, pad)
             y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=pad)
             for r, out in zip(part, y):
                 info = r["extra_info"]
                 n = int(info["n_sessions"])
                 gold = [str(g) for g in info["gold_local"]]
-                text = tokenizer.decode(out[width:], skip_special_tokens=True)
+                text = tokenizer.decode(out[x.shape[1]:], skip_special_tokens=True)
                 parsed = parse_ranking(text, n, k=min(top_k, n))
                 valid += int(parsed.ok)
                 scores.append(ndcg([str(i) for i in parsed.ids] if parsed.ok else [], gold, 10))
@@ -403,18 +411,13 @@ def evaluate_traces(model: Any, tokenizer: Any, records: list[dict], device: str
     with torch.no_grad():
         for stop, part in parts:
             prompts = [render_ids(tokenizer, r["messages"][:-1], True) for r in part]
-            width = max(len(p) for p in prompts)
-            x = torch.full((len(part), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(part), width), dtype=torch.long)
-            for i, p in enumerate(prompts):
-                x[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+            x, mask = left_padded(prompts, pad)
             new = max(int(r.get("max_tokens") or 256) for r in part)
             y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                                do_sample=False, pad_token_id=pad, stop_strings=list(stop) or None,
                                tokenizer=tokenizer)
             for r, out in zip(part, y):
-                text = cut_at_stop(tokenizer.decode(out[width:], skip_special_tokens=True), list(r.get("stop") or []))
+                text = cut_at_stop(tokenizer.decode(out[x.shape[1]:], skip_special_tokens=True), list(r.get("stop") or []))
                 good = reply_parses(str(r.get("method")), str(r.get("kind")), text, list(r.get("stop") or []))
                 ok += int(good)
                 if len(samples) < 3:
