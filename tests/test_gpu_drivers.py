@@ -355,3 +355,107 @@ def test_agents_driver_configs_carry_the_key_and_the_chunk_budget():
     assert parsed.agent_options["agent:memory"]["max_chunks"] == 8 and parsed.output.endswith("/agents-base")
     cmd = run_agents.service_cmd(a)
     assert f"auth.keys.{run_agents.KEY_ENV}.read=['*']" in cmd and "--no-ray" in cmd
+
+
+def _published(run: str, name: str, files: dict[str, bytes], done: bool = True) -> None:
+    from memsifter.store import storage
+
+    for rel, data in files.items():
+        storage.write_bytes(storage.join(f"{run}/{name}", rel), data)
+    if done:
+        storage.write_bytes(storage.join(f"{run}/{name}", "_SUCCESS"), b"")
+
+
+def test_agents_driver_packs_what_the_next_machine_needs_in_parts_and_restores_it(tmp_path, monkeypatch):
+    """run_agents.py: the outputs a second machine continues from travel as pub.NN parts (the device returns files
+    of at most 16 MiB): finished outputs only, the SFT output's adapter only; restore joins the parts and never
+    writes over an output the run already has."""
+    import os
+
+    from memsifter.store import storage
+
+    run_agents = importlib.import_module("run_agents")
+    src = str(tmp_path / "a")
+    monkeypatch.setattr(run_agents, "RUN", src)
+    monkeypatch.setattr(run_agents, "PART", 1000)
+    big = os.urandom(2500)
+    _published(src, "agents-sft", {"answers.parquet": big, "_manifest.json": b"{}"})
+    _published(src, "sft", {"adapter/adapter_model.safetensors": b"w" * 300, "metrics.jsonl": b"m" * 5000})
+    _published(src, "collect", {"global_step_8/adapter/adapter_config.json": b"{}",
+                                "global_step_10/adapter/adapter_config.json": b"{}"})
+    _published(src, "agents-grpo", {"answers.parquet": b"half"}, done=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pub.99").write_bytes(b"stale")
+    parts = run_agents.pack(str(out))
+    assert [os.path.basename(p) for p in parts] == [f"pub.{i:02d}" for i in range(len(parts))] and len(parts) >= 3
+    assert all(os.path.getsize(p) <= 1000 for p in parts) and not (out / "pub.99").exists()
+
+    dst = str(tmp_path / "b")
+    monkeypatch.setattr(run_agents, "RUN", dst)
+    _published(dst, "collect", {"kept.txt": b"mine"})
+    run_agents.restore(str(out), str(tmp_path / "work"))
+    assert storage.read_bytes(f"{dst}/agents-sft/answers.parquet") == big
+    assert storage.exists(f"{dst}/sft/adapter/adapter_model.safetensors")
+    assert not storage.exists(f"{dst}/sft/metrics.jsonl")  # not needed on the next machine
+    assert not storage.exists(f"{dst}/agents-grpo/answers.parquet")  # unfinished: not packed
+    assert sorted(storage.list_files(f"{dst}/collect")) == ["_SUCCESS", "kept.txt"]  # never overwritten
+    assert run_agents.last_adapter(src + "/collect").endswith("global_step_10/adapter")  # by number, not name
+
+
+def test_agents_driver_deadline_stops_the_whole_process_group(tmp_path):
+    """run_agents.py: GRPO is cut at --train-timeout-s with every process it started (a Ray cluster's workers
+    would otherwise hold the GPU the answers need next)."""
+    import os
+    import sys
+    import time
+
+    run_agents = importlib.import_module("run_agents")
+    pidfile = tmp_path / "child.pid"
+    code = (f"import subprocess,sys,time; p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(120)")
+    t = time.time()
+    rc, dt = run_agents.run_deadline([sys.executable, "-c", code], str(tmp_path / "log"), 3,
+                                     after=[sys.executable, "-c", "print('after ran')"])
+    assert rc is None and dt < 60 and time.time() - t < 60
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the grandchild outlived the deadline")
+    assert "after ran" in (tmp_path / "log").read_text()
+    rc, _ = run_agents.run_deadline([sys.executable, "-c", "raise SystemExit(3)"], str(tmp_path / "log2"), 30)
+    assert rc == 3
+
+
+def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch):
+    """run_agents.py: the GRPO config validates as the train stage's, continues the SFT adapter once one is
+    published, and its verl block's keys are verl's own (the stage's composition check)."""
+    import argparse
+
+    from memsifter.stages.train import TrainConfig
+    from memsifter.store import storage
+
+    run_agents = importlib.import_module("run_agents")
+    monkeypatch.setattr(run_agents, "RUN", str(tmp_path / "run"))
+    a = argparse.Namespace(serve_port=8100, work=str(tmp_path), batch=16, n=4, lr=5e-5, steps=8, save_freq=0)
+    cfg = run_agents.grpo_config(a)
+    assert "init_adapter" not in cfg and cfg["verl"]["trainer"]["save_freq"] == 4
+    storage.write_bytes(str(tmp_path / "run" / "sft" / "_SUCCESS"), b"")
+    cfg = run_agents.grpo_config(a)
+    assert cfg["init_adapter"].endswith("/sft/adapter")
+    parsed = TrainConfig(**cfg)
+    assert parsed.search_api_key_env == run_agents.KEY_ENV
+
+
+def test_agents_driver_refuses_an_unknown_phase():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_agents.py"), "run", "--phases", "sft,grop"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "grop" in p.stderr

@@ -5,7 +5,7 @@ split beside the same model answering with no memory, from the first stage, and 
     source benchmarks/gpu/install.sh
     python3 benchmarks/gpu/run_agents.py start --lme DATA/longmemeval_s_train348.json.gz \\
         --locomo DATA/locomo_dev2.json.gz --out "$OUT"          # detached (setsid); then, as often as needed:
-    python3 benchmarks/gpu/run_agents.py wait --out "$OUT"
+    python3 benchmarks/gpu/run_agents.py wait --out "$OUT"          # results.tar.gz and pub.NN parts
 
 The test data are arguments (any LongMemEval_S-format and LoCoMo-format files). Every step is a ``memsifter``
 CLI call against a SeaweedFS started here, as a user runs it:
@@ -14,14 +14,18 @@ CLI call against a SeaweedFS started here, as a user runs it:
    needed on the host) — the memory service's index and the memory agents' chunk order;
 2. ``run prepare-agents``: held-out and train splits (disjoint by haystack: one LoCoMo conversation held
    out whole), verl rows and SFT traces; the held-out questions published as their own dataset;
-3. ``memsifter serve --no-ray`` (the memory service, loopback) and ``memsifter models serve`` (vLLM);
-4. ``base``: ``run agents`` (each agent) and ``run chat`` (no memory, first stage, gold sessions) on the
-   held-out questions with SmolLM2-135M-Instruct;
-5. ``run sft`` on the traces (LoRA) → ``sft``: ``run agents`` with the adapter;
-6. ``run train`` (GRPO through verl's agent loops, the search agent against the service, the SFT adapter
-   continued, checkpoints to S3) → ``run collect`` → ``grpo``: ``run agents`` with that adapter;
-7. ``run evaluate`` of every answers file: one table (F1 / EM with 95% intervals, cost per question) and
-   its plot; ``agents.md`` with the phases' times.
+3. ``memsifter serve --no-ray`` (the memory service, loopback, read with a per-run key) and vLLM's GPU server;
+4. the phases, in the order ``--phases`` gives them (default ``base,sft,sft-answers,grpo,grpo-answers``):
+   ``base``: ``run agents`` (each agent) and ``run chat`` (no memory, gold sessions) on the held-out questions
+   with SmolLM2-135M-Instruct; ``sft``: ``run sft`` on the traces (LoRA); ``sft-answers``: ``run agents`` with
+   that adapter; ``grpo``: ``run train`` (GRPO through verl's agent loops, the search agent against the service,
+   the SFT adapter continued, checkpoints to S3; stopped at ``--train-timeout-s`` keeping its saved steps) and
+   ``run collect`` of the last step; ``grpo-answers``: ``run agents`` with that adapter;
+5. after each phase ``run evaluate`` of every answers output so far (one table: F1 / EM with 95% intervals,
+   cost per question; its plot) and ``pub.NN`` parts of what is published (at most 15 MiB each: what a device
+   returns). ``wait`` copies ``results.tar.gz`` (tables, plots, curves, logs) and the parts to ``--out``;
+   ``run --published DIR`` on another machine restores the parts and skips the phases they cover, so a run
+   longer than one machine's lease continues on the next.
 
 A phase already finished in ``--work`` is skipped on a re-run (the stages' own skip of published outputs).
 """
@@ -217,6 +221,114 @@ def evaluate(a, answers: list[str]) -> list[str]:
     return done
 
 
+PHASES = ("base", "sft", "sft-answers", "grpo", "grpo-answers")
+
+
+def grpo_config(a) -> dict:
+    """The train stage's config for GRPO on the agent rows: verl's agent loops (the search agent against this
+    run's service with its key), the SFT warm start when one is published, the settings the ranker's DAPO runs
+    on this GPU settled on (32k-token micro-batches, no gradient checkpointing at 135M, LoRA lr 5e-5)."""
+    from memsifter.store import storage
+
+    tokens = 32768
+    return {
+        "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
+        # the SFT warm start, run here or restored from another machine (--published)
+        **({"init_adapter": f"{RUN}/sft/adapter"} if storage.exists(f"{RUN}/sft/_SUCCESS") else {}),
+        "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
+        "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
+        "local_dir": f"{a.work}/pod", "keep_local_checkpoints": 1,
+        "verl": {
+            "data": {"max_prompt_length": 6144, "max_response_length": 2048,
+                     "train_batch_size": a.batch, "gen_batch_size": a.batch},
+            "algorithm": {"filter_groups": {"enable": False}},
+            "actor_rollout_ref": {
+                "model": {"lora_rank": 16, "lora_alpha": 32, "enable_gradient_checkpointing": False},
+                "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
+                          "ppo_max_token_len_per_gpu": tokens,
+                          "fsdp_config": {"param_offload": False, "optimizer_offload": False},
+                          "optim": {"lr": a.lr, "lr_warmup_steps": 0, "weight_decay": 0.0}},
+                "ref": {"log_prob_max_token_len_per_gpu": tokens},
+                "rollout": {"n": a.n, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.4,
+                            "enforce_eager": True, "log_prob_max_token_len_per_gpu": tokens}},
+            "trainer": {"save_freq": a.save_freq or max(1, a.steps // 2), "test_freq": -1,
+                        "total_training_steps": a.steps, "val_before_train": False}},
+    }
+
+
+def run_deadline(cmd: list[str], log: str, seconds: float, after: list[str] | None = None) -> tuple[int | None, float]:
+    """``cmd`` in its own process group, stopped after ``seconds`` (then ``after`` runs, e.g. ``ray stop`` for
+    the Ray cluster it started): (exit code, or None when stopped; wall seconds). A training run cut this way
+    keeps the checkpoints it saved."""
+    print(f"\n$ {' '.join(cmd)}   (log: {os.path.basename(log)}, at most {seconds:.0f}s)", flush=True)
+    t = time.time()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(p.pid, sig)
+                    p.wait(timeout=60)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            if after:
+                subprocess.run(after, stdout=f, stderr=subprocess.STDOUT, check=False)
+    dt = time.time() - t
+    print(f"  -> {'stopped at the deadline' if rc is None else f'exit {rc}'} in {dt:.1f}s", flush=True)
+    return rc, dt
+
+
+def last_adapter(collect: str) -> str | None:
+    """The highest step's adapter directory of a ``collect`` output (steps by number, not by name)."""
+    from memsifter.store import storage
+
+    steps = sorted({int(f.split("/")[0].rsplit("_", 1)[1]) for f in storage.list_files(collect)
+                    if f.startswith("global_step_") and f.endswith("adapter/adapter_config.json")})
+    return storage.join(collect, f"global_step_{steps[-1]}", "adapter") if steps else None
+
+
+def phase_grpo(a, notes: list[str]) -> None:
+    """GRPO through the train stage (cut at --train-timeout-s, keeping its saved steps), then ``collect`` of the
+    last complete step."""
+    from memsifter.store import storage
+
+    if storage.exists(f"{RUN}/collect/_SUCCESS"):
+        notes.append("grpo: collect already published (restored or earlier run): training skipped")
+        return
+    cfg = write_yaml(f"{a.work}/train.yaml", grpo_config(a))
+    if a.train_dry_run:  # the composed verl config only (agent loops on: a dry run reads no s3 data)
+        sh(ms("run", "train", "--config", cfg, "--dry-run", "--set", "agent.loops=on"), f"{a.out}/train-dry-run.log")
+        raise SystemExit(0)
+    rc, dt = run_deadline(ms("run", "train", "--config", cfg), f"{a.out}/train.log", a.train_timeout_s,
+                          after=["ray", "stop", "--force"])
+    steps = verl_steps(f"{a.out}/train.log")
+    with open(f"{a.out}/train_steps.json", "w") as f:
+        json.dump(steps, f, indent=1)
+    notes.append(f"train: {'stopped at the deadline' if rc is None else f'exit {rc}'} after {dt:.0f}s, "
+                 f"{len(steps)} steps logged")
+    for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
+        src = f"{RUN}/train/{f}" if storage.exists(f"{RUN}/train/{f}") else f"{RUN}/train/_work/{f}"
+        if storage.exists(src):
+            storage.copy_file(src, f"{a.out}/train_{f}")
+    from memsifter.stages.collect import available_steps, checkpoint_root
+
+    try:
+        done = available_steps(checkpoint_root(f"{RUN}/train"), True)
+    except Exception as e:  # noqa: BLE001 - nothing saved: say so, the rest of the run goes on
+        notes.append(f"grpo: no checkpoints ({e})")
+        done = []
+    if not done:
+        notes.append("grpo: no complete checkpoint to collect")
+        return
+    sh(ms("run", "collect", "--checkpoints", f"{RUN}/train", "--output", f"{RUN}/collect", "--steps",
+          str(max(done))), f"{a.out}/collect.log")
+    notes.append(f"collect: step {max(done)} of {sorted(done)}")
+
+
 def main_run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -237,7 +349,7 @@ def main_run(a) -> None:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
         if a.published:
-            restore(a.published)
+            restore(a.published, a.work)
         t = time.time()
         combined(a)
         if not storage.exists(f"{RUN}/all-embed/_SUCCESS"):
@@ -260,119 +372,107 @@ def main_run(a) -> None:
                          env={"CUDA_VISIBLE_DEVICES": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
         answers: list[str] = []
         try:
-            if "base" in a.phases:
+            for name in a.phases:  # in the order given: a machine's time goes to what matters first
                 t = time.time()
-                srv = vllm(a, BASE, "base")
-                try:
-                    answers.append(answer_chat(a, "base"))
-                    answers.append(answer_agents(a, "base"))
-                finally:
-                    srv.stop()
-                phase("base answers (chat baselines + agents)", t)
+                if name == "base":
+                    srv = vllm(a, BASE, "base")
+                    try:
+                        answers.append(answer_chat(a, "base"))
+                        answers.append(answer_agents(a, "base"))
+                    finally:
+                        srv.stop()
+                elif name == "sft":
+                    if storage.exists(f"{RUN}/sft/_SUCCESS"):
+                        notes.append("sft: already published (restored or earlier run)")
+                    else:
+                        cfg = write_yaml(f"{a.work}/sft.yaml", {
+                            "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16,
+                            "lr": 2e-4, "epochs": a.sft_epochs, "batch_tokens": 32768,
+                            "eval_generate": 0})  # the answers measure it
+                        sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
+                        for f in ("metrics.jsonl", "sft_curves.png", "eval.json"):
+                            if storage.exists(f"{RUN}/sft/{f}"):
+                                storage.copy_file(f"{RUN}/sft/{f}", f"{a.out}/sft_{f.replace('sft_', '')}")
+                elif name == "sft-answers":
+                    local = storage.download_dir(f"{RUN}/sft/adapter", f"{a.work}/sft-adapter")
+                    answers.append(served_answers(a, local, "sft"))
+                elif name == "grpo":
+                    phase_grpo(a, notes)
+                elif name == "grpo-answers":
+                    src = last_adapter(f"{RUN}/collect")
+                    if src is None:
+                        notes.append("grpo-answers: no collected adapter")
+                        continue
+                    local = storage.download_dir(src, f"{a.work}/grpo-adapter")
+                    answers.append(served_answers(a, local, "grpo"))
+                phase(name, t)
                 evaluate(a, answers)
-            sft_adapter = f"{a.work}/sft-adapter"
-            if "sft" in a.phases:
-                t = time.time()
-                cfg = write_yaml(f"{a.work}/sft.yaml", {
-                    "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16, "lr": 2e-4,
-                    "epochs": a.sft_epochs, "batch_tokens": 32768, "eval_generate": 0})  # answers measure it
-                sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
-                storage.download_dir(f"{RUN}/sft/adapter", sft_adapter)
-                phase("sft", t)
-                t = time.time()
-                answers.append(served_answers(a, sft_adapter, "sft"))
-                phase("sft answers", t)
-                evaluate(a, answers)
-            if "grpo" in a.phases:
-                t = time.time()
-                cfg = write_yaml(f"{a.work}/train.yaml", {
-                    "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
-                    # the SFT warm start, run here or restored from another machine (--published)
-                    **({"init_adapter": f"{RUN}/sft/adapter"} if storage.exists(f"{RUN}/sft/_SUCCESS") else {}),
-                    "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
-                    "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
-                    "local_dir": f"{a.work}/pod",
-                    "verl": {
-                        "data": {"max_prompt_length": 6144, "max_response_length": 2048,
-                                 "train_batch_size": a.batch, "gen_batch_size": a.batch},
-                        "algorithm": {"filter_groups": {"enable": False}},
-                        "actor_rollout_ref": {
-                            "model": {"lora_rank": 16, "lora_alpha": 32},
-                            "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
-                                      "fsdp_config": {"param_offload": False, "optimizer_offload": False},
-                                      "optim": {"lr": 1e-5, "lr_warmup_steps": 0}},
-                            "rollout": {"n": a.n, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
-                                        "enforce_eager": True}},
-                        "trainer": {"save_freq": a.steps, "test_freq": -1, "total_training_steps": a.steps}},
-                })
-                if a.train_dry_run:  # the composed verl config only (agent loops on: a dry run reads no s3 data)
-                    sh(ms("run", "train", "--config", cfg, "--dry-run", "--set", "agent.loops=on"),
-                       f"{a.out}/train-dry-run.log")
-                    a.phases = []
-                    raise SystemExit(0)
-                rc, dt = sh(ms("run", "train", "--config", cfg), f"{a.out}/train.log", check=False)
-                steps = verl_steps(f"{a.out}/train.log")
-                with open(f"{a.out}/train_steps.json", "w") as f:
-                    json.dump(steps, f, indent=1)
-                notes.append(f"train: exit {rc} in {dt:.0f}s, {len(steps)} steps")
-                for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
-                    if storage.exists(f"{RUN}/train/{f}"):
-                        storage.copy_file(f"{RUN}/train/{f}", f"{a.out}/train_{f}")
-                if rc == 0:
-                    sh(ms("run", "collect", "--checkpoints", f"{RUN}/train", "--output", f"{RUN}/collect"),
-                       f"{a.out}/collect.log")
-                    man = storage.read_manifest(f"{RUN}/collect")
-                    adapters = [f for f in storage.list_files(f"{RUN}/collect") if f.endswith("adapter_config.json")]
-                    notes.append(f"collect: {adapters[-3:]} {json.dumps(man.get('stats', {}))[:400]}")
-                    if adapters:
-                        local = storage.download_dir(storage.join(f"{RUN}/collect", adapters[-1].rsplit("/", 1)[0]),
-                                                     f"{a.work}/grpo-adapter")
-                        phase("grpo train + collect", t)
-                        t = time.time()
-                        answers.append(served_answers(a, local, "grpo"))
-                        phase("grpo answers", t)
+                pack(a.out)
         finally:
             service.stop()
         t = time.time()
         notes.append(f"answers published: {evaluate(a, answers)}")
         phase("evaluate", t)
+        pack(a.out)
     print("] done", flush=True)
 
 
-PUBLISHED = ("chat-base", "agents-base", "sft", "agents-sft", "agents-grpo")  # what export carries between machines
+# what travels between machines: answers, the SFT adapter, GRPO's collected adapter (its last step)
+PUBLISHED = ("chat-base", "agents-base", "sft", "agents-sft", "collect", "agents-grpo")
+PART = 15 * 2 ** 20  # the device returns files of at most 16 MiB
 
 
-def running_s3() -> dict:
-    """The S3 settings of the running driver's SeaweedFS (its endpoint and key, from its process)."""
-    for pid in os.listdir("/proc"):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if len(cmd) > 1 and cmd[0].endswith(b"weed") and b"mini" in cmd:
-            env = dict(x.split(b"=", 1) for x in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in x)
-            port = next(x.split(b"=")[1] for x in cmd if x.startswith(b"-s3.port="))
-            return {"MEMSIFTER_S3_ENDPOINT": f"http://127.0.0.1:{port.decode()}", "AWS_REGION": "us-east-1",
-                    **{k: env[k.encode()].decode() for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}
-    raise SystemExit("export: no running SeaweedFS of a driver here")
+def pack(out: str) -> list[str]:
+    """Everything in PUBLISHED so far, as one tar split into ``pub.NN`` parts of at most 15 MiB under ``out``
+    (the parts come back from the machine; ``--published DIR`` of the next run joins and restores them)."""
+    import glob
+    import io
+    import tarfile
 
-
-def export(out: str) -> None:
-    """Copy the answers published so far out of the running driver's store into OUT/published/ (to carry to
-    another machine: ``run --published DIR`` puts them back and evaluates them with the rest)."""
-    os.environ.update(running_s3())
     from memsifter.store import storage
 
-    for name in PUBLISHED:
-        if storage.exists(f"{RUN}/{name}/_SUCCESS"):
-            storage.download_dir(f"{RUN}/{name}", os.path.join(out, "published", name))
-            print(f"export: {name}", flush=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in PUBLISHED:
+            if not storage.exists(f"{RUN}/{name}/_SUCCESS"):
+                continue
+            for rel in storage.list_files(f"{RUN}/{name}"):
+                if name == "sft" and not (rel.startswith("adapter/") or rel in ("_SUCCESS", "_manifest.json")):
+                    continue  # the adapter is what the next machine needs
+                data = storage.read_bytes(storage.join(f"{RUN}/{name}", rel))
+                info = tarfile.TarInfo(f"{name}/{rel}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    for old in glob.glob(os.path.join(out, "pub.[0-9][0-9]")):
+        os.remove(old)
+    data, parts = buf.getvalue(), []
+    for i in range(0, len(data), PART):
+        path = os.path.join(out, f"pub.{i // PART:02d}")
+        with open(path + ".tmp", "wb") as f:
+            f.write(data[i:i + PART])
+        os.replace(path + ".tmp", path)
+        parts.append(path)
+    return parts
 
 
-def restore(src: str) -> None:
-    """Answers published on another machine (``export``), back into this run's store (never over a newer one)."""
+def restore(src: str, work: str) -> None:
+    """Outputs published on another machine (``pub.NN`` parts in ``src``, or a directory of output folders),
+    back into this run's store (never over one already there; each output's marker last)."""
+    import glob
+    import tarfile
+
     from memsifter.store import storage
 
+    parts = sorted(glob.glob(os.path.join(src, "pub.[0-9][0-9]")))
+    if parts:
+        os.makedirs(work, exist_ok=True)
+        joined, src = os.path.join(work, "published.tar"), os.path.join(work, "published")
+        with open(joined, "wb") as f:
+            for p in parts:
+                f.write(open(p, "rb").read())
+        shutil.rmtree(src, ignore_errors=True)
+        with tarfile.open(joined) as tar:
+            tar.extractall(src, filter="data")
     for name in PUBLISHED:
         d = os.path.join(src, name)
         if os.path.isfile(os.path.join(d, "_SUCCESS")) and not storage.exists(f"{RUN}/{name}/_SUCCESS"):
@@ -381,31 +481,61 @@ def restore(src: str) -> None:
             print(f"restored {name} from {src}", flush=True)
 
 
+def wait(det: str, out: str, seconds: float) -> None:
+    """Until the detached run is done (or ``seconds``), then into ``out``: ``results.tar.gz`` (the tables, plots,
+    curves and logs so far) and the ``pub.NN`` parts (what the next machine restores): the device returns at
+    most 8 files of 16 MiB each."""
+    import glob
+
+    t = time.time()
+    log = os.path.join(det, "driver.log")
+    while time.time() - t < seconds:
+        if os.path.exists(log) and "] done" in open(log, errors="replace").read():
+            break
+        time.sleep(10)
+    os.makedirs(out, exist_ok=True)
+    subprocess.run(f"tar czf {out}/results.tar.gz -C {det} --exclude='pub.*' .", shell=True, check=False)
+    for p in sorted(glob.glob(os.path.join(det, "pub.[0-9][0-9]"))):
+        shutil.copy(p, out)
+    for f in ("agents.md", "report.md"):
+        if os.path.exists(os.path.join(det, f)):
+            print(open(os.path.join(det, f)).read()[-3000:])
+    print(open(log, errors="replace").read()[-4000:] if os.path.exists(log) else "no driver.log yet")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["start", "run", "wait", "export"])
+    ap.add_argument("what", choices=["start", "run", "wait"])
     ap.add_argument("--lme", help="a LongMemEval_S-format file (.json or .json.gz)")
     ap.add_argument("--locomo", help="a LoCoMo-format file")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-agents")
-    ap.add_argument("--phases", default="base,sft,grpo")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"run in the order given, of {', '.join(PHASES)} "
+                    "(a phase whose output is already published, e.g. restored with --published, is skipped)")
     ap.add_argument("--agents", default=",".join(AGENTS))
     ap.add_argument("--test", default='{"longmemeval_s": 110, "locomo": 150}', help="held-out recipe (JSON)")
     ap.add_argument("--train", default='{"longmemeval_s": 210, "locomo": 200}', help="train recipe (JSON)")
     ap.add_argument("--max-chunks", type=int, default=12)
     ap.add_argument("--sft-epochs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--save-freq", type=int, default=0, help="GRPO checkpoint every N steps (default: steps // 2)")
+    ap.add_argument("--train-timeout-s", type=float, default=1500,
+                    help="stop GRPO after this long and collect its last saved step")
+    ap.add_argument("--lr", type=float, default=5e-5, help="GRPO's LoRA learning rate")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--serve-port", type=int, default=8100)
     ap.add_argument("--llm-port", type=int, default=8200)
     ap.add_argument("--wait-s", type=float, default=540)
-    ap.add_argument("--published", help="answers exported from another machine (run_agents.py export): evaluated too")
+    ap.add_argument("--published", help="a folder with the pub.NN parts another machine's run returned (its answers "
+                    "and adapters): restored, their phases skipped, evaluated with the rest")
     ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
     a.phases = [x for x in a.phases.split(",") if x]
+    if set(a.phases) - set(PHASES):
+        ap.error(f"--phases: unknown {sorted(set(a.phases) - set(PHASES))}; known: {', '.join(PHASES)}")
     det = os.path.join(a.work, "detached")
     if a.what == "start":
         os.makedirs(det, exist_ok=True)
@@ -416,7 +546,7 @@ def main() -> None:
             argv[i + 1] = det
         else:
             argv += ["--out", det]
-        for p in ("lme", "locomo"):
+        for p in ("lme", "locomo", "published"):
             v = getattr(a, p)
             if v:
                 argv[argv.index(v)] = os.path.abspath(v)
@@ -424,23 +554,8 @@ def main() -> None:
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         print(f"started pid {p.pid}; logs in {det}", flush=True)
         return
-    if a.what == "export":
-        export(a.out)
-        return
     if a.what == "wait":
-        t = time.time()
-        log = os.path.join(det, "driver.log")
-        while time.time() - t < a.wait_s:
-            if os.path.exists(log) and "] done" in open(log, errors="replace").read():
-                break
-            time.sleep(10)
-        os.makedirs(a.out, exist_ok=True)
-        for f in ("agents.md", "report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png",
-                  "train_steps.json", "train_metrics.jsonl", "train_training_curves.png"):
-            if os.path.exists(os.path.join(det, f)):
-                shutil.copy(os.path.join(det, f), a.out)
-        subprocess.run(f"tar czf {a.out}/agents-logs.tar.gz -C {det} --exclude='*.png' .", shell=True)
-        print(open(log, errors="replace").read()[-5000:])
+        wait(det, a.out, a.wait_s)
         return
     main_run(a)
 
