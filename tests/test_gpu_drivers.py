@@ -450,6 +450,11 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     assert cfg["init_adapter"].endswith("/sft/adapter")
     parsed = TrainConfig(**cfg)
     assert parsed.search_api_key_env == run_agents.KEY_ENV
+    # the first GPU update ran out of memory with 4 padded 8k rows per micro-batch and no recomputation
+    v = cfg["verl"]
+    rows = v["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] // (
+        v["data"]["max_prompt_length"] + v["data"]["max_response_length"])
+    assert rows <= 2 and v["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is True
 
 
 def test_agents_driver_refuses_an_unknown_phase():

@@ -226,11 +226,14 @@ PHASES = ("base", "sft", "sft-answers", "grpo", "grpo-answers")
 
 def grpo_config(a) -> dict:
     """The train stage's config for GRPO on the agent rows: verl's agent loops (the search agent against this
-    run's service with its key), the SFT warm start when one is published, the settings the ranker's DAPO runs
-    on this GPU settled on (32k-token micro-batches, no gradient checkpointing at 135M, LoRA lr 5e-5)."""
+    run's service with its key), the SFT warm start when one is published, LoRA lr 5e-5 as the ranker's DAPO runs."""
     from memsifter.store import storage
 
-    tokens = 32768
+    tokens = 32768  # the no-grad log-prob passes
+    # the update: rows are padded to 8,192 tokens (no flash-attn: no padding removal) and SDPA's math kernel keeps
+    # an 8k x 8k score matrix per head and row: 4 rows per micro-batch without checkpointing took 75 GiB and ran
+    # out of memory at the first update (2026-11-26); 2 rows and per-layer recomputation fit
+    update_tokens = 16384
     return {
         "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
         # the SFT warm start, run here or restored from another machine (--published)
@@ -243,9 +246,9 @@ def grpo_config(a) -> dict:
                      "train_batch_size": a.batch, "gen_batch_size": a.batch},
             "algorithm": {"filter_groups": {"enable": False}},
             "actor_rollout_ref": {
-                "model": {"lora_rank": 16, "lora_alpha": 32, "enable_gradient_checkpointing": False},
+                "model": {"lora_rank": 16, "lora_alpha": 32, "enable_gradient_checkpointing": True},
                 "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
-                          "ppo_max_token_len_per_gpu": tokens,
+                          "ppo_max_token_len_per_gpu": update_tokens,
                           "fsdp_config": {"param_offload": False, "optimizer_offload": False},
                           "optim": {"lr": a.lr, "lr_warmup_steps": 0, "weight_decay": 0.0}},
                 "ref": {"log_prob_max_token_len_per_gpu": tokens},
@@ -303,7 +306,13 @@ def phase_grpo(a, notes: list[str]) -> None:
     if a.train_dry_run:  # the composed verl config only (agent loops on: a dry run reads no s3 data)
         sh(ms("run", "train", "--config", cfg, "--dry-run", "--set", "agent.loops=on"), f"{a.out}/train-dry-run.log")
         raise SystemExit(0)
-    rc, dt = run_deadline(ms("run", "train", "--config", cfg), f"{a.out}/train.log", a.train_timeout_s,
+    limit = a.train_timeout_s
+    if a.train_stop_at_s:  # a machine's lease ends at a fixed time: stop there, whatever ran before
+        limit = min(limit, a.train_stop_at_s - (time.time() - a.started))
+    if limit < 300:
+        notes.append(f"grpo: skipped, {limit:.0f}s left before --train-stop-at-s (verl alone takes ~3.5 min to start)")
+        return
+    rc, dt = run_deadline(ms("run", "train", "--config", cfg), f"{a.out}/train.log", limit,
                           after=["ray", "stop", "--force"])
     steps = verl_steps(f"{a.out}/train.log")
     with open(f"{a.out}/train_steps.json", "w") as f:
@@ -330,6 +339,7 @@ def phase_grpo(a, notes: list[str]) -> None:
 
 
 def main_run(a) -> None:
+    a.started = time.time()
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     from memsifter.store import storage
@@ -481,6 +491,14 @@ def restore(src: str, work: str) -> None:
             print(f"restored {name} from {src}", flush=True)
 
 
+def alive(pidfile: str) -> bool:
+    try:
+        os.kill(int(open(pidfile).read()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def wait(det: str, out: str, seconds: float) -> None:
     """Until the detached run is done (or ``seconds``), then into ``out``: ``results.tar.gz`` (the tables, plots,
     curves and logs so far) and the ``pub.NN`` parts (what the next machine restores): the device returns at
@@ -491,6 +509,9 @@ def wait(det: str, out: str, seconds: float) -> None:
     log = os.path.join(det, "driver.log")
     while time.time() - t < seconds:
         if os.path.exists(log) and "] done" in open(log, errors="replace").read():
+            break
+        if not alive(os.path.join(det, "driver.pid")):
+            print("wait: the driver is no longer running", flush=True)
             break
         time.sleep(10)
     os.makedirs(out, exist_ok=True)
@@ -521,6 +542,8 @@ def main() -> None:
     ap.add_argument("--save-freq", type=int, default=0, help="GRPO checkpoint every N steps (default: steps // 2)")
     ap.add_argument("--train-timeout-s", type=float, default=1500,
                     help="stop GRPO after this long and collect its last saved step")
+    ap.add_argument("--train-stop-at-s", type=float, default=0,
+                    help="stop GRPO at the latest this many seconds after the run started (a machine's lease)")
     ap.add_argument("--lr", type=float, default=5e-5, help="GRPO's LoRA learning rate")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
@@ -552,6 +575,8 @@ def main() -> None:
                 argv[argv.index(v)] = os.path.abspath(v)
         with open(os.path.join(det, "driver.log"), "w") as f:
             p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        with open(os.path.join(det, "driver.pid"), "w") as f:
+            f.write(str(p.pid))
         print(f"started pid {p.pid}; logs in {det}", flush=True)
         return
     if a.what == "wait":
