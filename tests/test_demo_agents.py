@@ -58,6 +58,31 @@ def test_agents_sections_only_with_the_flag_and_the_plain_evaluate_unchanged(tmp
     # the agents' evaluate runs after both answer stages
     order = [s.name for s in plan(with_agents)]
     assert order.index(demo.AGENTS_EVAL) > max(order.index("chat"), order.index(demo.AGENTS))
+    assert demo.AGENTS_TRAINED not in st   # only when the trained adapter is installed and served
+
+
+def test_trained_agents_section_answers_the_same_questions_with_the_shipped_adapter(tmp_path):
+    """With the trained adapter (shipped in memsifter), a second agents section runs both agents with it on the
+    same questions, budgets and memory service, and the agents' evaluate scores it beside the untrained ones."""
+    from memsifter.models import registry as models
+
+    assert models.shipped_adapter(demo.TRAINED_AGENTS), "the trained agents adapter ships with memsifter"
+    spec = demo.real_spec(str(tmp_path), "locomo", LOCOMO, 5, 3, agents=2, trained_agents=True)
+    st = spec["stages"]
+    ag, tr = st[demo.AGENTS], st[demo.AGENTS_TRAINED]
+    assert tr["endpoint"]["model"] == demo.TRAINED_AGENTS != ag["endpoint"]["model"]
+    for k in ("methods", "max_questions", "agent_options", "tokenizer"):
+        assert tr[k] == ag[k], k
+    q = steps(spec)
+    run = storage.join(str(tmp_path), "locomo")
+    assert q[demo.AGENTS_TRAINED].stage == "agents"
+    assert q[demo.AGENTS_TRAINED].config["output"] == storage.join(run, demo.AGENTS_TRAINED)
+    assert q[demo.AGENTS_EVAL].config["answers"] == [storage.join(run, x) for x in ("chat", demo.AGENTS,
+                                                                                     demo.AGENTS_TRAINED)]
+    order = [s.name for s in plan(spec)]
+    assert order.index(demo.AGENTS_EVAL) > order.index(demo.AGENTS_TRAINED)
+    assert "trained adapter" in demo.agent_label(f"agent:search ({demo.AGENTS_TRAINED})")
+    assert "untrained" in demo.agent_label("agent:search (agents)")
 
 
 def test_agents_section_needs_only_its_urls_at_run_time(tmp_path):
@@ -91,8 +116,13 @@ def test_memory_agent_budget_is_the_one_shown():
 # --------------------------------------------------------------------------- the table
 @pytest.fixture
 def evaluated(tmp_path):
+    return _evaluated(tmp_path)
+
+
+def _evaluated(tmp_path, trained: bool = False):
     """The real evaluate stage over a chat output (three contexts) and an agents output (two agents, one of
-    them failing one question): what the demo's agents evaluate publishes."""
+    them failing one question): what the demo's agents evaluate publishes. ``trained``: also the trained
+    adapter's agents output (``agents-trained``: every episode well-formed, the search agent's answers half right)."""
     from memsifter.data.model import Dataset, Question, Session
 
     sessions = {f"s{i}": Session(f"s{i}", [{"role": "user", "content": f"I went to town {i}"}], f"2024-01-0{i + 1}")
@@ -121,18 +151,28 @@ def evaluated(tmp_path):
                            "llm_calls": None if failed else 5, "searches": 0, "chunks": None if failed else 4,
                            "prompt_tokens": None if failed else 7000, "seconds": None if failed else 60.0,
                            "format_ok": None if failed else False})
-    for uri, name, rows in ((chat, "chat", chat_rows), (agents, "agents", agent_rows)):
+    outputs = [(chat, "chat", chat_rows), (agents, "agents", agent_rows)]
+    trained_rows = [{**r, "status": "ok", "answer": "town", "f1": 0.5, "exact_match": 0.0, "format_ok": True,
+                     "llm_calls": 2, "chunks": 4 if r["method"] == "agent:memory" else 0, "prompt_tokens": 3000,
+                     "seconds": 9.0} for r in agent_rows]
+    if trained:
+        outputs.append((str(tmp_path / demo.AGENTS_TRAINED), "agents", trained_rows))
+    for uri, name, rows in outputs:
         p = storage.Publication(uri, name, {"endpoint": {"model": demo.MODEL}, "tokenizer": demo.MODEL}, "x", "test")
         p.write_table("answers.parquet", pa.Table.from_pylist(rows))
         p.publish({})
     ev = get_stage("evaluate").run({"output": str(tmp_path / demo.AGENTS_EVAL), "input": data,
-                                    "answers": [chat, agents]})
-    fmt = {m: [r["format_ok"] for r in agent_rows if r["method"] == m and r["status"] == "ok"]
-           for m in demo.AGENT_METHODS}
-    agents_manifest = {"stats": {"methods": {m: {"format_ok": sum(v) / len(v), "answered": len(v)}
-                                             for m, v in fmt.items()}}}
-    return {"locomo": {demo.AGENTS_EVAL: ev, demo.AGENTS: agents_manifest,
-                       "embed": {"stats": {"primary": "zsum"}}}}
+                                    "answers": [uri for uri, _, _ in outputs]})
+
+    def manifest(rows: list[dict]) -> dict:
+        fmt = {m: [r["format_ok"] for r in rows if r["method"] == m and r["status"] == "ok"]
+               for m in demo.AGENT_METHODS}
+        return {"stats": {"methods": {m: {"format_ok": sum(v) / len(v), "answered": len(v)} for m, v in fmt.items()}}}
+
+    res = {demo.AGENTS_EVAL: ev, demo.AGENTS: manifest(agent_rows), "embed": {"stats": {"primary": "zsum"}}}
+    if trained:
+        res[demo.AGENTS_TRAINED] = manifest(trained_rows)
+    return {"locomo": res}
 
 
 def test_agents_table_puts_the_agents_beside_the_chat_contexts_with_cost(evaluated):
@@ -161,6 +201,19 @@ def test_agents_table_puts_the_agents_beside_the_chat_contexts_with_cost(evaluat
     assert "untrained" in by["agent:search"] and f"top {top} sessions" in by["agent:memory"]
     # the question sets differed (one memory episode failed): the table says which were compared
     assert any("agent:memory 2" in ln and "compared on the 2" in ln for ln in lines), lines
+
+
+def test_agents_table_puts_the_trained_agents_after_the_untrained_with_their_own_counts(tmp_path):
+    """With the shipped trained adapter's section, its rows (evaluate labels them ``agent:… (agents-trained)``)
+    follow the untrained agents, say what they are, and take their well-formed counts from their own output."""
+    lines = demo.agents_table(_evaluated(tmp_path, trained=True))
+    rows = [ln for ln in lines if ln.startswith("locomo")]
+    assert len(rows) == 7, rows
+    trained = [ln for ln in rows if "trained adapter" in ln]
+    assert [ln.split()[1] for ln in trained] == ["agent:search", "agent:memory"] and rows[-2:] == trained, rows
+    assert all(ln.endswith("3/3") for ln in trained), trained   # every trained episode well-formed
+    untrained = next(ln for ln in rows if ln.split()[1] == "agent:search" and "untrained" in ln)
+    assert untrained.endswith("2/3"), untrained
 
 
 def test_agents_table_says_when_agent_calls_were_replayed_from_the_cache(evaluated):
@@ -251,5 +304,12 @@ def test_demo_with_agents_end_to_end(tmp_path):
         assert f"{e['llm_calls']:.1f}" in row and f"{e['prompt_tokens']:,.0f}" in row, row
         assert f"{e['seconds']:,.1f}" in row, row
     assert any(ln.split()[1:3] == ["no", "memory"] for ln in table)
+    # the shipped adapter trained as the agents, on the same question with the same budgets and service
+    tr = storage.read_manifest(str(run / demo.AGENTS_TRAINED))
+    assert tr["config"]["endpoint"]["model"] == demo.TRAINED_AGENTS and tr["stats"]["failed"] == 0
+    assert tr["config"]["search_url"] == ag["config"]["search_url"]
+    assert tr["stats"]["methods"]["agent:search"]["searches"] >= 1   # the base searched on none of 24 (the issue)
+    trained_rows = [ln for ln in table if "trained adapter" in ln]
+    assert [ln.split()[1] for ln in trained_rows] == ["agent:search", "agent:memory"], table
     assert "agent:search over the memory service" in proc.stdout and "stopped" in proc.stdout
     assert f"{demo.AGENTS_EVAL}/report.md" in proc.stdout and "answer_f1_and_cost.png" in proc.stdout
