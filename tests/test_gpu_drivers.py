@@ -379,7 +379,7 @@ def test_agents_driver_packs_what_the_next_machine_needs_in_parts_and_restores_i
     monkeypatch.setattr(run_agents, "RUN", src)
     monkeypatch.setattr(run_agents, "PART", 1000)
     big = os.urandom(2500)
-    _published(src, "agents-sft", {"answers.parquet": big, "_manifest.json": b"{}"})
+    _published(src, "agents-sft", {"answers.parquet": big, "_manifest.json": b"{}", "_work/llm-cache/x": b"c" * 9000})
     _published(src, "sft", {"adapter/adapter_model.safetensors": b"w" * 300, "metrics.jsonl": b"m" * 5000})
     _published(src, "collect", {"global_step_8/adapter/adapter_config.json": b"{}",
                                 "global_step_10/adapter/adapter_config.json": b"{}"})
@@ -398,6 +398,7 @@ def test_agents_driver_packs_what_the_next_machine_needs_in_parts_and_restores_i
     assert storage.read_bytes(f"{dst}/agents-sft/answers.parquet") == big
     assert storage.exists(f"{dst}/sft/adapter/adapter_model.safetensors")
     assert not storage.exists(f"{dst}/sft/metrics.jsonl")  # not needed on the next machine
+    assert not storage.exists(f"{dst}/agents-sft/_work/llm-cache/x")  # a stage's scratch stays behind
     assert not storage.exists(f"{dst}/agents-grpo/answers.parquet")  # unfinished: not packed
     assert sorted(storage.list_files(f"{dst}/collect")) == ["_SUCCESS", "kept.txt"]  # never overwritten
     assert run_agents.last_adapter(src + "/collect").endswith("global_step_10/adapter")  # by number, not name

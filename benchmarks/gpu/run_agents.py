@@ -447,6 +447,8 @@ def pack(out: str) -> list[str]:
             if not storage.exists(f"{RUN}/{name}/_SUCCESS"):
                 continue
             for rel in storage.list_files(f"{RUN}/{name}"):
+                if rel.startswith("_work/"):
+                    continue  # a stage's scratch (response cache, episode shards): 80% of an answers output
                 if name == "sft" and not (rel.startswith("adapter/") or rel in ("_SUCCESS", "_manifest.json")):
                     continue  # the adapter is what the next machine needs
                 data = storage.read_bytes(storage.join(f"{RUN}/{name}", rel))
