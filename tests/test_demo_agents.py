@@ -309,7 +309,7 @@ def test_demo_with_agents_end_to_end(tmp_path):
     assert tr["config"]["endpoint"]["model"] == demo.TRAINED_AGENTS and tr["stats"]["failed"] == 0
     assert tr["config"]["search_url"] == ag["config"]["search_url"]
     assert tr["stats"]["methods"]["agent:search"]["searches"] >= 1   # the base searched on none of 24 (the issue)
-    trained_rows = [ln for ln in table if "trained adapter" in ln]
+    trained_rows = [ln for ln in table if ln.split()[1].startswith("agent:") and "trained adapter" in ln]
     assert [ln.split()[1] for ln in trained_rows] == ["agent:search", "agent:memory"], table
     assert "agent:search over the memory service" in proc.stdout and "stopped" in proc.stdout
     assert f"{demo.AGENTS_EVAL}/report.md" in proc.stdout and "answer_f1_and_cost.png" in proc.stdout
