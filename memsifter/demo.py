@@ -32,13 +32,16 @@ the ``agents`` stage: ``agent:search`` searches each question's haystack through
 that run's embed output and dataset, and stops at the end) and ``agent:memory`` reads the first stage's
 top 2 sessions keeping 128-token notes (budgets lowered for the CPU: untrained, SmolLM2 writes until its
 reply cap, and one episode over the top 4 sessions with 320-token replies took 364 s). Both run with the
-same SmolLM2 on the demo's vLLM server, untrained as agents. A second evaluate instance
+same SmolLM2 on the demo's vLLM server, untrained as agents, and again with the shipped adapter trained as the
+agents (``smollm2-135m-memsifter-agents``: the ``agents-trained`` section, its own vLLM server, the same
+questions, budgets and memory service; left out when it is not installed). A second evaluate instance
 (``evaluate-agents``) scores chat's contexts and the agents side by side on the questions all of them
 answered; the screen adds that table (F1 / EM with n and intervals, and the cost per question: LLM calls,
 tokens read, seconds, well-formed episodes). The plain ``evaluate`` keeps scoring chat alone, so adding
 ``--agents`` to an earlier demo's ``--out`` runs only the agents and their evaluate. Cost, measured on 2
 idle cores: the agents stage took 31 s for 2 questions (4 episodes side by side: agent:search 5 and 26 s,
-agent:memory 30 s each), the whole demo 253 s; with other jobs on the cores, minutes.
+agent:memory 30 s each); with the trained agents the whole demo took 345 s (219 s without ``--agents``);
+with other jobs on the cores, minutes.
 
 ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
