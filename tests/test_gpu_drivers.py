@@ -218,6 +218,20 @@ def test_data_pieces_split_and_join_round_trip(tmp_path, monkeypatch):
     assert r.returncode != 0 and "3 of 4 pieces" in r.stderr
 
 
+def test_pieces_fit_beside_the_checkout_in_one_call():
+    """A piece and the checkout travel together in one device call (64 MiB): 33 MiB pieces stopped fitting once
+    the checkout reached 38 MB. The size follows the checkout; a checkout that leaves too little is refused."""
+    stage = importlib.import_module("stage")
+    now = stage.checkout_bytes()
+    assert now > 10 * 2 ** 20   # the shipped adapters alone are ~20 MB
+    size = stage.piece_size()
+    assert size + now + stage.MARGIN <= stage.CALL and size % 2 ** 20 == 0
+    assert stage.piece_size(18 * 10 ** 6) == 40 * 2 ** 20
+    assert stage.piece_size(38 * 10 ** 6) == 23 * 2 ** 20
+    with pytest.raises(SystemExit, match="leaves"):
+        stage.piece_size(55 * 2 ** 20)
+
+
 def test_ranker_test_datasets_are_named_and_prepared_once(tmp_path):
     """run_ranker.py --test FORMAT:FILE: the dataset name, a clear error for a bad spec, and import +
     first stage run only while the first stage is not published (the CPU prepares, the GPU reuses)."""

