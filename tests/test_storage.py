@@ -261,3 +261,24 @@ def test_seaweedfs_restarted_on_its_data_dir_keeps_objects(tmp_path):
         storage.write_bytes("s3://keep/a/b.txt", b"step 2")
     with seaweedfs(workdir=wd) as s3, env_vars(s3.env()):
         assert storage.read_bytes("s3://keep/a/b.txt") == b"step 2"
+
+
+def test_seaweedfs_takes_more_buckets_than_free_disk_would_allow(tmp_path):
+    """Each bucket is a SeaweedFS collection with volumes of its own; left to itself ``weed mini``
+    sizes its volume slots from the free disk (54 slots beside 55 GB free), so a test session that
+    makes one bucket per test ran out of them ("no free volumes left") on a machine with a fuller disk.
+    The test server sets its own slot count: 120 buckets, each written to, all readable."""
+    import boto3
+
+    from memsifter.testing.servers import seaweedfs, weed_binary
+
+    if not weed_binary():
+        pytest.skip("weed binary not installed")
+    with seaweedfs(workdir=str(tmp_path / "weed")) as s3:
+        c = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                         aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+        names = [f"many-{i:03d}" for i in range(120)]
+        for b in names:
+            c.create_bucket(Bucket=b)
+            c.put_object(Bucket=b, Key="k", Body=b.encode())
+        assert [c.get_object(Bucket=b, Key="k")["Body"].read().decode() for b in names] == names

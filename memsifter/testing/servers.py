@@ -48,6 +48,9 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": "us-east-1"}
 
 
+VOLUME_SLOTS = 2000
+
+
 def weed_binary() -> str | None:
     cand = os.path.join(os.path.dirname(sys.executable), "weed")
     return cand if os.path.exists(cand) else shutil.which("weed")
@@ -69,7 +72,11 @@ def seaweedfs(workdir: str | None = None, timeout: float = 60) -> Iterator[S3Ser
     cmd = [weed, "mini", f"-dir={tmp}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
            f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}", f"-admin.port={ports['admin']}",
-           "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+           "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           # Every bucket is a collection with a volume of its own; left at 0, the slot count follows
+           # the free disk (54 beside 55 GB free) and a session of many buckets runs out of them.
+           # Volumes are not preallocated, so unused slots cost nothing.
+           f"-volume.max={VOLUME_SLOTS}"]
     cmd += [f"-{n}.port.grpc={grpc[n]}" for n in names]
     log = open(os.path.join(tmp, "weed.log"), "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
