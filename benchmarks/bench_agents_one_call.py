@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
-from run_agents import Server  # noqa: E402
+from run_agents import Server, bm25, publish_questions  # noqa: E402
 from run_train import ROOT, ms, sh, write_yaml  # noqa: E402
 
 sys.path.insert(0, ROOT)
@@ -52,33 +52,20 @@ def free_port() -> int:
 
 def heldout(a, ids: list[str]) -> str:
     """The GPU run's held-out questions, imported here and published as one dataset, with its BM25 first stage."""
-    from memsifter.data.model import Dataset, read_dataset
-    from memsifter.stage import code_version
+    from memsifter.data.model import read_dataset
     from memsifter.store import storage
 
     out = os.path.join(a.work, "heldout")
     if storage.exists(f"{out}/_SUCCESS"):
         return out
-    sessions, questions = {}, []
+    parts = []
     for fmt, src, name in (("longmemeval", a.lme, "longmemeval_s"), ("locomo", a.locomo, "locomo")):
         dst = os.path.join(a.work, name)
         sh(ms("run", "import", "--format", fmt, "--source", src, "--output", dst, "--dataset-name", name, "-q"),
            f"{a.out}/import-{name}.log")
-        ds = read_dataset(dst)
-        sessions.update(ds.sessions)
-        questions += ds.questions
-    keep = set(ids)
-    qs = [q for q in questions if q.question_id in keep]
-    missing = keep - {q.question_id for q in qs}
-    if missing:
-        raise SystemExit(f"{len(missing)} held-out question(s) are not in --lme/--locomo, e.g. {sorted(missing)[:3]}")
-    used = {s for q in qs for s in q.haystack_session_ids}
-    pub = storage.Publication(out, "import", {"derived": "the GPU run's held-out questions"}, "heldout",
-                              code_version())
-    pub.publish(Dataset({k: v for k, v in sessions.items() if k in used}, qs).write(pub))
-    # the GPU driver's first stage (run_agents.bm25): BM25 alone
-    sh(ms("run", "embed", "--input", out, "--output", f"{out}-embed", "--primary", "bm25", "--no-cascade",
-          "--no-zsum", "--no-dense", "--no-chunked", "--no-turns", "-q"), f"{a.out}/embed.log")
+        parts.append(read_dataset(dst))
+    publish_questions(parts, ids, out, "the GPU run's held-out questions")
+    bm25(a, out)  # the GPU driver's first stage: BM25 alone
     return out
 
 
@@ -116,6 +103,12 @@ def main() -> None:
     from memsifter.store import storage
 
     base_chat = os.path.join(os.path.abspath(a.answers), "chat-base.parquet")
+    for n in ("chat-base", "agents-base", "agents-sft"):
+        if not os.path.isfile(os.path.join(os.path.abspath(a.answers), f"{n}.parquet")):
+            ap.error(f"--answers {a.answers}: {n}.parquet is missing (the GPU run's answers/)")
+    for flag, path in (("--lme", a.lme), ("--locomo", a.locomo)):
+        if not os.path.isfile(path):
+            ap.error(f"{flag} {path}: no such file")
     gpu = pq.read_table(base_chat).to_pylist()
     ids = list(dict.fromkeys(r["question_id"] for r in gpu))[::a.every][:a.limit]
     gpu = [r for r in gpu if r["question_id"] in set(ids)]

@@ -38,5 +38,39 @@ def test_missing_answers_dir_fails_before_any_work(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_agents_one_call.py"), "--lme", "x",
                         "--locomo", "y", "--answers", str(tmp_path / "none"), "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode != 0 and "chat-base.parquet" in r.stderr
+    assert r.returncode == 2 and "chat-base.parquet is missing" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out" / "_work" / "heldout").exists()
+
+
+def test_heldout_publishes_exactly_the_asked_questions_with_their_first_stage(tmp_path, shared_dir):
+    import types
+
+    from memsifter.data.model import read_dataset
+    from memsifter.store import storage
+
+    lme, locomo = shared_dir / "data" / "longmemeval_s_dev30.json.gz", shared_dir / "data" / "locomo_dev2.json.gz"
+    if not lme.exists() or not locomo.exists():
+        pytest.skip("../shared/data lacks the samples")
+    a = types.SimpleNamespace(lme=str(lme), locomo=str(locomo), work=str(tmp_path / "w"), out=str(tmp_path / "o"))
+    (tmp_path / "o").mkdir()
+    import gzip
+    import json
+
+    first = json.load(gzip.open(lme))[0]["question_id"]
+    locomo_ids = [q.question_id for q in _imported(a, "locomo", str(locomo))][:2]
+    out = bench.heldout(a, [first, *locomo_ids])
+    ds = read_dataset(out)
+    assert sorted(q.question_id for q in ds.questions) == sorted([first, *locomo_ids])
+    assert set(ds.sessions) == {s for q in ds.questions for s in q.haystack_session_ids}
+    assert storage.exists(f"{out}-embed/_SUCCESS")
+    with pytest.raises(SystemExit, match="in none of the datasets"):
+        bench.heldout(types.SimpleNamespace(**{**vars(a), "work": str(tmp_path / "w2")}), ["no-such-question"])
+
+
+def _imported(a, fmt, src):
+    from memsifter.data.model import read_dataset
+
+    dst = str(a.work) + "-probe"
+    subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "import", "--format", fmt, "--source", src,
+                    "--output", dst, "-q"], check=True, cwd=REPO, capture_output=True)
+    return read_dataset(dst).questions

@@ -82,23 +82,33 @@ def bm25(a, data: str) -> None:
 
 def heldout(a) -> list[str]:
     """The held-out split's questions, published as their own dataset (every stage answers exactly these)."""
-    from memsifter.data.model import Dataset, read_dataset
-    from memsifter.stage import code_version
+    from memsifter.data.model import read_dataset
     from memsifter.store import storage
 
     rows = storage.read_parquet(storage.join(f"{RUN}/prep", "test.parquet")).to_pylist()
     ids = list(dict.fromkeys(json.loads(r["extra_info"])["question_id"] if isinstance(r["extra_info"], str)
                              else r["extra_info"]["question_id"] for r in rows))
     if not storage.exists(f"{RUN}/heldout/_SUCCESS"):
-        ds = read_dataset(f"{RUN}/all")
-        keep = set(ids)
-        qs = [q for q in ds.questions if q.question_id in keep]
-        used = {s for q in qs for s in q.haystack_session_ids}
-        pub = storage.Publication(f"{RUN}/heldout", "import", {"derived": "prepare-agents test split"}, "heldout",
-                                  code_version())
-        pub.publish(Dataset({k: v for k, v in ds.sessions.items() if k in used}, qs).write(pub))
+        publish_questions([read_dataset(f"{RUN}/all")], ids, f"{RUN}/heldout", "prepare-agents test split")
         bm25(a, f"{RUN}/heldout")
     return ids
+
+
+def publish_questions(datasets: list, ids: list[str], out: str, note: str) -> None:
+    """Publish the questions ``ids`` of ``datasets`` (and the sessions their haystacks use) as one dataset."""
+    from memsifter.data.model import Dataset
+    from memsifter.stage import code_version
+    from memsifter.store import storage
+
+    sessions = {k: v for ds in datasets for k, v in ds.sessions.items()}
+    keep = set(ids)
+    qs = [q for ds in datasets for q in ds.questions if q.question_id in keep]
+    missing = keep - {q.question_id for q in qs}
+    if missing:
+        raise SystemExit(f"{len(missing)} question(s) are in none of the datasets, e.g. {sorted(missing)[:3]}")
+    used = {s for q in qs for s in q.haystack_session_ids}
+    pub = storage.Publication(out, "import", {"derived": note}, out.rstrip("/").rsplit("/", 1)[-1], code_version())
+    pub.publish(Dataset({k: v for k, v in sessions.items() if k in used}, qs).write(pub))
 
 
 class Server:
