@@ -121,6 +121,18 @@ def _yaml_value(text: str) -> Any:
 
 _yaml_value.__name__ = "JSON/YAML"
 
+NULL_WORDS = frozenset({"", "~", "null", "none"})   # what unsets an optional flag (YAML's nulls, and "none")
+
+
+def _or_null(tp: type) -> Callable[[str], Any]:
+    """argparse ``type`` of an optional scalar field: ``null``/``none``/``~``/empty (any case) unsets it, as
+    ``--set key=null`` does (``--search-api-key-env null`` is anonymous access, not a variable named null)."""
+    def convert(text: str) -> Any:
+        return None if text.strip().lower() in NULL_WORDS else tp(text)
+
+    convert.__name__ = tp.__name__
+    return convert
+
 
 class _BoolFlag(argparse.Action):
     """``--x`` sets True, ``--no-x`` (``--a.no-x`` for a nested field) sets False."""
@@ -198,14 +210,14 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type[BaseModel
         flag = "--" + dotted.replace("_", "-")
         kw: dict[str, Any] = {"dest": CONFIG_DEST + dotted, "default": argparse.SUPPRESS,
                               "help": _field_help(f, has_default, default)}
-        tp, _ = _unwrap(f.annotation)
+        tp, optional = _unwrap(f.annotation)
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
         leaf_meta = name.upper()
         if tp is bool:
             negative = "--" + ".".join((*prefix, "no-" + name)).replace("_", "-")
             group.add_argument(flag, negative, action=_BoolFlag, negative=negative, **kw)
         elif tp in (str, int, float):
-            group.add_argument(flag, type=tp, metavar=leaf_meta, **kw)
+            group.add_argument(flag, type=_or_null(tp) if optional else tp, metavar=leaf_meta, **kw)
         elif _choices(tp) is not None:
             group.add_argument(flag, type=_choice(_choices(tp)), choices=_choices(tp), **kw)
         elif item in (str, int, float):

@@ -92,12 +92,14 @@ def setup_logging(verbose: int = 0) -> None:
     memsifter's own warnings and errors, Ray's and vLLM's lines routed away from the terminal
     (:func:`memsifter.models.raypool.set_quiet`); progress bars (tqdm) still show."""
     from .models import raypool
+    from .service.logs import RedactingFilter
 
     level = logging.DEBUG if verbose > 1 else logging.INFO if verbose >= 0 else logging.WARNING
     quiet = verbose < 0
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     handler.addFilter(_OwnLines(level, quiet))
+    handler.addFilter(RedactingFilter(()))   # every credential the process knows, in any of its forms
     logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("urllib3", "botocore", "filelock", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -106,3 +108,18 @@ def setup_logging(verbose: int = 0) -> None:
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
     raypool.set_quiet(quiet)
+
+
+# C0 controls (ESC among them), DEL, C1 controls (0x9b is a one-byte CSI) and the bidirectional overrides
+# and isolates (text that reads differently from what it is): what a terminal would act on.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print on a terminal: every control character (newline included) shown as its
+    escape (``\\x1b``, ``\\n``, ``\\u202e``), so a string read from a store file can neither move the
+    cursor, recolour, retitle the terminal nor start a line of its own."""
+    def esc(m: re.Match) -> str:
+        c = ord(m.group())
+        return {10: "\\n", 9: "\\t", 13: "\\r"}.get(c) or (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+    return _CONTROL.sub(esc, str(text))

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pkgutil
+import time
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -46,6 +47,7 @@ from . import __version__
 from .testing import faults
 from .store import storage
 from .errors import ConfigError
+from .security.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +329,8 @@ class Stage:
                                           code_version())
                 tail = _LogTail()
                 logging.getLogger().addHandler(tail)
+                _progress.clear()
+                _progress.update(output=config.output, stage=self.name)
                 try:
                     pub.inputs = fingerprints
                     stats = self.body(config, pub) or {}
@@ -337,6 +341,7 @@ class Stage:
                     raise
                 finally:
                     logging.getLogger().removeHandler(tail)
+                    _progress.clear()
                 clear_failure(config.output)
         finally:
             faults.checkpoint("stage-end", stage=self.name)
@@ -359,7 +364,7 @@ class _LogTail(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.append(self.format(record)[:2000])
+            self._lines.append(redact(self.format(record))[:2000])
         except Exception:  # noqa: BLE001 - a log line must never fail the stage
             pass
 
@@ -376,13 +381,62 @@ def record_failure(output: str, stage_name: str, config_hash_: str, exc: BaseExc
     from .store.lease import run_id
 
     rec = {"stage": stage_name, "config_hash": config_hash_, "failed_at": storage.utcnow(), "run_id": run_id(),
-           "host": socket.gethostname(), "pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"[:4000],
-           "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-6000:],
+           "host": socket.gethostname(), "pid": os.getpid(), "error": redact(f"{type(exc).__name__}: {exc}")[:4000],
+           "traceback": redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))[-6000:],
            "log_tail": tail}
     try:
         storage.write_bytes(storage.join(output, storage.WORK, FAILURE), json.dumps(rec, indent=2).encode())
     except Exception as e:  # noqa: BLE001 - the original error is what the user must see
         log.debug("could not archive the failure of %s: %s", output, e)
+
+
+PROGRESS = "progress.json"   # under <output>/_work/: how far the running attempt is, for `memsifter status`
+PROGRESS_EVERY = 10.0        # seconds between two writes of it
+_progress: dict = {}         # the stage running in this process: output, stage, time of the last write
+
+
+def report_progress(desc: str, unit: str, done: int, total: int | None, started: float) -> None:
+    """Record how far the running stage is (``done`` of ``total`` ``unit``s since ``started``, the
+    epoch time its count began) in ``<output>/_work/progress.json``, at most every
+    :data:`PROGRESS_EVERY` seconds and when the count completes; ``memsifter status`` shows it with the
+    rate and ETA. The progress bars of the stages call it (:func:`progress_bar`,
+    :class:`memsifter.models.raypool.Progress`); outside a stage it does nothing. Best effort: a write
+    that fails never fails the stage."""
+    cur = _progress
+    if not cur:
+        return
+    now = time.time()
+    if now - cur.get("last", 0.0) < PROGRESS_EVERY and not (total is not None and done >= total):
+        return
+    cur["last"] = now
+    from .store.lease import run_id
+
+    rec = {"stage": cur["stage"], "run_id": run_id(), "pid": os.getpid(), "desc": desc, "unit": unit,
+           "done": int(done), "total": None if total is None else int(total), "started": round(started, 3),
+           "updated": round(now, 3)}
+    try:
+        storage.write_bytes(storage.join(cur["output"], storage.WORK, PROGRESS), json.dumps(rec).encode())
+    except Exception as e:  # noqa: BLE001
+        log.debug("could not record the progress of %s: %s", cur["output"], e)
+
+
+def progress_bar(**kw: Any) -> Any:
+    """A tqdm bar (``kw`` as tqdm takes them) that also records its count with :func:`report_progress`,
+    on a terminal or not (a bar that is disabled still counts)."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
+        def __init__(self, **a: Any) -> None:
+            self._count, self._t0 = 0, time.time()
+            self._what = (str(a.get("desc") or ""), str(a.get("unit") or "it"))
+            super().__init__(**a)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self._count += int(n or 0)
+            report_progress(*self._what, self._count, self.total, self._t0)
+            return super().update(n)
+
+    return _Bar(**kw)
 
 
 def clear_failure(output: str) -> None:
@@ -577,9 +631,15 @@ def suggest(word: str, choices: Iterable[str], prefix: str = "") -> str:
     return f" (did you mean {prefix}{close[0]}?)" if prefix else f" (did you mean '{close[0]}'?)"
 
 
+# Bits of the largest integer Python turns into its 4,300 decimal digits (sys.get_int_max_str_digits): a
+# hexadecimal, octal or binary YAML literal is read at any length, and every later str() of it would raise.
+_MAX_INT_BITS = int(4300 * 3.3219280948873626) - 1
+
+
 def _check_values(data: Any, what: str) -> None:
     """Refuse a document that expands to more than :data:`MAX_CONFIG_VALUES` values: YAML aliases
-    share one object per anchor while parsing, but validation, hashing and JSON copy every use."""
+    share one object per anchor while parsing, but validation, hashing and JSON copy every use; and an
+    integer too long to print (:data:`_MAX_INT_BITS`)."""
     count, todo = 0, [data]
     while todo:
         cur = todo.pop()
@@ -592,6 +652,9 @@ def _check_values(data: Any, what: str) -> None:
             todo.extend(cur.values())
         elif isinstance(cur, (list, tuple)):
             todo.extend(cur)
+        elif isinstance(cur, int) and cur.bit_length() > _MAX_INT_BITS:   # 0x<5000 f's>: YAML reads any length
+            raise ConfigError(f"{what}: a value cannot be read: an integer of {cur.bit_length():,} bits, more "
+                              f"digits than can be read (at most 4300)")
 
 
 def _unreadable_value(what: str, e: Exception) -> ConfigError:

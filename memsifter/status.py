@@ -5,7 +5,8 @@ pipeline`` and the demo lay them out). For each, from what lies in the store (so
 pods and their logs are gone):
 
 - **running**: a live ``_LEASE`` (holder: run id, host, pid, since; how far: files of partial work
-  saved under ``_work/``);
+  saved under ``_work/``, and the items done, rate and ETA its progress bar records in
+  ``_work/progress.json``);
 - **failed**: ``_work/failure.json``, which a stage writes when an attempt raises (error, time, run,
   host and the last log lines), newer than any published output;
 - **published**: ``_SUCCESS`` (when, by which run, files, headline stats);
@@ -19,7 +20,9 @@ stages, marked as outside the plan, and do not count for the exit code. ``status
 output shows that stage. ``--watch [SECONDS]`` redraws until nothing runs any more (no stage holds a
 live lease and no live pipeline or driver holds the run's ``_run/_LEASE``), then exits: 0 when every
 stage is published, 1 when one failed or the run stopped before the end; ``--json`` prints the
-states as JSON. Exit 1 without ``--watch`` means a stage of the run failed.
+states as JSON. Exit 1 without ``--watch`` means a stage of the run failed. Text read from the store is
+printed with its control characters escaped (no terminal escape sequence from a store file reaches the
+terminal).
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ import sys
 import time
 from datetime import datetime
 
+from .console import printable
 from .store import storage
 from .errors import InputError, MemsifterError
 
 PLAN = "plan.json"
 MAX_WATCH = 86_400.0   # seconds between redraws at most
+MIN_WATCH = 1.0        # ... and at least (a smaller --watch is raised to it: 1e-9 redrew 8,805 times in 6 s)
 HEADLINE = ("questions", "sessions", "texts", "rows", "answered", "steps", "generated")
 
 
@@ -100,6 +105,9 @@ def stage_state(out: str, name: str | None = None) -> dict:
         partial = [f for f in storage.list_files(storage.join(out, storage.WORK))
                    if f.endswith((".parquet", ".npy", ".jsonl")) and "/" in f]
         st.update(state="running", holder=describe(lease, now), partial_files=len(partial))
+        prog = progress(out, lease, now)
+        if prog:
+            st["progress"] = prog
     elif failure and (manifest is None or _ts(failure.get("failed_at")) > _ts(manifest.get("published_at"))):
         st.update(state="failed", error=failure.get("error"), failed_at=failure.get("failed_at"),
                   run_id=failure.get("run_id"), host=failure.get("host"), log_tail=failure.get("log_tail") or [],
@@ -116,6 +124,42 @@ def stage_state(out: str, name: str | None = None) -> dict:
     else:
         st.update(state="not started")
     return st
+
+
+def progress(out: str, holder: dict | None, now: float) -> dict | None:
+    """How far the lease holder's attempt is, from ``<out>/_work/progress.json`` (the stages' progress
+    bars write it: :func:`memsifter.stage.report_progress`): items done and total, rate per second, ETA
+    in seconds and the age of the record; None without a record of this holder (run id and pid)."""
+    from .stage import PROGRESS
+
+    rec = _read_json(storage.join(out, storage.WORK, PROGRESS))
+    if not rec or not holder or rec.get("run_id") != holder.get("run_id") or rec.get("pid") != holder.get("pid"):
+        return None
+    nums = [rec.get(k) for k in ("done", "started", "updated")]
+    total = rec.get("total")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in nums) \
+            or not (total is None or (isinstance(total, int) and not isinstance(total, bool))):
+        return None
+    done, started, updated = nums
+    rate = done / (updated - started) if updated > started and done > 0 else None
+    eta = (total - done) / rate if rate and total is not None and total >= done else None
+    return {"desc": str(rec.get("desc") or ""), "unit": str(rec.get("unit") or "item"), "done": int(done),
+            "total": total, "per_second": None if rate is None else round(rate, 3),
+            "eta_seconds": None if eta is None else round(eta), "age_seconds": round(max(0.0, now - updated))}
+
+
+def _span(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _progress_text(p: dict) -> str:
+    unit = p["unit"]
+    units = unit + "s" if len(unit) > 3 and not unit.endswith("s") else unit   # questions, texts; q, req
+    of = f"/{p['total']}" if p["total"] is not None else ""
+    rate = f", {p['per_second']:.3g} {unit}/s" if p["per_second"] else ""
+    eta = f", ETA {_span(p['eta_seconds'])}" if p["eta_seconds"] is not None else ""
+    return f"{p['desc']}: {p['done']}{of} {units} done{rate}{eta} (as of {_span(p['age_seconds'])} ago)"
 
 
 def _where(uri: str) -> tuple[str, str]:
@@ -225,6 +269,8 @@ def render(report: dict) -> str:
             lines.append(f"{head} {s['published_at']} by {s['run_id']}, {s['files']} files" + (f"; {hl}" if hl else ""))
         elif s["state"] == "running":
             lines.append(f"{head} {s['holder']}; {s['partial_files']} partial-work files saved")
+            if s.get("progress"):
+                lines.append(f"  {'':<11} {_progress_text(s['progress'])}")
         elif s["state"] == "failed":
             lines.append(f"{head} {s['failed_at']} (run {s['run_id']}, host {s['host']}): {s['error']}"
                          + (" [an earlier output stays published]" if s.get("earlier_output_published") else ""))
@@ -236,11 +282,12 @@ def render(report: dict) -> str:
             lines.append(head.rstrip())
         if s.get("problem"):
             lines.append(f"  {'':<11} ! {s['problem']}")
-    return "\n".join(lines)
+    return "\n".join(printable(ln) for ln in lines)   # store files may hold terminal escape sequences
 
 
 def _watch_seconds(text: str) -> float:
-    """argparse type of ``--watch``: a finite number of seconds in (0, 86400]."""
+    """argparse type of ``--watch``: a finite number of seconds in (0, 86400], raised to
+    :data:`MIN_WATCH`."""
     try:
         v = float(text)
     except ValueError:
@@ -248,7 +295,7 @@ def _watch_seconds(text: str) -> float:
     if not math.isfinite(v) or not 0 < v <= MAX_WATCH:
         raise argparse.ArgumentTypeError(f"{text}: seconds between redraws must be > 0 and at most "
                                          f"{MAX_WATCH:.0f}")
-    return v
+    return max(v, MIN_WATCH)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p = SuggestingParser(prog="memsifter status", description=plain(__doc__))
     p.add_argument("run", help="run prefix (local path or s3://bucket/prefix), or one stage's output")
     p.add_argument("--watch", nargs="?", const=5.0, type=_watch_seconds, metavar="SECONDS",
-                   help="redraw every SECONDS (default 5) until nothing runs any more")
+                   help=f"redraw every SECONDS (default 5, at least {MIN_WATCH:g}) until nothing runs any more")
     p.add_argument("--json", action="store_true", help="print the states as JSON")
     args = p.parse_args(argv)
     while True:
@@ -271,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.watch or finished(report):
             if args.watch and not args.json:
                 left = [s["stage"] for s in report["stages"] if s.get("in_plan", True) and s["state"] != "published"]
-                print("nothing runs any more: " + (f"not published: {', '.join(left)}" if left else "all published"))
+                print(printable("nothing runs any more: "
+                                + (f"not published: {', '.join(left)}" if left else "all published")))
             return exit_code(report, bool(args.watch))
         time.sleep(args.watch)
         if not sys.stdout.isatty() and not args.json:

@@ -58,6 +58,30 @@ def test_expired_lease_of_a_dead_holder_is_taken_over(store_root):
     got.release()
 
 
+def test_lease_expiring_implausibly_far_ahead_is_expired(tmp_path, capsys):
+    """issue 41: a lease whose expires_at is now + 1e8 kept a stage "running" forever. No holder writes an
+    expiry past the longest lease (a day) plus clock skew: such a lease is expired, for `memsifter status`
+    and for the next writer; one within a day stays live."""
+    from memsifter import status
+
+    out = str(tmp_path / "out")
+    foreign_lease(out, expires_in=1e8)
+    holder = lease.read_holder(out)
+    assert lease.holder_state(holder) == "expired"
+    assert "beyond the longest lease" in lease.describe(holder)
+    capsys.readouterr()
+    assert status.main([out, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["stages"][0]
+    assert st["state"] == "stale lease", st
+    got = lease.Lease(out, ttl=5).acquire()   # taken over, not refused as held
+    assert got.holder["took_over"]["run_id"] == "run-other"
+    got.release()
+    foreign_lease(out, expires_in=lease.MAX_TTL)   # the longest real lease: live
+    assert lease.holder_state(lease.read_holder(out)) == "live"
+    with pytest.raises(lease.LeaseHeldError):
+        lease.Lease(out).acquire()
+
+
 def test_heartbeat_keeps_a_short_lease_alive(tmp_path):
     prefix = str(tmp_path / "out")
     a = lease.Lease(prefix, ttl=0.6).acquire().start()

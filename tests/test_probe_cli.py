@@ -123,6 +123,13 @@ ONE_LINE = [
     ("status-plan-output-list", lambda t: ["status", plan(t, {"stages": [{"stage": "synth", "output": ["a"]}]})],
      "plan.json"),
     ("status-plan-not-object", lambda t: ["status", plan(t, [1, 2])], "plan.json"),
+    # issue 41: YAML reads a hexadecimal literal at any length; printing it later raised (a traceback)
+    ("set-hex-5000-fs", lambda t: ["run", "synth", "--output", str(t / "o"), "--set", "seed=0x" + "f" * 5000],
+     "--set seed"),
+    ("config-hex-5000-fs", lambda t: ["run", "synth", "--output", str(t / "o"), "--config",
+                                      write(t / "c.yaml", "seed: 0x" + "f" * 5000 + "\n")], "c.yaml"),
+    ("pipeline-set-hex-5000-fs", lambda t: ["pipeline", "show", "--config", pipeline_cfg(t), "--set",
+                                            "stages.synth.seed=0x" + "f" * 5000], "--set stages.synth.seed"),
 ]
 @pytest.mark.parametrize("case,argv,says", ONE_LINE, ids=[c for c, *_ in ONE_LINE])
 def test_bad_input_is_one_line_exit_2(case, argv, says, tmp_path, capsys):
@@ -325,6 +332,71 @@ def test_status_marks_outputs_outside_the_plan(tmp_path, capsys):
     status.main([run])
     text = capsys.readouterr().out
     assert "not in the run's plan" in text and text.index("not in the run's plan") < text.index("evalute")
+
+
+def _live_run(tmp_path: Path, escapes: str = "") -> tuple[str, "lease.Lease"]:
+    """A run whose embed stage holds a live lease of this process (the caller releases it)."""
+    run = str(tmp_path / "run")
+    run_pipeline({"run": run, "stages": {"synth": SPEC["stages"]["synth"]}}, echo=lambda s: None)
+    storage.write_bytes(storage.join(run, "_run", "plan.json"), json.dumps({"run": run, "stages": [
+        {"stage": "synth", "output": storage.join(run, "synth")},
+        {"stage": "embed", "output": storage.join(run, "embed")},
+        {"stage": "evaluate" + escapes, "output": storage.join(run, "evaluate")}]}).encode())
+    return run, lease.Lease(storage.join(run, "embed"), purpose="stage embed" + escapes, ttl=60).acquire()
+
+
+def test_status_watch_interval_is_floored(tmp_path):
+    """issue 41: `status --watch 1e-9` redrew 8,805 times in 6 s; the interval is raised to 1 s."""
+    run, held = _live_run(tmp_path)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "memsifter.cli", "status", run, "--watch", "1e-9"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        time.sleep(6)
+        p.terminate()
+        out, err = p.communicate(timeout=30)
+    finally:
+        held.release()
+    draws = out.count(f"run {run}")
+    assert 2 <= draws <= 8, (draws, err[-2000:])   # ~6 at the 1 s floor (plus start-up)
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[31mRED\x9b1m\u202e"
+
+
+def test_status_escapes_control_characters_from_store_files(tmp_path, capsys):
+    """issue 41: terminal escape sequences taken from store files (a failure record, a lease, the plan)
+    reached the terminal raw; every control character is shown escaped."""
+    from memsifter import status
+
+    run, held = _live_run(tmp_path, ESCAPES)
+    try:
+        storage.write_bytes(storage.join(run, "evaluate", "_work", "failure.json"), json.dumps({
+            "stage": "evaluate", "error": "boom" + ESCAPES, "failed_at": "2026-01-01T00:00:00Z",
+            "run_id": "r" + ESCAPES, "host": "h\nfake line", "log_tail": ["tail" + ESCAPES]}).encode())
+        capsys.readouterr()
+        status.main([run])
+        out = capsys.readouterr().out
+    finally:
+        held.release()
+    assert "boom" in out and "tail" in out and "RED" in out, out
+    bad = [c for c in out if (ord(c) < 32 and c != "\n") or 0x7f <= ord(c) <= 0x9f or c == "\u202e"]
+    assert bad == [], repr(bad)
+    assert "\\x1b]0;owned\\x07" in out and "\\x9b" in out and "h\\nfake line" in out, out
+    assert not any(ln.startswith("fake line") for ln in out.splitlines())
+
+
+@pytest.mark.parametrize("word", ["null", "None", "~", ""])
+def test_optional_flag_null_means_unset(word, tmp_path, capsys):
+    """issue 41: `--search-api-key-env null` was read as a variable named "null"; null/none/~/empty unset
+    an optional field, as `--set key=null` does."""
+    capsys.readouterr()
+    rc = cli.main(["run", "agents", "--input", str(tmp_path / "d"), "--output", str(tmp_path / "o"),
+                   "--search-url", "http://127.0.0.1:9", "--search-api-key-env", word, "--print-config"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["search_api_key_env"] is None
+    rc = cli.main(["run", "agents", "--input", str(tmp_path / "d"), "--output", str(tmp_path / "o"),
+                   "--search-api-key-env", "MY_KEY", "--print-config"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["search_api_key_env"] == "MY_KEY"
 
 
 # --------------------------------------------------------------------------- pipeline

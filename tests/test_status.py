@@ -94,3 +94,57 @@ def test_data_info_on_a_run_prefix_points_to_status(tmp_path):
     p = subprocess.run([sys.executable, "-m", "memsifter.cli", "data", "info", run], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and f"memsifter status {run}" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_running_stage_shows_items_done_rate_and_eta(tmp_path):
+    """issue 41: status of a running stage showed the lease only. A real embed stage (BM25, no model),
+    held at the start of its publish: status shows what its progress bars recorded (questions done, rate,
+    ETA); then a count half done, recorded by the same progress bar a stage uses, gives a real ETA."""
+    import time
+
+    from memsifter import stage as stg
+    from memsifter.models.raypool import Progress
+
+    data, out = str(tmp_path / "data"), str(tmp_path / "embed")
+    run_pipeline({"run": str(tmp_path / "r"), "stages": {"synth": {"questions": 3, "sessions_per_question": 4,
+                                                                   "output": data}}}, echo=lambda s: None)
+    env = {**os.environ, "MEMSIFTER_PAUSE_AT": "embed:publish-start:30"}
+    p = subprocess.Popen([sys.executable, "-m", "memsifter.cli", "run", "embed", "--input", data, "--output", out,
+                          "--no-zsum", "--no-cascade", "-q"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, rep = time.time() + 60, {}
+        while time.time() < deadline:   # until the stage took its lease and recorded its last count
+            j = subprocess.run([sys.executable, "-m", "memsifter.cli", "status", out, "--json"],
+                               capture_output=True, text=True, timeout=120)
+            rep = json.loads(j.stdout) if j.returncode == 0 else {}
+            st = rep["stages"][0] if rep.get("stages") else {}
+            if st.get("state") == "running" and st.get("progress", {}).get("desc") == "embed: scores":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"no progress shown: {rep}")
+        rc, rep, text = status(out)
+        st = rep["stages"][0]
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
+    prog = st["progress"]
+    assert prog["done"] == prog["total"] == 3 and prog["unit"] == "question" and prog["eta_seconds"] == 0
+    assert prog["per_second"] > 0
+    assert "embed: scores: 3/3 questions done" in text and "question/s, ETA 0 s" in text, text
+
+    # mid-count, as a stage's bar records it under its lease: 4 of 10 in 8 s -> 0.5/s, ETA 12 s
+    held = lease.Lease(out, purpose="stage rank", ttl=60).acquire(steal=True)
+    stg._progress.update(output=out, stage="rank")
+    try:
+        bar = Progress(10, desc="rank m", unit="question")
+        bar.t0 -= 8
+        bar.update(4)
+        rc, rep, text = status(out)
+    finally:
+        stg._progress.clear()
+        held.release()
+    prog = rep["stages"][0]["progress"]
+    assert prog["done"] == 4 and prog["total"] == 10 and 0.45 < prog["per_second"] < 0.55, prog
+    assert 10 <= prog["eta_seconds"] <= 14 and "rank m: 4/10 questions done" in text and "ETA 1" in text, text

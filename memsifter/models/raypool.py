@@ -124,7 +124,10 @@ class Progress:
         self.tty = sys.stderr.isatty()
 
     def update(self, n: int) -> None:
+        from ..stage import report_progress
+
         self.done += n
+        report_progress(self.desc, self.unit, self.done, self.total, self.t0)   # for `memsifter status`
         now = time.time()
         if now - self.t0 < self.after and self.done < self.total:
             return

@@ -225,9 +225,9 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     secrets = config.endpoint.secrets() + (config.judge.secrets() if config.judge else [])
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()
-    from tqdm import tqdm
+    from ..stage import progress_bar
 
-    bar = tqdm(total=len(todo), desc=f"chat {config.endpoint.model}", unit="req", disable=not todo,
+    bar = progress_bar(total=len(todo), desc=f"chat {config.endpoint.model}", unit="req", disable=not todo,
                mininterval=1.0)
     for chunk in storage.iter_chunks(todo, config.shard_size):
         comps = client.complete_many([prepared[(label, q.question_id)][0] for label, q in chunk], progress=bar)

@@ -551,10 +551,10 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
     shards = len({r.get("_shard") for r in done.values()})
     busy = EngineWindow()
     if todo:
-        from tqdm import tqdm
+        from ..stage import progress_bar
 
-        # questions ranked, rate and ETA (a terminal bar; -q keeps it, logs stay quiet)
-        bar = tqdm(total=len(todo), desc=f"rank {config.model}", unit="q", mininterval=1.0)
+        # questions ranked, rate and ETA (a terminal bar; -q keeps it, logs stay quiet; `memsifter status`)
+        bar = progress_bar(total=len(todo), desc=f"rank {config.model}", unit="q", mininterval=1.0)
         gen = (generate_vllm(engine_config, todo) if config.engine == "vllm"
                else generate_endpoint(engine_config, todo, storage.join(out.work, "llm-cache"), progress=bar))
         buf: list[dict] = []

@@ -42,7 +42,9 @@ expires by itself, and the failing command ends within its retry budget.
 
 For ``memsifter status``: :func:`read_holder` reads the holder of a prefix and :func:`holder_state`
 says whether it is ``live``, ``stale`` (its pid is gone on this very host: a killed run, whose lease
-has not expired yet), ``expired`` or ``malformed``.
+has not expired yet), ``expired`` or ``malformed``. An ``expires_at`` further ahead than the longest
+lease (a day) plus 5 minutes of clock skew counts as expired: no holder writes one, and it would keep a
+stage "running" forever.
 
 Limits: expiry uses the writers' wall clocks (keep them within a few seconds of each other, i.e.
 NTP); release deletes only a lease whose token is still ours, but between that check and the delete
@@ -88,6 +90,9 @@ class MalformedLeaseError(StorageError):
 
 
 MAX_TTL = 86400.0
+# An expiry further ahead than the longest lease plus this much clock skew was not written by a holder
+# (a lease runs MAX_TTL at most): such a lease is treated as expired, so it cannot hold an output forever.
+CLOCK_SKEW = 300.0
 _MAX_PID = 2 ** 31 - 1
 
 
@@ -104,12 +109,22 @@ def _short(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def expired(holder: dict, now: float | None = None) -> bool:
+    """Past its ``expires_at``, or with an ``expires_at`` more than :data:`MAX_TTL` +
+    :data:`CLOCK_SKEW` ahead (no holder writes that: now + 1e8 would keep a stage "running" forever)."""
+    now = time.time() if now is None else now
+    exp = holder.get("expires_at", 0)
+    return exp < now or exp > now + MAX_TTL + CLOCK_SKEW
+
+
 def describe(holder: dict, now: float | None = None) -> str:
     if holder.get("malformed"):
         return f"a malformed lease ({holder['malformed']})"
     now = time.time() if now is None else now
     left = holder.get("expires_at", 0) - now
-    state = f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
+    state = (f"expires in {left:.0f}s" if 0 < left <= MAX_TTL + CLOCK_SKEW else f"expired {-left:.0f}s ago"
+             if left <= 0 else f"expiry {left:.3g}s ahead, beyond the longest lease ({MAX_TTL:g}s): "
+             f"treated as expired")
     return (f"run {_short(holder.get('run_id'))} ({_short(holder.get('purpose') or 'writer')}, host "
             f"{_short(holder.get('host'))}, pid {holder.get('pid')}, since {_short(holder.get('started_at'))}, "
             f"lease {state})")
@@ -159,15 +174,15 @@ def holder_state(holder: dict | None, now: float | None = None) -> str:
     """The state of a lease holder (as :func:`read_holder` returns it), for ``memsifter status``:
 
     * ``"malformed"``: not a lease (garbage ``_LEASE``: ``holder["malformed"]`` says why);
-    * ``"expired"``: past its ``expires_at`` (its run is dead or stuck; the next writer takes it over);
+    * ``"expired"``: past its ``expires_at`` (its run is dead or stuck; the next writer takes it over),
+      or with one implausibly far ahead (:func:`expired`);
     * ``"stale"``: not expired, but held on this very host by a pid that is gone (a killed run: the
       next writer on this host takes it over at once; elsewhere it expires after the TTL);
     * ``"live"``: everything else (a holder on another host is judged by its expiry only).
     """
     if not holder or holder.get("malformed") or "malformed" in check_holder(holder, "_LEASE"):
         return "malformed"
-    now = time.time() if now is None else now
-    if holder["expires_at"] < now:
+    if expired(holder, now):
         return "expired"
     if _dead_here(holder):
         return "stale"
@@ -381,11 +396,11 @@ class Lease:
             if other.get("token") == self.token:   # our create went through but its reply was lost
                 self.etag = other_etag
                 return self
-            expired = not other.get("malformed") and (other["expires_at"] < time.time() or _dead_here(other))
-            if not expired and not steal and time.time() < deadline:
+            gone = not other.get("malformed") and (expired(other) or _dead_here(other))
+            if not gone and not steal and time.time() < deadline:
                 time.sleep(min(2.0, max(0.1, deadline - time.time())))
                 continue
-            if not expired and not steal:
+            if not gone and not steal:
                 raise LeaseHeldError(
                     f"{self.prefix}: another writer holds this output: {describe(other)}. Wait for it to "
                     f"finish, or if that run is dead pass --steal-lease (a dead holder's lease also "
@@ -394,7 +409,7 @@ class Lease:
             if etag is not None:
                 self.etag = etag
                 log.warning("%s: took over the lease of %s (%s)", self.prefix, describe(other),
-                            "stolen" if not expired else "expired")
+                            "stolen" if not gone else "expired")
                 self.holder["took_over"] = {k: other.get(k) for k in ("run_id", "host", "pid", "token")}
                 return self
             races += 1
