@@ -479,3 +479,72 @@ def test_agents_driver_refuses_an_unknown_phase():
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_agents.py"), "run", "--phases", "sft,grop"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "grop" in p.stderr
+
+
+def test_dapo_4b_update_flops_by_hand():
+    """dapo_4b_table.train_flops: 3 forward passes of 2 FLOPs per weight per token (LM head on every position)
+    plus causal attention 2 * layers * q_dim * L^2, on a shape small enough to count by hand."""
+    t = importlib.import_module("dapo_4b_table")
+    shape = dict(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=2, vocab_size=10)
+    # per layer: q and o 2*4*4, k and v 2*4*2, mlp 3*4*8 = 144; 2 layers = 288; LM head 4*10 = 40
+    assert t.train_flops(shape, [3]) == 3 * (2 * (288 + 40) * 3 + 2 * 2 * 4 * 3 * 3)
+    assert t.train_flops(shape, [3, 5]) == t.train_flops(shape, [3]) + t.train_flops(shape, [5])
+    from memsifter.models.tiny import QWEN3_4B
+    # Qwen3-4B: ~4.02B matmul weights with the tied LM head; one 33,024-token row's update is ~1.76 PFLOP
+    assert abs(t.train_flops(QWEN3_4B, [33024]) / 1.762e15 - 1) < 0.01
+
+
+def test_dapo_4b_table_rows_come_from_the_raw_files(tmp_path):
+    t = importlib.import_module("dapo_4b_table")
+    run = {"tag": "8k", "config": "memsifter/configs/train_4b_8k_1gpu.yaml", "gpus": 1, "batch": 8, "n": 4,
+           "exit": 0, "wall_s": 400.0, "steps_logged": 1, "gpu_peak_mib_nvidia_smi": 70000,
+           "matmul_peak_flops": 800e12, "device": "NVIDIA H100 80GB HBM3", "dynamic_sampling": False}
+    step = {"tag": "8k", "config": run["config"], "step": 1, "prompt_length/mean": 8000.0,
+            "response_length/mean": 256.0, "timing_s/step": 90.0, "timing_s/gen": 16.0,
+            "timing_s/update_actor": 50.0, "perf/max_memory_allocated_gb": 40.0}
+    failed = {**run, "tag": "32k", "config": "memsifter/configs/train_4b_32k_1gpu.yaml", "exit": 1, "steps_logged": 0}
+    (tmp_path / "runs.jsonl").write_text(json.dumps(run) + "\n" + json.dumps(failed) + "\n")
+    (tmp_path / "steps.jsonl").write_text(json.dumps(step) + "\n")
+    runs, steps = t.load(str(tmp_path))
+    text, rows = t.table(runs, steps)
+    (r,) = rows
+    assert r["rows"] == 32 and r["rollout_gen_tok_s"] == 32 * 256 / 16 and r["rollout_prompt_tok_s"] == 8 * 8000 / 16
+    flops = t.train_flops(t.QWEN3_4B, [8256.0] * 32)
+    assert r["mfu"] == flops / 50.0 / 800e12 and 0 < r["mfu"] < 1
+    assert f"{100 * r['mfu']:.1f}%" in text and "no step logged (exit 1" in text and "68.4" in text
+
+
+@pytest.mark.parametrize("name,prompt,tokens_per_micro_batch",
+                         [("train_4b_8k_1gpu.yaml", 8192, 33792), ("train_4b_32k_1gpu.yaml", 32768, 33024)])
+def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, tokens_per_micro_batch,
+                                                                           tmp_path, capsys):
+    """The committed 4B train configs, with exactly what run_dapo_4b.py adds on the command line, compose and
+    validate as verl's config (`memsifter run train --dry-run`): FSDP2 with host offload, recomputation, one
+    GPU without Ulysses, SDPA; dynamic sampling on in the file, off only by the driver's flag."""
+    import argparse
+
+    import yaml
+
+    from memsifter.cli import main
+
+    drv = importlib.import_module("run_dapo_4b")
+    path = str(REPO / "memsifter" / "configs" / name)
+    facts = drv.config_facts(path)
+    assert facts["prompt"] == prompt and facts["gpus"] == 1 and facts["config"] == f"memsifter/configs/{name}"
+    a = argparse.Namespace(work=str(tmp_path), steps=2, set=[], dynamic_sampling=False)
+    args = drv.train_args(a, f"{prompt // 1024}k", str(tmp_path / "model"))
+    assert "verl.algorithm.filter_groups.enable=false" in args
+    main(["run", "train", "--config", path, "--dry-run", *args])
+    text = capsys.readouterr().out
+    cfg = yaml.safe_load(text)
+    actor, model = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["model"]
+    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["offload_policy"] is True
+    assert actor["ppo_max_token_len_per_gpu"] == tokens_per_micro_batch and actor["use_dynamic_bsz"] is True
+    assert actor["ulysses_sequence_parallel_size"] == 1 and model["enable_gradient_checkpointing"] is True
+    assert model["override_config"]["attn_implementation"] == "sdpa"
+    assert cfg["data"]["max_prompt_length"] == prompt and cfg["trainer"]["total_training_steps"] == 2
+    assert cfg["algorithm"]["filter_groups"]["enable"] is False
+    assert cfg["actor_rollout_ref"]["rollout"]["mode"] == "async" and cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
+    file_cfg = yaml.safe_load(open(path))
+    assert "filter_groups" not in file_cfg["verl"].get("algorithm", {}), "the file keeps the recipe's dynamic sampling"

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""The table of ``run_dapo_4b.py``'s runs, from the raw files it wrote (``runs.jsonl``, ``steps.jsonl``):
+
+    python3 benchmarks/gpu/dapo_4b_table.py benchmarks/gpu/results/2026-11-26-h100-4b-dapo   # -> table.md, table.json
+
+Per step: step, rollout (generation), old log-prob and actor-update seconds (verl's ``timing_s/*``), rollout
+tokens/s (generated tokens of all samples / generation seconds; and the unique prompts' tokens / generation
+seconds), peak GPU memory (verl's actor process: allocated / reserved; the whole device by nvidia-smi over the
+run, which includes vLLM), and the actor update's MFU:
+
+    model FLOPs of the update = 3 x sum over rows of [2 (N_body + N_lm_head) L + 2 layers q_dim L^2]
+
+(forward + backward = 3 forward passes; 2 FLOPs per weight per token, the LM head over every position as the
+actor computes it; causal attention QK^T and AV = 4 q_dim L^2 / 2 per layer; gradient checkpointing's
+recomputation not counted, as MFU does not count it), with L = mean prompt + mean response length of the step
+and rows = prompts x samples, over the update's seconds, against the bf16 matmul peak measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_rank import model_params  # noqa: E402  (imports run_embed: standard library only at import)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from memsifter.models.tiny import QWEN3_4B  # noqa: E402
+
+
+def train_flops(cfg: dict, lengths: list[float]) -> float:
+    """Model FLOPs of one forward + backward over rows of these lengths (see the module's docstring)."""
+    p = model_params(cfg)
+    fwd = sum(2 * (p["body"] + p["lm_head"]) * L + 2 * p["layers"] * p["q_dim"] * L * L for L in lengths)
+    return 3 * fwd
+
+
+def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
+    """One table row of a verl step record ``st`` of run ``run`` (its config facts, peak, device)."""
+    rows = run["batch"] * run["n"]
+    prompt, resp = st.get("prompt_length/mean"), st.get("response_length/mean")
+    gen, upd = st.get("timing_s/gen"), st.get("timing_s/update_actor")
+    out = {"tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
+           "prompt_mean": prompt, "response_mean": resp, "step_s": st.get("timing_s/step"), "gen_s": gen,
+           "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
+           "rollout_gen_tok_s": rows * resp / gen if gen and resp is not None else None,
+           "rollout_prompt_tok_s": run["batch"] * prompt / gen if gen and prompt is not None else None,
+           "mem_alloc_gb": st.get("perf/max_memory_allocated_gb"), "mem_reserved_gb": st.get("perf/max_memory_reserved_gb"),
+           "verl_mfu_actor": st.get("perf/mfu/actor")}
+    peak = run.get("matmul_peak_flops")
+    if upd and peak and prompt is not None and resp is not None:
+        flops = train_flops(cfg, [prompt + resp] * rows)
+        out.update(update_flops=flops, update_tflops_s=flops / upd / 1e12, mfu=flops / upd / peak)
+    return out
+
+
+def load(folder: str) -> tuple[list[dict], list[dict]]:
+    def jl(name: str) -> list[dict]:
+        path = os.path.join(folder, name)
+        return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+    return jl("runs.jsonl"), jl("steps.jsonl")
+
+
+def fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
+    rows = []
+    lines = ["| prompt | GPUs | step | rows × (prompt + response) tokens | step s | rollout s | old log-prob s | "
+             "actor update s | rollout gen tok/s | rollout prompt tok/s | actor TFLOP/s | actor MFU | "
+             "verl's MFU (datasheet peak) | GPU mem alloc / reserved GB (actor) | device peak GiB (nvidia-smi) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for run in runs:
+        mine = [s for s in steps if s.get("tag") == run["tag"] and s.get("config") == run["config"]]
+        if not mine:
+            lines.append(f"| {run['tag']} | {run['gpus']} | - | no step logged (exit {run['exit']}, "
+                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} |")
+            continue
+        for st in mine:
+            r = step_row(run, st)
+            rows.append(r)
+            shape = (f"{r['rows']} × ({fmt(r['prompt_mean'], ',.0f')} + {fmt(r['response_mean'], '.0f')})")
+            lines.append(
+                f"| {r['tag']} | {r['gpus']} | {r['step']} | {shape} | {fmt(r['step_s'])} | {fmt(r['gen_s'])} | "
+                f"{fmt(r['old_log_prob_s'])} | {fmt(r['update_s'])} | {fmt(r['rollout_gen_tok_s'], ',.0f')} | "
+                f"{fmt(r['rollout_prompt_tok_s'], ',.0f')} | {fmt(r.get('update_tflops_s'), '.0f')} | "
+                f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
+                f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} |")
+    head = []
+    for run in runs:
+        head.append(f"- {run['tag']}: `{run['config']}`, exit {run['exit']}, {run['wall_s']:.0f} s wall "
+                    f"(verl start included), {run['steps_logged']} step(s), dynamic sampling "
+                    f"{'on' if run.get('dynamic_sampling') else 'off'}; device {run['device']}, bf16 matmul peak "
+                    f"{fmt(run.get('matmul_peak_flops') and run['matmul_peak_flops'] / 1e12)} TFLOP/s")
+    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n", rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder")
+    a = ap.parse_args()
+    runs, steps = load(a.folder)
+    if not runs:
+        raise SystemExit(f"{a.folder}: no runs.jsonl")
+    text, rows = table(runs, steps)
+    with open(os.path.join(a.folder, "table.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.folder, "table.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

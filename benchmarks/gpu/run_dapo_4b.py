@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""The DAPO recipe at a real model's shape (issue 43 item 1): the train stage, run with a committed example
+config per prompt length, on a randomly initialised model of Qwen3-4B's exact architecture.
+
+    source benchmarks/gpu/install.sh
+    python3 benchmarks/gpu/run_dapo_4b.py start --configs memsifter/configs/train_4b_8k_1gpu.yaml,memsifter/configs/train_4b_32k_1gpu.yaml
+    python3 benchmarks/gpu/run_dapo_4b.py wait --out "$OUT" --max-s 540     # poll back to back
+    # afterwards, anywhere: python3 benchmarks/gpu/dapo_4b_table.py RESULTS_DIR
+
+What runs on the host, every step a ``memsifter`` CLI call against a SeaweedFS started here:
+
+1. the bf16 matmul peak (8192^3) of this GPU, which the table's MFU divides by;
+2. ``run synth``: long synthetic histories; a random Qwen3-4B-shaped model (``memsifter.models.tiny.QWEN3_4B``:
+   hidden 2560, 36 layers, 32/8 heads of 128, intermediate 9728, vocab 151,936, tied embeddings) with a
+   tokenizer trained on that text;
+3. per config: ``run prepare-rl`` with the config's prompt budget, then ``memsifter run train --config FILE``
+   with only the run's own locations set on the command line (``--set output=... data=... model=...
+   local_dir=...``), the step count, and dynamic sampling off (``--no-dynamic-sampling``, default on: a random
+   model scores every sample alike, so every group would be discarded and no update would run);
+4. the verl step lines of each run -> ``steps.jsonl``; the run's facts (device, peak, wall time, exit, peak
+   GPU memory of the whole device by nvidia-smi) -> ``runs.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run_train import ROOT, ms, sh, verl_steps, write_yaml  # noqa: E402
+
+sys.path.insert(0, ROOT)
+
+RUN = "s3://memsifter/dapo4b"
+
+
+def config_facts(path: str) -> dict:
+    """What the table needs from an example config: prompt/response budgets, prompts per step, samples each."""
+    import yaml
+
+    cfg = yaml.safe_load(open(path))
+    v = cfg.get("verl", {})
+    d, ar = v.get("data", {}), v.get("actor_rollout_ref", {})
+    return {"config": os.path.relpath(os.path.abspath(path), ROOT), "prompt": d["max_prompt_length"],
+            "response": d["max_response_length"], "batch": d["train_batch_size"], "n": ar["rollout"]["n"],
+            "gpus": cfg.get("nnodes", 1) * cfg.get("n_gpus_per_node", 1)}
+
+
+def prepare(a) -> tuple[str, dict]:
+    """Synthetic data (one dataset for every prompt length) and the random model with its tokenizer."""
+    from memsifter.data.model import read_dataset
+    from memsifter.models.tiny import QWEN3_4B, build_random_model
+    from memsifter.store import storage
+    from run_rank import peak_child, spawn
+
+    model = os.path.join(a.work, "qwen3-4b-shape")
+    if not storage.exists(f"{RUN}/synth/_SUCCESS"):
+        sh(ms("run", "synth", "--output", f"{RUN}/synth", "--set", f"questions={a.questions}",
+              "--set", f"sessions_per_question={a.sessions}", "--set", "turns_per_session=6", "--set", "seed=0"),
+           f"{a.out}/synth.log")
+    t = time.time()
+    if not os.path.exists(os.path.join(model, "config.json")):
+        ds = read_dataset(f"{RUN}/synth")
+        corpus = [t_["content"] for s in list(ds.sessions.values())[:3000] for t_ in s.turns]
+        # in a child: the CUDA memory it takes must be free before verl starts
+        if spawn(build_random_model, (model, QWEN3_4B, corpus, 32000, "bfloat16", "cuda")) != 0:
+            raise SystemExit("building the model failed")
+    print(f"model ready in {time.time() - t:.1f}s", flush=True)
+    peak_path = os.path.join(a.work, "peak.json")
+    if not os.path.exists(peak_path):
+        spawn(peak_child, (peak_path,), timeout=120)
+    pk = json.load(open(peak_path)) if os.path.exists(peak_path) else {"peak": None, "device": "?"}
+    print(f"matmul peak {pk['peak'] and pk['peak'] / 1e12:.1f} TFLOP/s on {pk['device']}", flush=True)
+    return model, pk
+
+
+def train_args(a, tag: str, model: str) -> list[str]:
+    """What the driver sets on ``memsifter run train --config FILE``: the run's own locations, its length,
+    no checkpoint, ``--set`` extras; dynamic sampling off unless ``--dynamic-sampling``."""
+    sets = [f"output={RUN}/train-{tag}", f"data={RUN}/rl-{tag}", f"model={model}", f"local_dir={a.work}/pod-{tag}",
+            f"verl.trainer.total_training_steps={a.steps}", "verl.trainer.save_freq=-1", *a.set]
+    if not a.dynamic_sampling:
+        sets.append("verl.algorithm.filter_groups.enable=false")
+    return [x for s in sets for x in ("--set", s)]
+
+
+def one(a, path: str, model: str, pk: dict) -> None:
+    from memsifter.store import storage
+    from run_rank import GpuMem
+
+    f = config_facts(path)
+    tag = f"{f['prompt'] // 1024}k"
+    rl, out = f"{RUN}/rl-{tag}", f"{RUN}/train-{tag}"
+    if not storage.exists(f"{rl}/_SUCCESS"):
+        rows = f["batch"] * a.steps
+        cfg = write_yaml(f"{a.work}/prepare_rl_{tag}.yaml", {
+            "output": rl, "datasets": [f"{RUN}/synth"], "tokenizer": model,
+            "recipe": {"train": {"synth": rows}, "test": {"synth": 2}},
+            "history_budget_tokens": f["prompt"] - 1024, "max_prompt_tokens": f["prompt"], "shard_rows": 2000})
+        sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl_{tag}.log")
+    stats = storage.read_manifest(rl).get("stats", {})
+    sets = train_args(a, tag, model)
+    shutil.rmtree(f"{a.work}/pod-{tag}", ignore_errors=True)
+    storage.delete(out)
+    log = f"{a.out}/train-{tag}.log"
+    with GpuMem() as mem:
+        rc, dt = sh(ms("run", "train", "--config", path, *sets), log, check=False)
+    steps = verl_steps(log)
+    with open(f"{a.out}/steps.jsonl", "a") as fh:
+        for r in steps:
+            fh.write(json.dumps({**f, "tag": tag, **r}) + "\n")
+    with open(f"{a.out}/runs.jsonl", "a") as fh:
+        fh.write(json.dumps({**f, "tag": tag, "exit": rc, "wall_s": round(dt, 1), "steps_logged": len(steps),
+                             "gpu_peak_mib_nvidia_smi": mem.peak, "matmul_peak_flops": pk["peak"],
+                             "device": pk["device"], "dynamic_sampling": a.dynamic_sampling,
+                             "prepare_rl_stats": stats, "overrides": sets}) + "\n")
+    if storage.exists(f"{out}/metrics.jsonl"):
+        storage.copy_file(f"{out}/metrics.jsonl", f"{a.out}/metrics-{tag}.jsonl")
+
+
+def main_run(a) -> None:
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    from memsifter.store import storage
+    from memsifter.testing.servers import seaweedfs
+
+    with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
+        os.environ.update(s3.env())
+        storage.ensure_bucket("s3://memsifter/")
+        model, pk = prepare(a)
+        for path in a.configs:
+            t = time.time()
+            one(a, path, model, pk)
+            print(f"[{time.strftime('%H:%M:%S')}] {path}: {time.time() - t:.0f}s", flush=True)
+            subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+    print("] done", flush=True)
+
+
+def wait(det: str, out: str, seconds: float) -> None:
+    """Until the detached run is done, dead, or ``seconds`` passed; then its files into ``out``."""
+    from run_agents import alive
+
+    t = time.time()
+    log = os.path.join(det, "driver.log")
+    while time.time() - t < seconds:
+        if os.path.exists(log) and "] done" in open(log, errors="replace").read():
+            break
+        if not alive(os.path.join(det, "driver.pid")):
+            print("wait: the driver is no longer running", flush=True)
+            break
+        time.sleep(5)
+    os.makedirs(out, exist_ok=True)
+    for f in ("steps.jsonl", "runs.jsonl", "driver.log"):
+        if os.path.exists(os.path.join(det, f)):
+            shutil.copy(os.path.join(det, f), out)
+    subprocess.run(f"tar czf {out}/logs.tar.gz -C {det} --exclude=driver.log .", shell=True, check=False)
+    print(open(log, errors="replace").read()[-6000:] if os.path.exists(log) else "no driver.log yet")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("--configs", default="memsifter/configs/train_4b_8k_1gpu.yaml,memsifter/configs/train_4b_32k_1gpu.yaml")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--work", default="/root/gpu-dapo4b")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--sessions", type=int, default=800, help="haystack sessions per synthetic question")
+    ap.add_argument("--set", action="append", default=[], help="one more train setting KEY=VALUE (all configs)")
+    ap.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep the configs' dynamic sampling (a random model then discards every group)")
+    ap.add_argument("--max-s", type=float, default=540)
+    a = ap.parse_args()
+    a.configs = [os.path.abspath(c) for c in a.configs.split(",") if c]
+    det = os.path.join(a.work, "detached")
+    if a.what == "start":
+        os.makedirs(det, exist_ok=True)
+        for f in ("steps.jsonl", "runs.jsonl"):
+            if os.path.exists(os.path.join(det, f)):
+                os.remove(os.path.join(det, f))
+        keep, src = [], iter(sys.argv[2:])
+        for x in src:  # the detached run writes into det; wait copies from there into --out
+            if x == "--out":
+                next(src, None)
+            elif not x.startswith("--out="):
+                keep.append(x)
+        argv = [sys.executable, os.path.abspath(__file__), "run", *keep, "--out", det]
+        with open(os.path.join(det, "driver.log"), "w") as f:
+            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        with open(os.path.join(det, "driver.pid"), "w") as f:
+            f.write(str(p.pid))
+        print(f"started pid {p.pid}; logs in {det}", flush=True)
+        return
+    if a.what == "wait":
+        wait(det, a.out, a.max_s)
+        return
+    main_run(a)
+
+
+if __name__ == "__main__":
+    main()
