@@ -447,6 +447,59 @@ def test_gzip_input_over_the_cap_stops_early(tmp_path, monkeypatch):
     assert peak < 8 << 20, peak
 
 
+def _gzip_bomb(path: Path, inflated: int) -> int:
+    """A gzip of ``inflated`` spaces inside a JSON list, written in 1 MiB pieces (never held whole): the
+    shape of issue 41's 3 MB file that inflates to 3 GB, at 1/10 scale (~1000x). Its size in bytes."""
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(b"[")
+        piece = b" " * (1 << 20)
+        for _ in range(inflated >> 20):
+            f.write(piece)
+        f.write(b"]")
+    return path.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def gzip_bomb(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bomb") / "bomb.gz"
+    _gzip_bomb(path, 320 << 20)
+    return path
+
+
+@pytest.mark.parametrize("name", ["bomb.json.gz", "bomb.json"], ids=["gz-by-extension", "gz-by-magic"])
+def test_gzip_bomb_is_bounded_by_its_ratio_while_streaming(tmp_path, name, gzip_bomb):
+    """issue 41: a 3 MB gzip that unpacks to 3 GB (under the 4 GiB cap) took 12.4 GB of memory before its
+    one-line error. A compressed file inflates to 100x its size at most (past 64 MiB), checked per chunk:
+    this one (~300 kB -> 320 MiB) stops at 64 MiB, with one line naming the file."""
+    shutil.copy(gzip_bomb, tmp_path / name)
+    assert os.path.getsize(tmp_path / name) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemsifterError) as e:
+            reading._read_raw(str(tmp_path / name))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert name in str(e.value) and "decompression bomb" in str(e.value) and "\n" not in str(e.value)
+    assert peak < 80 << 20, f"peak {peak >> 20} MiB"   # was the whole 320 MiB (and 3 GB at full scale)
+    # the same through the CLI: one line, exit 2, nothing written
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "data", "import", str(tmp_path / name), str(out),
+                        "--format", "longmemeval", "-q"], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "decompression bomb" in lines[0], p.stderr[-2000:]
+    assert not (out / "_SUCCESS").exists()
+
+
+def test_real_compressed_data_inflates_within_the_ratio():
+    """The shipped samples inflate 3-4x: far inside the bound."""
+    from memsifter import samples
+
+    for name in (samples.LOCOMO, samples.LONGMEMEVAL):
+        path = samples.path(name)
+        assert len(reading._read_raw(path)) < 5 * os.path.getsize(path)
+
+
 # --------------------------------------------------------------------------- item 7
 def test_holder_state_live_stale_expired(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -4,7 +4,8 @@ one-line errors that name file, list item, line and column, and checking turns.
 Bounds: a source file is read up to ``MEMSIFTER_MAX_INPUT_BYTES`` (default 4 GiB) *after
 decompression* (``.gz`` by extension or by magic bytes; counted while inflating, so a small file that
 inflates without bound stops early with one line naming the file; streamed into one buffer, never held
-twice); JSON nested deeper than the parser allows (orjson: 1024 levels) is one line naming the file,
+twice), and a compressed file to at most 100 times its size (past 64 MiB: a decompression bomb, 3 MB
+inflating to 3 GB, stops at 300 MB, :func:`_inflate_cap`); JSON nested deeper than the parser allows (orjson: 1024 levels) is one line naming the file,
 never a RecursionError; an integer literal over Python's 4300-digit limit is one line naming file, item
 and field; a turn (message) over ``MEMSIFTER_MAX_TURN_BYTES`` (default 1 MiB of UTF-8) stops the import
 with one line naming file, item and field (:func:`check_turn_size`).
@@ -41,6 +42,25 @@ def _too_large(uri: str, cap: int) -> InputError:
                       file=uri)
 
 
+# A compressed source inflates to at most this many times its size (real data: 3-4x; the bomb of issue
+# 41, 3 MB -> 3 GB, 1000x) once past INFLATE_FREE bytes: bounded while streaming, before it is held.
+INFLATE_RATIO = 100
+INFLATE_FREE = 64 << 20
+
+
+def _inflate_cap(packed: int, cap: int) -> int:
+    """Bytes a compressed file of ``packed`` bytes may inflate to: ``INFLATE_RATIO`` times its size (at
+    least ``INFLATE_FREE``), never more than ``cap``."""
+    return min(cap, max(INFLATE_FREE, INFLATE_RATIO * packed))
+
+
+def _inflates_too_much(uri: str, packed: int, limit: int) -> InputError:
+    return InputError(f"a {packed}-byte compressed file inflating past {limit} bytes (more than {INFLATE_RATIO}x "
+                      "its size, where real data inflates 3-10x): refused as a decompression bomb; decompress it "
+                      "yourself if it is meant to be that large (MEMSIFTER_MAX_INPUT_BYTES bounds plain files)",
+                      file=uri)
+
+
 _CHUNK = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -52,7 +72,9 @@ def _read_raw(uri: str) -> bytearray:
     gunzipped when what it reads starts with the gzip magic bytes) in 1 MiB chunks into one buffer,
     which is all that is held; the cap is checked after each chunk, so a small file that inflates
     without bound stops early, and nothing is buffered twice (no list of chunks joined at the end, no
-    compressed copy next to the decompressed one)."""
+    compressed copy next to the decompressed one). A compressed file may inflate to
+    :data:`INFLATE_RATIO` times its size at most (:func:`_inflate_cap`), also checked per chunk: a 3 MB
+    file that inflates to 3 GB stops at 300 MB, not after 3 GB were read and parsed."""
     cap = int(storage.setting("MEMSIFTER_MAX_INPUT_BYTES"))
     fs, path = storage.resolve(uri)
 
@@ -63,6 +85,8 @@ def _read_raw(uri: str) -> bytearray:
         if info.type == pafs.FileType.Directory:
             raise StorageError(f"{uri}: is a directory, expected a file")
         buf = bytearray()
+        packed = info.size or 0   # unknown (0): only the cap bounds it
+        inflating = path.endswith((".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br"))   # pyarrow's by extension
         with fs.open_input_stream(path) as raw:   # pyarrow inflates *.gz/*.bz2/*.zst by extension
             first = raw.read(_CHUNK)
             while 0 < len(first) < 2:   # a stream may answer short reads: the magic needs 2 bytes
@@ -70,15 +94,19 @@ def _read_raw(uri: str) -> bytearray:
                 if not more:
                     break
                 first += more
+            limit, bomb = cap, 0
+            if packed and (inflating or first[:2] == _GZIP_MAGIC):
+                limit = _inflate_cap(packed, cap)
+                bomb = packed if limit < cap else 0   # the ratio, not the cap, bounds it
             try:
                 if first[:2] == _GZIP_MAGIC:
                     with gzip.GzipFile(fileobj=_Prepended(first, raw)) as f:
-                        _fill(buf, f, cap, uri)
+                        _fill(buf, f, limit, uri, bomb)
                 else:
                     buf += first
-                    if len(buf) > cap:
-                        raise _too_large(uri, cap)
-                    _fill(buf, raw, cap, uri)
+                    if len(buf) > limit:
+                        raise _inflates_too_much(uri, bomb, limit) if bomb else _too_large(uri, cap)
+                    _fill(buf, raw, limit, uri, bomb)
             except (EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise InputError(f"not a valid gzip file ({e})", file=uri) from e
         return buf
@@ -101,10 +129,12 @@ class _Prepended:
         return self._rest.read() if n is None or n < 0 else self._rest.read(n)
 
 
-def _fill(buf: bytearray, f: Any, cap: int, uri: str) -> None:
+def _fill(buf: bytearray, f: Any, cap: int, uri: str, packed: int = 0) -> None:
+    """Read ``f`` into ``buf`` up to ``cap`` bytes; past it the one-line error says which bound: the
+    ratio to the ``packed`` (compressed) size when that set ``cap``, else MEMSIFTER_MAX_INPUT_BYTES."""
     while chunk := f.read(_CHUNK):
         if len(buf) + len(chunk) > cap:
-            raise _too_large(uri, cap)
+            raise _inflates_too_much(uri, packed, cap) if packed else _too_large(uri, cap)
         buf += chunk
 
 
