@@ -18,7 +18,10 @@ from memsifter.store import storage
 from memsifter.data.model import read_dataset
 from memsifter.retrieval.render import render_session
 from memsifter.stage import get_stage
-from memsifter.stages.chat import ApproxCounter, ChatConfig, build_messages, context_order, extract_answer
+from memsifter.retrieval.context import TokenCounter, load_tokenizer
+from memsifter.retrieval.prompting import load_prompt
+from memsifter.stages.chat import (ApproxCounter, ChatConfig, build_messages, context_order, extract_answer,
+                                   random_order)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -234,17 +237,18 @@ def test_chat_answers_with_every_context_side_by_side(chat_data, vllm_endpoint, 
         "question_id": q.question_id, "ranked_session_ids": list(reversed(q.haystack_session_ids)), "scores": None,
         "method": "embed:reverse", "status": "fallback", "reason": "x", "raw_response": None} for q in ds.questions])))
     out = str(tmp_path / "chat")
-    cfg = {"output": out, "input": data, "rankings": ranked, "compare": [rev], "baselines": ["none", "oracle"],
+    cfg = {"output": out, "input": data, "rankings": ranked, "compare": [rev], "baselines": ["none", "oracle", "random"],
            "tokenizer": tiny_model_dir, "limit": 3,
            "endpoint": {"base_url": vllm_endpoint, "model": "tiny", "max_tokens": 8, "concurrency": 4},
            "context_tokens": 1500}
     m = get_stage("chat").run(cfg)
     st = m["stats"]
-    assert list(st["methods"]) == ["rank:fake", "embed:reverse", "no memory", "oracle (gold sessions)"]
+    assert list(st["methods"]) == ["rank:fake", "embed:reverse", "no memory", "oracle (gold sessions)",
+                                   "random sessions"]
     assert st["methods"]["embed:reverse"]["ranking_status"] == {"fallback": len(ds.questions)}
-    assert st["client"]["requests"] == 4 * 3 and st["questions"] == 3
+    assert st["client"]["requests"] == 5 * 3 and st["questions"] == 3
     rows = storage.read_parquet(os.path.join(out, "answers.parquet")).to_pylist()
-    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows)
+    assert len(rows) == 15 and all(r["status"] == "ok" for r in rows)
     by = {(r["method"], r["question_id"]): r for r in rows}
     for q in ds.questions[:3]:
         assert by[("no memory", q.question_id)]["context_session_ids"] == []
@@ -252,12 +256,21 @@ def test_chat_answers_with_every_context_side_by_side(chat_data, vllm_endpoint, 
             [s for s in q.haystack_session_ids if s in q.gold_session_ids]
         assert by[("rank:fake", q.question_id)]["ranking_status"] == "ok"
         assert by[("embed:reverse", q.question_id)]["ranking_status"] == "fallback"
+        # random sessions: the window of the seeded shuffle of the haystack, shown chronologically
+        shown = by[("random sessions", q.question_id)]["context_session_ids"]
+        _, want, _ = build_messages(ChatConfig(**cfg), ds, q, random_order(q, 0), TokenCounter(load_tokenizer(
+            tiny_model_dir)), load_prompt(None, "chat.txt", ("history", "current")))
+        assert shown and shown == want and set(shown) <= set(q.haystack_session_ids)
     # evaluate reads the per-method answers and marks the all-fallback context
     ev = get_stage("evaluate").run({"output": str(tmp_path / "eval"), "input": data, "rankings": [ranked],
                                     "answers": [out]})
     a = ev["stats"]["answers"]
     assert a["embed:reverse"]["fallback"] == f"all fallback ({len(ds.questions)}/{len(ds.questions)})"
     assert a["rank:fake"]["fallback"] is None and a["no memory"]["retrieval"] is None
+    assert a["random sessions"]["kind"] == "random" and a["constant answer"]["kind"] == "constant"
+    assert set(ev["stats"]["references"]["labels"]) == {"no memory", "oracle (gold sessions)", "random sessions",
+                                                        "constant answer"}
+    assert a["rank:fake"]["vs_reference"]["f1"]["n"] == 3
 
 
 def test_retry_after_is_honoured_and_failures_name_the_endpoint(vllm_endpoint):

@@ -71,7 +71,8 @@ def test_evaluate_report(store_root):
     assert set(oracle["by_type"]) == {"single", "multi"} and set(oracle["by_dataset"]) == {"dsA", "dsB"}
     assert oracle["curve"]["recall_all"][-1] == 1.0 and len(oracle["curve"]["recall_any"]) == 6
     a = report["answers"]["chat"]
-    assert a["overall"] == {"n": 3, "answered": 2, "exact_match": 0.5, "f1": 0.5, "judge": None}
+    assert a["overall"] == {"n": 3, "answered": 2, "exact_match": 0.5, "f1": 0.5, "locomo_f1": None, "judge": None,
+                            "lme_judge": None}   # no LoCoMo questions, no LongMemEval judge
     assert a["by_type"]["single"]["f1"] == 1.0
     md = storage.read_text(storage.join(out, "report.md"))
     assert "| oracle |" in md and "| reverse |" in md and "F1 by question type" in md
@@ -138,7 +139,10 @@ def test_answers_per_method_with_fallback_marking(tmp_path):
     assert storage.read_bytes(storage.join(out, "answer_f1_by_method.png"))[:4] == b"\x89PNG"
     report = json.loads(storage.read_text(storage.join(out, "report.json")))
     a = report["answers"]
-    assert set(a) == {"rank:smol", "embed:fusion", "no memory", "oracle (gold sessions)"}
+    # the chat contexts and the constant-answer reference row (chosen on the other half of the questions)
+    assert set(a) == {"rank:smol", "embed:fusion", "no memory", "oracle (gold sessions)", "constant answer"}
+    assert report["references"]["strongest"]["f1"] == "oracle (gold sessions)"
+    assert a["embed:fusion"]["vs_reference"]["f1"]["diff"] == -0.5 and "vs_reference" not in a["no memory"]
     assert a["rank:smol"]["fallback"] == "mostly fallback (3/4)" and a["embed:fusion"]["fallback"] is None
     assert a["rank:smol"]["model"] == "smollm2" and a["embed:fusion"]["overall"]["f1"] == 0.5
     assert a["embed:fusion"]["retrieval"] == {"recall_any@5": 1.0, "ndcg@10": 1.0}

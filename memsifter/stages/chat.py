@@ -12,7 +12,8 @@
   ``{date}``; ``prompts/chat.txt`` by default).
 * Several contexts side by side: the questions are answered with ``rankings`` (the stage's main
   answers), each of ``compare`` (more rankings files, e.g. dense and the default first stage) and the
-  ``baselines`` (``none``: no memory; ``oracle``: the gold sessions only). ``answers.parquet`` has a
+  ``baselines`` (``none``: no memory; ``oracle``: the gold sessions only; ``random``: the haystack in a
+  seeded random order, filled like a ranking). ``answers.parquet`` has a
   ``method`` column and the status of the ranking each context came from, so ``evaluate`` reports F1
   by method and marks a method whose rankings were fallbacks. ``session_tokens`` shows each session
   by its turns closest to the question (:func:`memsifter.retrieval.render.condense_session`).
@@ -64,9 +65,11 @@ class ChatConfig(StageConfig):
                                    "embed stage's published directory or of a rankings parquet file (e.g. "
                                    "<embed>/rankings_dense.parquet); not wired by pipelines",
                                    default_factory=list, stage=("rank", "embed"), wire="none")
-    baselines: list[Literal["none", "oracle"]] = Field(
+    baselines: list[Literal["none", "oracle", "random"]] = Field(
         default_factory=list, description="reference contexts answered too: none = no memory, oracle = the "
-        "question's gold sessions (what memory retrieval can give at best)")
+        "question's gold sessions (what memory retrieval can give at best), random = the question's haystack "
+        "sessions in a random order (seeded by random_seed and the question id), filled like any ranking")
+    random_seed: int = Field(0, description="seed of the random-sessions baseline's order")
     limit: int | None = Field(None, ge=1, description="answer only the first N questions (budget: questions x "
                               "methods x context tokens)")
     endpoint: LLMEndpoint = Field(default_factory=LLMEndpoint, description="the working LLM")
@@ -126,7 +129,18 @@ def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[st
     return order
 
 
-NO_MEMORY, ORACLE = "no memory", "oracle (gold sessions)"
+NO_MEMORY, ORACLE, RANDOM = "no memory", "oracle (gold sessions)", "random sessions"
+BASELINE_LABELS = {"none": NO_MEMORY, "oracle": ORACLE, "random": RANDOM}
+
+
+def random_order(q: Question, seed: int) -> list[str]:
+    """The random-sessions baseline's order of a question's haystack: a shuffle seeded by ``seed`` and the
+    question id (the same order on every run and machine, a different one per question)."""
+    import random
+
+    order = list(q.haystack_session_ids)
+    random.Random(f"{seed}:{q.question_id}").shuffle(order)
+    return order
 
 
 def answer_methods(config: ChatConfig) -> list[dict]:
@@ -147,7 +161,7 @@ def answer_methods(config: ChatConfig) -> list[dict]:
                     "ranked": {r["question_id"]: r["ranked_session_ids"] or [] for r in rows},
                     "row_status": {r["question_id"]: r["status"] for r in rows}})
     for b in dict.fromkeys(config.baselines):
-        out.append({"label": NO_MEMORY if b == "none" else ORACLE, "source": b, "kind": b, "status": {},
+        out.append({"label": BASELINE_LABELS[b], "source": b, "kind": b, "status": {},
                     "ranked": {}, "row_status": {}})
     return out
 
@@ -209,6 +223,8 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
                 order: list[str] = []
             elif m["kind"] == "oracle":
                 order = [s for s in q.haystack_session_ids if s in set(q.gold_session_ids)]
+            elif m["kind"] == "random":
+                order = random_order(q, config.random_seed)
             else:
                 order = context_order(q, m["ranked"].get(q.question_id, []), similar.get(q.question_id, []))
             prepared[(m["label"], q.question_id)] = build_messages(config, ds, q, order, counter, template)

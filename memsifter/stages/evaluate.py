@@ -58,7 +58,11 @@ from ..retrieval import rankings
 from ..store import storage
 from ..data.model import Dataset, read_dataset
 from ..errors import NotPublishedError
-from ..retrieval.metrics import BOOTSTRAP_RESAMPLES, INPUT_ORDER_NOTE, mean_interval, mean_metrics, order_change_summary, question_metrics
+from ..retrieval.metrics import (BOOTSTRAP_RESAMPLES, INPUT_ORDER_NOTE, exact_match, mean_interval, mean_metrics,
+                                 order_change_summary, question_metrics, token_f1)
+from ..retrieval import benchmark_metrics as bm
+from ..errors import MemsifterError
+from ..models.llm import ChatClient, LLMEndpoint, ResponseCache
 from ..stage import StageConfig, stage, uri_field
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,16 @@ class EvaluateConfig(StageConfig):
     curve_max_k: int = Field(20, ge=1, description="largest k of the recall curves")
     ndcg_variant: Literal["standard", "original"] = Field(
         "standard", description="standard NDCG, or the original's DCG/|gold| (compatibility)")
+    lme_judge: LLMEndpoint | None = Field(
+        None, description="LongMemEval's own answer judge: the OpenAI-compatible endpoint that judges every "
+        "LongMemEval answer with LongMemEval's prompt for its question type (temperature 0, 10 tokens; "
+        "'yes' in the reply = correct); off when unset")
+
+    def preflight(self) -> None:
+        """Where the judge's requests go and their key, checked before anything starts (one line, exit 2)."""
+        if self.lme_judge:
+            self.lme_judge.check("lme_judge")
+
 
 
 def expand_rankings(uri: str) -> list[tuple[str, str]]:
@@ -129,8 +143,23 @@ def _score(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: st
     summary = {"n": len(per_q), "missing_questions": len(missing), "status": status,
                "overall": {k: v for k, v in whole.items() if k not in ("n", "ci")}, "ci": whole["ci"],
                "by_type": _group_means(per_q, ds, lambda q: q.question_type),
-               "by_dataset": _group_means(per_q, ds, lambda q: q.dataset), "curve": curve}
+               "by_dataset": _group_means(per_q, ds, lambda q: q.dataset), "curve": curve,
+               "longmemeval": longmemeval_retrieval(rows, ds, ks)}
     return summary, per_q
+
+
+def longmemeval_retrieval(rows: list[dict], ds: Dataset, ks: list[int]) -> dict | None:
+    """LongMemEval's own session-level retrieval metrics (recall_any@k, recall_all@k, ndcg_any@k) over the
+    LongMemEval questions its evaluation counts (:mod:`memsifter.retrieval.benchmark_metrics`): means with
+    n and intervals, overall and per question type; None without such questions."""
+    per_q, relevant = bm.lme_retrieval_per_question(rows, ds.questions, ds.sessions, ks)
+    if not per_q:
+        return None
+    whole = summarize(list(per_q.values()))
+    return {"n": whole["n"], "relevant": relevant, "questions": "non-abstention, with a relevant session",
+            "overall": {k: v for k, v in whole.items() if k not in ("n", "ci")}, "ci": whole["ci"],
+            "by_type": _group_means(per_q, ds, lambda q: q.question_type)}
+
 
 
 def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: str) -> dict:
@@ -198,7 +227,7 @@ def fallback_note(status: dict[str, int]) -> str | None:
     return f"mostly fallback ({bad}/{n})" if bad * 2 >= n else None
 
 
-ANSWER_METRICS = ("exact_match", "f1", "judge")
+ANSWER_METRICS = ("exact_match", "f1", "locomo_f1", "judge", "lme_judge")
 
 
 def _answer_values(rs: list[dict], k: str) -> list[float]:
@@ -225,6 +254,127 @@ def score_answers(rows: list[dict]) -> dict:
         return {k: summary(v, True) for k, v in sorted(g.items())}
     return {"overall": summary(rows, False), "ci": {k: mean_interval(_answer_values(rows, k)) for k in ANSWER_METRICS},
             "by_type": groups("question_type"), "by_dataset": groups("dataset")}
+
+
+def locomo_scores(rows: list[dict], qmap: dict) -> None:
+    """Each answered LoCoMo row's ``locomo_f1``: LoCoMo's own QA score for its category
+    (:func:`memsifter.retrieval.benchmark_metrics.locomo_qa_score`); None for other rows."""
+    for r in rows:
+        q = qmap.get(r.get("question_id"))
+        cat = bm.locomo_category(q) if q is not None else None
+        r["locomo_f1"] = (bm.locomo_qa_score(r.get("answer"), q.answer, cat)
+                          if cat is not None and r["status"] == "ok" else None)
+
+
+LME_JUDGE_FILE = "longmemeval_judge.parquet"
+
+
+def judge_longmemeval(endpoint: LLMEndpoint, rows_by_label: dict[str, list[dict]], qmap: dict,
+                      out: storage.Publication) -> dict:
+    """LongMemEval's judge over every answered LongMemEval row of every method: each row gets ``lme_judge``
+    (1.0 / 0.0) and ``abstention``; the verdicts (prompt kind, raw reply) go to ``longmemeval_judge.parquet``.
+    Requests are cached under ``_work/llm-cache/lme-judge`` (a re-run asks only what is missing); a
+    request that fails after its retries fails the stage, nothing published."""
+    import pyarrow as pa
+
+    todo = []
+    for label, rs in rows_by_label.items():
+        for r in rs:
+            q = qmap.get(r.get("question_id"))
+            r["lme_judge"] = None
+            if q is None or not bm.is_longmemeval(q) or r["status"] != "ok":
+                continue
+            r["abstention"] = bool("_abs" in q.question_id or q.abstention)
+            prompt = bm.lme_judge_prompt(q, r.get("answer"))
+            if prompt is not None:
+                todo.append((label, r, q, prompt))
+    client = ChatClient(endpoint, ResponseCache(storage.join(out.work, "llm-cache", "lme-judge")))
+    comps = client.complete_many([[{"role": "user", "content": p}] for _, _, _, p in todo], temperature=0.0,
+                                 max_tokens=bm.LME_JUDGE_MAX_TOKENS) if todo else []
+    failed = [(label, r["question_id"], c.error) for (label, r, _, _), c in zip(todo, comps) if not c.ok]
+    if failed:
+        from ..security.redact import redact
+
+        label, qid, err = failed[0]
+        raise MemsifterError(f"evaluate: {len(failed)} of {len(todo)} LongMemEval judge requests to "
+                             f"{endpoint.display_url()} failed, nothing published; first: {qid} [{label}]: "
+                             f"{' '.join(redact(err or 'failed', endpoint.secrets()).split())[:300]}")
+    verdicts = []
+    for (label, r, q, _), c in zip(todo, comps):
+        r["lme_judge"] = bm.lme_judge_label(c.text)
+        verdicts.append({"method": label, "question_id": q.question_id, "question_type": q.question_type,
+                         "prompt": bm.lme_judge_kind(q), "reply": c.text, "correct": r["lme_judge"]})
+    schema = pa.schema([("method", pa.string()), ("question_id", pa.string()), ("question_type", pa.string()),
+                        ("prompt", pa.string()), ("reply", pa.string()), ("correct", pa.float64())])
+    out.write_table(LME_JUDGE_FILE, pa.Table.from_pylist(verdicts, schema=schema))
+    return {"model": endpoint.model, "judged": len(verdicts), "file": LME_JUDGE_FILE, "temperature": 0.0,
+            "max_tokens": bm.LME_JUDGE_MAX_TOKENS, "client": client.stats}
+
+
+# --------------------------------------------------------------------------- reference rows
+CONSTANT = "constant answer"
+REFERENCE_KINDS = ("none", "random", "oracle", "constant")
+REFERENCE_KIND_OF_LABEL = {"no memory": "none", "random sessions": "random", "oracle (gold sessions)": "oracle"}
+REFERENCE_METRICS = ("f1", "locomo_f1")
+
+
+def _per_question(rows: list[dict], metric: str) -> dict[str, float]:
+    return {r["question_id"]: float(r[metric]) for r in rows if r["status"] == "ok" and r.get(metric) is not None}
+
+
+def add_references(report: dict, rows_by_label: dict[str, list[dict]], ds: Dataset) -> dict:
+    """The reference rows of the answer table and every other method's difference to the strongest one.
+
+    The constant answer is one more row (``constant answer``, kind ``constant``): per metric (our F1,
+    LoCoMo's F1) the best constant answer chosen on the other half of the answered questions
+    (:func:`memsifter.retrieval.benchmark_metrics.constant_answer`; LoCoMo's candidates include its
+    "Not mentioned in the conversation"), scored on this half. The references are it and the chat
+    baselines present (no memory, random sessions, gold sessions); per metric the strongest is the one
+    with the highest mean, and every other row gets ``vs_reference``: its mean per-question difference to
+    that reference over the questions both answered, with a 95% paired bootstrap interval."""
+    answered = set().union(*(_per_question(rs, "f1") for rs in rows_by_label.values()))
+    qs = [q for q in ds.questions if q.question_id in answered]
+    const_f1 = bm.constant_answer(qs, lambda c, q: token_f1(c, q.answer))
+    locomo = [q for q in qs if bm.locomo_category(q) is not None]
+    const_lo = bm.constant_answer(locomo, lambda c, q: bm.locomo_qa_score(c, q.answer, bm.locomo_category(q)),
+                                  extra_candidates=lambda q: [bm.LOCOMO_NOT_MENTIONED])
+    rows = []
+    for q in qs:
+        if q.question_id not in const_f1["per_question"]:
+            continue
+        c = const_f1["answer_of"][q.question_id]
+        rows.append({"question_id": q.question_id, "status": "ok", "dataset": q.dataset,
+                     "question_type": q.question_type, "answer": c, "exact_match": exact_match(c, q.answer),
+                     "f1": const_f1["per_question"][q.question_id],
+                     "locomo_f1": const_lo["per_question"].get(q.question_id), "judge": None, "lme_judge": None})
+    rows_by_label = dict(rows_by_label)
+    if rows:
+        report["answers"][CONSTANT] = {
+            "source": None, "model": None, "method": CONSTANT, "kind": "constant", "ranking_status": {},
+            "fallback": None, "retrieval": None, "retrieval_on": None, **score_answers(rows),
+            "cost": {"llm_calls": None, "prompt_tokens": None, "seconds": None, "tokens": None},
+            "constant": {"f1": {"chosen": const_f1["chosen"], "split": const_f1["split"]},
+                         "locomo_f1": {"chosen": const_lo["chosen"], "split": const_lo["split"]}}}
+        rows_by_label[CONSTANT] = rows
+    refs = [label for label, a in report["answers"].items() if a.get("kind") in REFERENCE_KINDS]
+    strongest: dict[str, str] = {}
+    for metric in REFERENCE_METRICS:
+        scored = [(report["answers"][r]["overall"].get(metric), r) for r in refs]
+        scored = [(v, r) for v, r in scored if v is not None]
+        if scored:
+            strongest[metric] = max(scored, key=lambda t: t[0])[1]
+    for label, a in report["answers"].items():
+        if label in refs:
+            continue
+        vs = {}
+        for metric, ref in strongest.items():
+            d = bm.paired_difference(_per_question(rows_by_label[label], metric),
+                                     _per_question(rows_by_label[ref], metric))
+            if d:
+                vs[metric] = {"reference": ref, **d}
+        a["vs_reference"] = vs
+    return {"labels": refs, "strongest": strongest,
+            "constant": (report["answers"].get(CONSTANT) or {}).get("constant")}
 
 
 COST_KEYS = ("llm_calls", "prompt_tokens", "seconds")
@@ -290,6 +440,73 @@ def _cell(group: dict | None, metric: str) -> str:
     return "–" if not group else _fmt_ci(group.get(metric), (group.get("ci") or {}).get(metric))
 
 
+def diff_cell(d: dict | None) -> str:
+    """``+0.012 [-0.01, 0.03]``: a mean paired difference to the strongest reference with its interval."""
+    return "–" if not d else f"{d['diff']:+.3f} [{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
+
+
+def reference_notes(report: dict) -> list[str]:
+    """What the reference rows are, which constant answers were chosen on which questions, and which
+    reference each *ΔF1 vs ref* is against."""
+    refs = report.get("references") or {}
+    if not refs:
+        return []
+    out = ["Reference rows: *no memory*, *random sessions* (the haystack in a seeded random order, filled like a "
+           "ranking) and *oracle (gold sessions)* where chat answered with them, and *constant answer*: one answer "
+           "for every question, chosen on the other half of the answered questions (never on the questions it is "
+           "scored on): the candidate (a gold answer of that half; for LoCoMo F1 also \"Not mentioned in the "
+           "conversation\") with the best mean on that half, then scored on this half."]
+    for metric, what in (("f1", "F1"), ("locomo_f1", "LoCoMo F1")):
+        chosen = ((refs.get("constant") or {}).get(metric) or {})
+        for ds, picks in (chosen.get("chosen") or {}).items():
+            split = (chosen.get("split") or {}).get(ds, "")
+            out.append(f"Constant for {what}, {ds} (halves {split}): " + "; ".join(
+                f"half {p['half']}: \"{p['answer'][:40]}\" (chosen on {p['chosen_on']} questions)" for p in picks)
+                + ".")
+    strongest = refs.get("strongest") or {}
+    if strongest:
+        out.append("*ΔF1 vs ref*: each other row's mean per-question F1 difference to the strongest reference ("
+                   + ", ".join(f"{m}: {r}" for m, r in strongest.items()) + ") over the questions both answered, "
+                   "with its 95% paired bootstrap interval. *LoCoMo F1*: LoCoMo's own QA score "
+                   "(task_eval/evaluation.py: Porter stems, multi-hop split at commas, adversarial: abstains or not).")
+    return out
+
+
+def longmemeval_retrieval_lines(report: dict) -> list[str]:
+    """LongMemEval's own retrieval metrics of every method that ranked LongMemEval questions."""
+    rows = {label: r["longmemeval"] for label, r in report["retrieval"].items() if r.get("longmemeval")}
+    if not rows:
+        return []
+    ks = report.get("ks") or [5, 10]
+    cols = [f"{m}@{k}" for k in ks for m in ("recall_any", "recall_all", "ndcg_any")]
+    rel = next(iter(rows.values()))["relevant"]
+    lines = ["### LongMemEval's own retrieval metrics", "",
+             "As LongMemEval's evaluation computes them (session level): over its non-abstention questions with a "
+             f"relevant session (relevant: answer sessions with {rel}); its NDCG (*ndcg_any*) weighs ranks 1 and 2 "
+             "the same.", "", "| method | n | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for label, r in rows.items():
+        lines.append(f"| {label} | {r['n']} | " + " | ".join(_cell(r, c) for c in cols) + " |")
+    return lines + [""]
+
+
+def longmemeval_judge_lines(report: dict) -> list[str]:
+    """LongMemEval's judge accuracy of every answer method that answered LongMemEval questions."""
+    j = report.get("longmemeval_judge")
+    rows = {label: a["longmemeval_judge"] for label, a in report["answers"].items() if a.get("longmemeval_judge")}
+    if not j or not rows:
+        return []
+    lines = ["### LongMemEval's judge", "",
+             f"LongMemEval's own judge prompts per question type (and for abstention questions), judge model "
+             f"{j['model']}, temperature 0, {j['max_tokens']} tokens; correct when the reply contains \"yes\" "
+             f"(verdicts: `{j['file']}`).", "",
+             "| method | n | accuracy | task-averaged | abstention |", "|---|---|---|---|---|"]
+    for label, s in rows.items():
+        ab = s["abstention"]
+        lines.append(f"| {label} | {s['n']} | {_fmt(s['accuracy'])} | {_fmt(s['task_averaged'])} | "
+                     + (f"{_fmt(ab['accuracy'])} (n={ab['n']})" if ab["n"] else "–") + " |")
+    return lines + [""]
+
+
 def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None) -> str:
     lines = ["# MemSifter evaluation report", ""]
     d = report["dataset"]
@@ -333,6 +550,7 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                     _cell(c, m) for m in (f"recall_any@{k5}", f"recall_all@{k5}", "ndcg@10", "mrr"))
                     + f" | {_changed_cell(c.get('input_order'))} | {_tau_cell(c.get('input_order'))} |")
             lines.append("")
+        lines += longmemeval_retrieval_lines(report)
         for group, title in (("by_type", "question type"), ("by_dataset", "dataset")):
             keys = sorted({g for r in report["retrieval"].values() for g in r[group]})
             if len(keys) < 2 and group == "by_dataset":
@@ -357,8 +575,9 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                   "answers used the first stage's order instead. Exact match, F1 and judge are means over "
                   "the answered questions; recall_any@5 and NDCG@10 are over the same answered questions "
                   "(those with gold sessions: *retrieval n*), not over everything the method ranked.", "",
-                  "| context (method) | n | answered | exact match | F1 | judge | retrieval n | recall_any@5 | "
-                  "NDCG@10 | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  *reference_notes(report), "",
+                  "| context (method) | n | answered | exact match | F1 | LoCoMo F1 | ΔF1 vs ref | judge | "
+                  "retrieval n | recall_any@5 | NDCG@10 | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, a in report["answers"].items():
             o, rt, ci = a["overall"], a.get("retrieval") or {}, a.get("ci") or {}
             on = a.get("retrieval_on") or {}
@@ -369,18 +588,20 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
                 note = (note + "; " if note else "") + f"**{INPUT_ORDER_NOTE}**"
             lines.append(f"| {label} | {o['n']} | {o['answered']} | "
                          f"{_fmt_ci(o['exact_match'], ci.get('exact_match'))} | "
-                         f"{_fmt_ci(o['f1'], ci.get('f1'))} | {_fmt_ci(o['judge'], ci.get('judge'))} | "
-                         f"{on.get('n', '–')} | "
+                         f"{_fmt_ci(o['f1'], ci.get('f1'))} | {_fmt_ci(o.get('locomo_f1'), ci.get('locomo_f1'))} | "
+                         f"{diff_cell((a.get('vs_reference') or {}).get('f1'))} | "
+                         f"{_fmt_ci(o['judge'], ci.get('judge'))} | {on.get('n', '–')} | "
                          f"{_fmt_ci(rt.get('recall_any@5'), rci.get('recall_any@5'))} | "
                          f"{_fmt_ci(rt.get('ndcg@10'), rci.get('ndcg@10'))} | {note} |")
         lines.append("")
         for label, a in report["answers"].items():
-            lines += [f"### {label}: F1 by question type", "", "| type | n | answered | EM | F1 | judge |",
-                      "|---|---|---|---|---|---|"]
+            lines += [f"### {label}: F1 by question type", "",
+                      "| type | n | answered | EM | F1 | LoCoMo F1 | judge |", "|---|---|---|---|---|---|---|"]
             for t, o in a["by_type"].items():
                 lines.append(f"| {t} | {o['n']} | {o['answered']} | {_cell(o, 'exact_match')} | {_cell(o, 'f1')} | "
-                             f"{_cell(o, 'judge')} |")
+                             f"{_cell(o, 'locomo_f1')} | {_cell(o, 'judge')} |")
             lines.append("")
+        lines += longmemeval_judge_lines(report)
     sbs = report.get("side_by_side") or {}
     if sbs.get("methods"):
         lines += ["## Side by side on the same questions", "",
@@ -636,6 +857,7 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
             elif given_error:
                 report["retrieval"][label]["input_order"] = {"error": given_error[:300]}
     rows_by_label: dict[str, list[dict]] = {}
+    qmap = {q.question_id: q for q in ds.questions}
     for uri in config.answers:
         path = uri if uri.endswith(".parquet") else storage.published_file(uri, "answers.parquet")
         model, meta, tokens = None, {}, None
@@ -654,6 +876,7 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
             label = method
             if label in report["answers"]:
                 label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
+            locomo_scores(rs, qmap)
             info = meta.get(method) or {}
             status = info.get("ranking_status") or {}
             if not status:  # rows carry the status of the ranking each context came from
@@ -664,12 +887,20 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                 method, info, ds, config, per_method,
                 {r["question_id"] for r in rs if r["status"] == "ok" and r.get("question_id")})
             cost = answer_cost(rs, tokens if any(r.get("prompt_tokens") is not None for r in rs) else None)
-            report["answers"][label] = {"source": path, "model": model, "method": method,
-                                        "kind": info.get("kind") or ("rankings" if status else None),
+            kind = info.get("kind") or REFERENCE_KIND_OF_LABEL.get(method) or ("rankings" if status else None)
+            report["answers"][label] = {"source": path, "model": model, "method": method, "kind": kind,
                                         "ranking_status": status, "fallback": fallback_note(status),
-                                        "retrieval": retrieval, "retrieval_on": retrieval_on, **score_answers(rs),
-                                        "cost": cost}
+                                        "retrieval": retrieval, "retrieval_on": retrieval_on, "cost": cost}
             rows_by_label[label] = rs
+    if config.lme_judge and rows_by_label:
+        report["longmemeval_judge"] = judge_longmemeval(config.lme_judge, rows_by_label, qmap, out)
+    for label, rs in rows_by_label.items():
+        report["answers"][label].update(score_answers(rs))
+        summary = bm.lme_judge_summary(rs) if config.lme_judge else None
+        if summary:
+            report["answers"][label]["longmemeval_judge"] = summary
+    if rows_by_label:
+        report["references"] = add_references(report, rows_by_label, ds)
     for label, r in report["retrieval"].items():
         r["fallback"] = fallback_note(r["status"])
     report["question_sets"] = question_sets(per_method, changes)
@@ -681,7 +912,8 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
     for name, data in figures.items():
         out.write_bytes(name, data)
     return {"retrieval": {k: {**_stat_means(v["overall"], v), "status": v["status"], "fallback": v.get("fallback"),
-                              "input_order": _stat_input_order(v.get("input_order"))}
+                              "input_order": _stat_input_order(v.get("input_order")),
+                              "longmemeval": _stat_longmemeval(v.get("longmemeval"))}
                           for k, v in report["retrieval"].items()},
             "question_sets": _stat_question_sets(report["question_sets"]),
             "side_by_side": {**{k: v for k, v in report["side_by_side"].items() if k != "methods"},
@@ -689,14 +921,38 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
                                              "ci": v["ci"], **{c: (v["cost"].get(c) or {}).get("mean")
                                                                for c in COST_KEYS}}
                                          for k, v in report["side_by_side"]["methods"].items()}},
-            "answers": {k: {**v["overall"], "ci": {m: (v.get("ci") or {}).get(m) for m in ("exact_match", "f1")},
+            "answers": {k: {**v["overall"], "ci": {m: (v.get("ci") or {}).get(m) for m in ("exact_match", "f1",
+                                                                                         "locomo_f1")},
                             "retrieval": v.get("retrieval"), "retrieval_on": v.get("retrieval_on"),
-                            "fallback": v.get("fallback"), "model": v.get("model")}
+                            "fallback": v.get("fallback"), "model": v.get("model"), "kind": v.get("kind"),
+                            "vs_reference": v.get("vs_reference"),
+                            "longmemeval_judge": {m: (v.get("longmemeval_judge") or {}).get(m)
+                                                  for m in ("n", "accuracy", "task_averaged")}
+                            if v.get("longmemeval_judge") else None}
                         for k, v in report["answers"].items()},
+            "references": {k: v for k, v in (report.get("references") or {}).items() if k != "constant"} or None,
             "report": storage.join(config.output, "report.md")}
 
 
 STAT_METRICS = ("recall_any@5", "ndcg@10", "mrr")
+
+
+def _stat_means(means: dict, summary: dict) -> dict:
+    """The manifest's copy of a method's headline means, with their n and intervals (what a screen such
+    as the demo's shows without reading report.json)."""
+    return {**{m: means.get(m) for m in STAT_METRICS}, "n": summary.get("n"),
+            "ci": {m: (summary.get("ci") or {}).get(m) for m in STAT_METRICS}}
+
+
+LME_STAT_METRICS = ("recall_any@5", "recall_all@5", "ndcg_any@5", "recall_all@10", "ndcg_any@10")
+
+
+def _stat_longmemeval(lme: dict | None) -> dict | None:
+    """The manifest's copy of LongMemEval's own retrieval metrics of a method (its n and relevance rule)."""
+    if not lme:
+        return None
+    return {"n": lme["n"], "relevant": lme["relevant"],
+            **{m: lme["overall"][m] for m in LME_STAT_METRICS if m in lme["overall"]}}
 
 
 def _stat_means(means: dict, summary: dict) -> dict:
