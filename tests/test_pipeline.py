@@ -195,7 +195,7 @@ def test_demo_config_is_valid(tmp_path):
     assert chat["rankings"] == str(run / "rank") and chat["limit"] == 3
     assert chat["compare"] == [str(run / "rank-trained"), str(run / "embed" / "rankings_dense.parquet"),
                                str(run / "embed")]
-    assert chat["baselines"] == ["none", "oracle"] and chat["endpoint"]["model"] == demo.MODEL
+    assert chat["baselines"] == ["none", "oracle", "random"] and chat["endpoint"]["model"] == demo.MODEL
     assert trained["model"] == demo.TRAINED and trained["engine"] == "vllm" and trained["limit"] == 3
     assert trained["embeddings"] == str(run / "embed") and trained["prompt_style"] == "direct"
     assert plan["evaluate"]["rankings"] == [str(run / "embed"), str(run / "rank"), str(run / "rank-trained")]
