@@ -69,6 +69,26 @@ def test_close_stop_both_ways():
     assert close_stop("<search>a</search> then", ["</search>"]) == "<search>a</search> then"
 
 
+@pytest.mark.parametrize("reply,answer", [
+    (Reply("<answer>Biscuit", finish_reason="length"), None),                        # cut at max_tokens
+    (Reply("<answer>Biscuit", finish_reason="stop", stop_reported=True), None),      # vLLM: end-of-sequence
+    (Reply("<answer>Biscuit", finish_reason="stop", stop_reason="</answer>", stop_reported=True), "Biscuit"),
+    (Reply("<answer>Biscuit", finish_reason="stop"), "Biscuit"),                     # OpenAI: taken at its word
+    (Reply("<answer>Biscuit</answer>", finish_reason="length"), "Biscuit"),          # closed by the model itself
+], ids=["length", "vllm-eos", "vllm-stop-string", "openai-stop", "closed-then-cut"])
+def test_never_closed_answer_is_not_an_answer(reply, answer):
+    """issue 41: a never-closed <answer> counted as well formed. The closing tag the server stripped is put
+    back only when the generation ended on it; a reply ended otherwise is malformed, for every agent."""
+    for agent, task in ((SearchAgent(max_turns=1), Task("q", "Name of my dog?", search=fake_search(CORPUS))),
+                        (MemoryAgent(), Task("q", "Name of my dog?", sessions=[Session("s1", None, CORPUS["s1"])]))):
+        def complete(req: Request) -> Reply:
+            if req.kind == "answer" or (req.kind == "search" and agent.method == "agent:search"):
+                return reply
+            return Reply("<memory>- a dog named Biscuit</memory>")
+        res = drive(agent.episode(task), complete)
+        assert res.answer == answer and res.format_ok is (answer is not None), (agent.method, res.steps)
+
+
 def test_scan_tags():
     t = scan_tags("<think>a <b> c</think><answer> x </answer>", ["think", "answer"])
     assert t.ok and t.spans == [("think", "a <b> c"), ("answer", "x")]

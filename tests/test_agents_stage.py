@@ -14,9 +14,11 @@ over the LoCoMo sample imported and embedded by the real stages), through real H
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +32,7 @@ import yaml
 from memsifter import samples
 from memsifter.agents.base import approx_tokens
 from memsifter.data.model import read_dataset
+from memsifter.errors import MemsifterError
 from memsifter.retrieval.metrics import exact_match, token_f1
 from memsifter.stage import get_stage
 from memsifter.store import storage
@@ -61,6 +64,7 @@ class ScriptedLLM:
         self.requests: list[dict] = []
         self.fail: set[str] = set()
         self.usage = True
+        self.answers_cut = False   # answers end at max_tokens, inside <answer> (finish_reason "length")
         self.inflight = self.max_inflight = 0
         self.lock = threading.Lock()
         outer = self
@@ -123,6 +127,8 @@ class ScriptedLLM:
                 text = text[:min(cut)]
             words = text.split()
             finish = "stop"
+            if self.answers_cut and text.startswith("<answer>"):
+                finish = "length"
             if len(words) > body["max_tokens"]:
                 text, finish = " ".join(words[:body["max_tokens"]]), "length"
             prompt = sum(len(m["content"].split()) + 3 for m in messages)
@@ -391,6 +397,88 @@ def test_bad_configs_are_one_line_exit_2(locomo, tmp_path):
         else:
             assert len(lines) == 1, (extra, p.stderr)
         assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- issue 41 probes
+class TricklingServer:
+    """A memory service that answers over real HTTP on 127.0.0.1, one byte every ``every`` seconds: each
+    read gets a byte long before any read timeout, so only an overall budget ends the wait."""
+
+    def __init__(self, every: float = 1.0):
+        self.every, self.conns, self.stop = every, [], threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        reply = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"result": [[]]}' + b" " * 24
+        try:
+            conn.recv(65536)
+            for b in reply:
+                if self.stop.wait(self.every):
+                    return
+                conn.sendall(bytes([b]))
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.stop.set()
+        for c in [self.sock, *self.conns]:
+            with contextlib.suppress(OSError):
+                c.close()
+
+
+@pytest.fixture
+def trickling():
+    server = TricklingServer()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("budget,says", [({"episode_timeout_s": 2}, "its time budget (episode_timeout_s = 2 s)"),
+                                         ({"stage_timeout_s": 3}, "the stage's time budget (stage_timeout_s = 3 s)")],
+                         ids=["episode", "stage"])
+def test_trickling_memory_service_ends_within_the_time_budget(locomo, llm, trickling, tmp_path, budget, says):
+    """issue 41: the agents stage against a memory service that trickles a byte every 5 s was still running
+    at 591 s. Each episode, and the stage, has a time budget: past it the episode fails (here: every one,
+    so nothing is published), and the stage ends in about the budget."""
+    out = tmp_path / "out"
+    cfg = agents_config(locomo, llm, out, methods=["agent:search"], search_url=trickling.url,
+                        search_api_key_env=None, **budget)
+    cfg["endpoint"]["concurrency"] = 1
+    t0 = time.time()
+    with pytest.raises(MemsifterError) as e:
+        get_stage("agents").run(cfg)
+    took = time.time() - t0
+    assert took < 40, took   # three 2 s episodes and the stage's start-up; the trickle alone would take ~110 s each
+    msg = str(e.value)
+    assert f"{QUESTIONS} of {QUESTIONS} episodes failed" in msg and says in msg, msg
+    assert "waiting for the memory service" in msg and not (out / "_SUCCESS").exists()
+
+
+def test_never_closed_answer_is_malformed(locomo, llm, tmp_path, monkeypatch):
+    """issue 41: a reply cut at max_tokens inside <answer> (finish_reason "length") was closed on the
+    model's behalf and counted as a well-formed answer. Over real HTTP: the scripted LLM's answers, ended
+    by "length" before their </answer>, are no answer and not format_ok."""
+    monkeypatch.setenv("AGENTS_TEST_KEY", SECRET)
+    out = tmp_path / "out"
+    llm.answers_cut = True
+    get_stage("agents").run(agents_config(locomo, llm, out, methods=["agent:memory"]))
+    rows = read_rows(out)
+    assert len(rows) == QUESTIONS
+    assert all(r["format_ok"] is False and r["answer"] is None for r in rows), rows
+    assert all(r["raw_response"].startswith("<answer>") and "</answer>" not in r["raw_response"] for r in rows)
 
 
 def test_chart_wires_the_memory_service_url_into_the_agents_stage():

@@ -16,7 +16,9 @@ Whoever drives it decides where replies come from:
 
 Protocol of the reply text: the caller passes the completion's text. It may or may not end with the
 stop string that ended it (OpenAI servers drop it, vLLM with ``include_stop_str_in_output`` keeps it);
-agents accept both (:func:`close_stop`).
+agents accept both (:func:`close_stop`). A reply whose generation did not end on a stop string (cut at
+``max_tokens``, or the end-of-sequence token where the server says so) reaches the agent as
+:class:`Unclosed` (:func:`drive`), so a never-closed ``<answer>`` is malformed, not an answer.
 """
 
 from __future__ import annotations
@@ -45,12 +47,34 @@ class Request:
 
 @dataclass
 class Reply:
-    """What the driver hands back for a request."""
+    """What the driver hands back for a request. ``stop_reason``: what ended the generation where the
+    server says so (vLLM: the stop string, or None for the end-of-sequence token), ``stop_reported``
+    whether it did (OpenAI servers do not)."""
 
     text: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: Any = None
+    stop_reported: bool = False
+
+
+class Unclosed(str):
+    """A reply's text whose generation did not end on one of the request's stop strings
+    (:func:`ended_on_stop`): :func:`close_stop` leaves it as it is, so a tag it left open stays open
+    (malformed), never closed on the model's behalf."""
+
+
+def ended_on_stop(reply: Reply, stop: Sequence[str]) -> bool:
+    """Whether ``reply``'s generation ended on one of ``stop`` (only then may the closing tag the server
+    stripped be put back): not when it was cut at ``max_tokens`` (finish_reason "length"), nor when the
+    server reports what stopped it and that is no stop string (vLLM: the end-of-sequence token). A server
+    that says neither (finish_reason "stop", no stop_reason) is taken at its word."""
+    if reply.finish_reason == "length":
+        return False
+    if reply.stop_reported:
+        return reply.stop_reason in stop
+    return True
 
 
 @dataclass
@@ -111,7 +135,10 @@ class Agent(Protocol):
 
 def close_stop(text: str, stop: Sequence[str]) -> str:
     """``text`` ending with the closing tag that stopped it: OpenAI servers strip the stop string;
-    when the text opens a tag whose closing form is a stop string and does not close it, close it."""
+    when the text opens a tag whose closing form is a stop string and does not close it, close it --
+    unless it is :class:`Unclosed` (its generation ended otherwise: a never-closed tag stays open)."""
+    if isinstance(text, Unclosed):
+        return str(text)
     for s in stop:
         if text.endswith(s):
             return text
@@ -226,7 +253,7 @@ def drive(gen: Generator[Request, str, Result], complete: Callable[[Request], Re
             calls += 1
             prompt += r.prompt_tokens
             completion += r.completion_tokens
-            req = gen.send(r.text)
+            req = gen.send(r.text if ended_on_stop(r, req.stop) else Unclosed(r.text))
     except StopIteration as stop:
         res: Result = stop.value
     res.llm_calls = calls

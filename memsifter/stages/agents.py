@@ -104,6 +104,11 @@ class AgentsConfig(StageConfig):
         0.0, "publish only if at most this fraction of the episodes failed (after retries); default 0: any "
         "failed episode fails the stage, nothing is published and a re-run runs only the failed ones", ge=0, le=1)
     retry_backoff_s: float = runtime_field(1.0, "first retry delay (doubles, with jitter)", gt=0)
+    episode_timeout_s: float = runtime_field(
+        900.0, "seconds one episode may take over all its LLM calls and searches; past it the episode fails "
+        "(a server that trickles its reply byte by byte is not waited for)", gt=0, le=86400)
+    stage_timeout_s: float = runtime_field(
+        86400.0, "seconds all episodes together may take; episodes still running past it fail", gt=0, le=7 * 86400)
 
     @field_validator("endpoint", mode="before")
     @classmethod
@@ -174,6 +179,45 @@ class EpisodeFailed(Exception):
     """A request of an episode that failed after its retries (one line, redacted)."""
 
 
+class Budget:
+    """When an episode must end: its own budget (``episode_timeout_s``) or the stage's
+    (``stage_timeout_s``), whichever comes first. Each LLM call and search waits only for what is left
+    of it, so a server that trickles a byte every few seconds (no read timeout fires) cannot hold an
+    episode, or the stage, past its budget."""
+
+    def __init__(self, config: "AgentsConfig", stage_deadline: float):
+        start = time.time()
+        self.deadline = min(start + config.episode_timeout_s, stage_deadline)
+        self.why = ("its time budget (episode_timeout_s = %g s)" % config.episode_timeout_s
+                    if start + config.episode_timeout_s <= stage_deadline
+                    else "the stage's time budget (stage_timeout_s = %g s)" % config.stage_timeout_s)
+
+    def left(self, doing: str) -> float:
+        left = self.deadline - time.time()
+        if left <= 0:
+            raise EpisodeFailed(f"episode over {self.why} {doing}")
+        return left
+
+    def call(self, fn: Any, doing: str) -> Any:
+        """``fn()`` in a daemon thread, waited for at most what is left (a blocking read cannot be
+        interrupted; the thread ends when its connection does)."""
+        box: dict = {}
+
+        def go() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the episode's thread
+                box["error"] = e
+        t = threading.Thread(target=go, daemon=True, name="agent-budgeted-call")
+        t.start()
+        t.join(self.left(doing))
+        if t.is_alive():
+            raise EpisodeFailed(f"episode over {self.why} {doing}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+
 class AgentClient:
     """Sends agents' requests to one endpoint from many episode threads.
 
@@ -210,18 +254,25 @@ class AgentClient:
     def params(self, req: Any) -> dict:
         return self.endpoint.params(max_tokens=req.max_tokens, stop=list(req.stop) or None)
 
-    def complete(self, req: Any) -> Any:
-        """The reply to one request (:class:`~memsifter.agents.base.Reply`), or :class:`EpisodeFailed`."""
+    def complete(self, req: Any, budget: Budget | None = None) -> Any:
+        """The reply to one request (:class:`~memsifter.agents.base.Reply`), or :class:`EpisodeFailed`
+        (also once ``budget`` is spent: the request is cancelled)."""
         from ..agents.base import Reply
 
-        rec = asyncio.run_coroutine_threadsafe(self._one(list(req.messages), self.params(req)), self.loop).result()
+        fut = asyncio.run_coroutine_threadsafe(self._one(list(req.messages), self.params(req)), self.loop)
+        try:
+            rec = fut.result(None if budget is None else budget.left("waiting for the LLM"))
+        except cf.TimeoutError:
+            fut.cancel()
+            raise EpisodeFailed(f"episode over {budget.why} waiting for the LLM") from None
         prompt = rec.get("prompt_tokens") or 0
         if rec.get("prompt_tokens") is None and self.counter is not None:  # a server that sends no usage
             prompt = self.counter.chat_prompt_tokens(list(req.messages))
             with self._lock:
                 self.stats["counted_prompts"] += 1
         return Reply(rec["text"], prompt_tokens=int(prompt), completion_tokens=int(rec.get("completion_tokens") or 0),
-                     finish_reason=rec.get("finish_reason"))
+                     finish_reason=rec.get("finish_reason"), stop_reason=rec.get("stop_reason"),
+                     stop_reported="stop_reason" in rec)
 
     async def _one(self, messages: list[dict], params: dict) -> dict:
         key = request_key(self.endpoint.model, messages, params)
@@ -241,6 +292,9 @@ class AgentClient:
                 rec = {"text": choice.message.content or "", "finish_reason": choice.finish_reason,
                        "prompt_tokens": getattr(usage, "prompt_tokens", None) if usage else None,
                        "completion_tokens": getattr(usage, "completion_tokens", None) if usage else None}
+                extra = getattr(choice, "model_extra", None) or {}
+                if "stop_reason" in extra:   # vLLM: the stop string that ended it, None for end-of-sequence
+                    rec["stop_reason"] = extra["stop_reason"]
                 self.cache.put(key, json.dumps(rec, ensure_ascii=False))
                 return rec
             except Exception as e:  # noqa: BLE001 - classified below, as the chat client does
@@ -295,7 +349,7 @@ def _first_stage(uri: str | None) -> dict[str, list[str]]:
 
 
 def make_task(method: str, ds: Dataset, q: Question, config: AgentsConfig, order: list[str] | None,
-              seen: list[str]) -> tuple[Any, Any]:
+              seen: list[str], budget: Budget | None = None) -> tuple[Any, Any]:
     """The agent's view of one question and what to close after its episode: its haystack to search (the
     memory service, scoped to the question: corpus = its id) or its sections to read
     (:func:`memsifter.agents.memory.chunks_for`); ``seen`` collects the session ids shown to the agent."""
@@ -308,7 +362,8 @@ def make_task(method: str, ds: Dataset, q: Question, config: AgentsConfig, order
         base = http_search(config.search_url, q.question_id, api_key_env=config.search_api_key_env)
 
         def search(query: str, k: int):  # noqa: ANN202
-            hits = list(base(query, k))
+            hits = (list(base(query, k)) if budget is None
+                    else budget.call(lambda: list(base(query, k)), "waiting for the memory service"))
             seen.extend(h.session_id for h in hits)
             return hits
         task.search = search
@@ -328,16 +383,17 @@ def one_line(e: BaseException, secrets: list[str]) -> str:
     return " ".join(redact(text, secrets).split())[:400]
 
 
-def run_episode(method: str, agent: Any, task: Any, client: AgentClient) -> tuple[Any, list[dict], float]:
-    """One episode to its end (:func:`memsifter.agents.base.drive`); its result, each call's record and
-    its seconds."""
+def run_episode(method: str, agent: Any, task: Any, client: AgentClient,
+                budget: Budget | None = None) -> tuple[Any, list[dict], float]:
+    """One episode to its end (:func:`memsifter.agents.base.drive`) within ``budget``; its result, each
+    call's record and its seconds."""
     from ..agents.base import drive
 
     calls: list[dict] = []
 
     def complete(req: Any) -> Any:
         t = time.time()
-        r = client.complete(req)
+        r = client.complete(req, budget)
         calls.append({"kind": req.kind, "continues": req.continues, "prompt_tokens": r.prompt_tokens,
                       "completion_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
                       "seconds": round(time.time() - t, 3)})
@@ -401,18 +457,20 @@ def run(config: AgentsConfig, out: storage.Publication) -> dict:
     failed: dict[tuple[str, str], str] = {}
     shards = len({r.get("_shard") for r in done.values()})
     t0 = time.time()
+    stage_deadline = t0 + config.stage_timeout_s
     client = AgentClient(config.endpoint, ResponseCache(storage.join(out.work, "llm-cache", "agents")),
                          config.retry_backoff_s, counter)
-    from tqdm import tqdm
+    from ..stage import progress_bar
 
-    bar = tqdm(total=len(todo), desc=f"agents {config.endpoint.model}", unit="episode", disable=not todo,
-               mininterval=1.0)
+    bar = progress_bar(total=len(todo), desc=f"agents {config.endpoint.model}", unit="episode",
+                       disable=not todo, mininterval=1.0)
 
     def one(method: str, q: Question) -> dict:
         seen: list[str] = []
-        task, close = make_task(method, ds, q, config, order.get(q.question_id), seen)
+        budget = Budget(config, stage_deadline)
+        task, close = make_task(method, ds, q, config, order.get(q.question_id), seen, budget)
         try:
-            res, calls, secs = run_episode(method, agents[method], task, client)
+            res, calls, secs = run_episode(method, agents[method], task, client, budget)
         finally:
             if close is not None:
                 close()
