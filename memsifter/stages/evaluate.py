@@ -37,11 +37,27 @@ question, each a mean with its n: LLM calls (a chat answer is one request), toke
 over all calls: the agents' from the server's usage, chat's ``prompt_tokens`` as its tokenizer counts
 the prompt) and seconds (an agent's episode; chat answers in batches and records none: ``-``).
 
+The benchmarks' own metrics sit beside ours, named as such (:mod:`memsifter.retrieval.benchmark_metrics`):
+every answered LoCoMo row gets ``locomo_f1`` (LoCoMo's QA score for its category: stems, the multi-hop comma
+split, adversarial abstention), averaged like F1 (overall, per type = per category, with intervals); every
+rankings entry gets ``longmemeval`` (recall_any@k, recall_all@k, ndcg_any@k as LongMemEval computes them over
+its non-abstention questions); with ``lme_judge`` (an OpenAI-compatible endpoint; off by default) every
+answered LongMemEval row is judged with LongMemEval's prompt for its type (``lme_judge`` per row,
+``longmemeval_judge`` per method: accuracy, task-averaged, abstention; verdicts in
+``longmemeval_judge.parquet``).
+
+Every answer table has reference rows (``references``): chat's no memory, random sessions and gold sessions
+where it answered with them, and the ``constant answer`` row, the best constant answer per metric chosen on
+the other half of the answered questions and scored on this half
+(:func:`memsifter.retrieval.benchmark_metrics.constant_answer`). Every other row has ``vs_reference``: its
+mean per-question difference to the strongest reference (per metric, the highest mean) over the questions
+both answered, with a 95% paired bootstrap interval.
+
 Outputs: ``report.json``, ``report.md``, ``recall_curve.png`` (recall@k, k = 1..``curve_max_k``, of
 every method; written when there are rankings), ``answer_f1_by_method.png``,
 ``answer_f1_by_type.png`` (written when there are answers: a plot with no data is not written) and
 ``answer_f1_and_cost.png`` (F1 against tokens read per question, one point per method, on the same
-questions; written when some method recorded its tokens).
+questions; written when some method recorded its tokens), ``longmemeval_judge.parquet`` (with ``lme_judge``).
 """
 
 from __future__ import annotations
