@@ -4,9 +4,12 @@
   variable named by ``api_key_env`` (a Kubernetes Secret reference in the cluster), never stored.
   The URL must be named (config or ``MEMSIFTER_LLM_BASE_URL`` / ``OPENAI_BASE_URL``): there is no
   built-in default, so nothing is sent to a hosted API unasked (:meth:`LLMEndpoint.check`).
-* Credentials never leave in text: a password in the URL is sent as its Basic header while the client
-  knows only the bare URL, and every error is passed through :func:`memsifter.security.redact.redact` (servers
-  echo keys in their error bodies).
+* Credentials never leave in text: a password in the URL is taken out when the config is parsed (the
+  config, its manifest and every message hold the bare URL, :func:`memsifter.security.redact.bare_url`) and
+  sent as the request's Basic header; the key read from ``api_key_env`` is remembered for redaction; every
+  error is passed through :func:`memsifter.security.redact.redact` and every answer through
+  :func:`~memsifter.security.redact.redact_known` before it is cached or returned (servers echo the
+  Authorization header, in error bodies and in answers).
 * Bounded concurrency (asyncio semaphore), retries with exponential backoff and jitter on 429, 5xx,
   timeouts and connection errors; other 4xx fail at once.
 * A request cache keyed by sha256 of (model, messages, sampling params): in memory, and optionally
@@ -27,10 +30,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..store import storage
-from ..security.redact import redact, strip_userinfo
+from ..security.redact import bare_url, redact, redact_known, remember, url_auth
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,15 @@ class LLMEndpoint(BaseModel):
     max_retries: int = Field(6, ge=0, description="retries on 429/5xx/timeouts", json_schema_extra={"runtime": True})
     concurrency: int = Field(16, ge=1, description="requests in flight at once", json_schema_extra={"runtime": True})
 
+    @field_validator("base_url")
+    @classmethod
+    def _bare(cls, v: str | None) -> str | None:
+        """A ``user:password@`` in the URL is taken out here: never stored, sent as the request's auth."""
+        return bare_url(v)
+
     def resolved_base_url(self) -> str | None:
-        return self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
+        """The base URL without credentials (a URL from the environment is stripped as the config's is)."""
+        return bare_url(self.base_url or os.environ.get("MEMSIFTER_LLM_BASE_URL") or os.environ.get("OPENAI_BASE_URL"))
 
     def display_url(self) -> str:
         """The base URL as errors and logs may show it: without a password or token in it."""
@@ -83,11 +93,9 @@ class LLMEndpoint(BaseModel):
         out = []
         if self.api_key_env and os.environ.get(self.api_key_env):
             out.append(os.environ[self.api_key_env])
-        url = self.resolved_base_url()
-        if url:
-            _, cred = strip_userinfo(url)
-            if cred:
-                out += [c for c in cred if c]
+        cred = url_auth(self.resolved_base_url())
+        if cred:
+            out += [f"{cred[0]}:{cred[1]}", *(c for c in cred if c)]
         return out
 
     def check(self, what: str = "endpoint") -> None:
@@ -117,6 +125,7 @@ class LLMEndpoint(BaseModel):
             return "EMPTY"
         key = os.environ.get(self.api_key_env)
         if key:
+            remember(key)   # redacted from every text of this process from now on
             return key
         url = self.resolved_base_url()
         if url and _loopback(url):
@@ -262,7 +271,8 @@ class ChatClient:
         import openai
 
         self.endpoint.check()
-        url, cred = strip_userinfo(self.endpoint.resolved_base_url())
+        url = self.endpoint.resolved_base_url()
+        cred = url_auth(url)
         headers = None
         if cred:
             token = base64.b64encode(f"{cred[0]}:{cred[1]}".encode()).decode()
@@ -286,7 +296,7 @@ class ChatClient:
                     self.stats["requests"] += 1
                     resp = await client.chat.completions.create(model=self.endpoint.model,
                                                                 messages=list(messages), **params)
-                text = resp.choices[0].message.content or ""
+                text = redact_known(resp.choices[0].message.content or "", self.endpoint.secrets())
                 self.cache.put(key, text)
                 return Completion(text, attempts=attempts)
             except Exception as e:  # noqa: BLE001 - classified below

@@ -7,13 +7,24 @@ failure record or a log is published or archived, so it passes through :func:`re
 
 :data:`PATTERNS` are the token shapes :mod:`memsifter.security.secretscan` looks for too (one place for the
 patterns): what the scanner would report, redaction removes.
+
+The process remembers the credentials it meets (:func:`remember`): a key read from the variable a config
+names, a URL's ``user:password@`` (taken out when the config is parsed, :func:`bare_url`, and sent by the
+HTTP clients as the request's auth, :func:`url_auth`). Every redaction removes them in all their forms
+(:func:`forms`: percent-encoded, JSON-escaped, base64 as in a Basic header), and a publication refuses a
+file that still holds one (:class:`memsifter.store.storage.Publication`).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import json
 import os
 import re
+import threading
 from typing import Any, Iterable
+from urllib.parse import quote
 
 MASK = "***"
 
@@ -32,6 +43,11 @@ PATTERNS: list[tuple[str, re.Pattern]] = [
     ("private-key", re.compile(r"(-----BEGIN (?:RSA |EC |DSA |OPENSSH |ENCRYPTED |PGP )?PRIVATE KEY(?: BLOCK)?-----)")),
 ]
 
+# A quick first pass (RE2, for Arrow's compute over whole columns): every match of PATTERNS contains one of
+# these, so a value without any cannot hold a token shape. Keep in step with PATTERNS.
+HINT = (r"sk-|AKIA|ASIA|ABIA|ACCA|AIDA|AROA|AIPA|ANPA|ANVA|APKA|hf_|ghp_|gho_|ghu_|ghs_|ghr_|github_pat_"
+        r"|PRIVATE KEY|(?i:secret_?(?:access_?)?key)")
+
 # Shapes that only redaction needs (the scanner would report them on every log line that names them):
 # credentials in a URL, an Authorization header's value, a key/token/password assignment.
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^/@\s?#]*)@")
@@ -44,6 +60,86 @@ _ASSIGNED = re.compile(r"(?i)((?:api[_-]?key|x-api-key|access[_-]?token|auth[_-]
 _SECRET_ENV = ("OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 _SECRET_NAME = re.compile(r"(?i)(?:^|_)(?:API_?KEY|SECRET|TOKEN|PASSWORD|PASSWD)(?:_|$)")
 _MIN_SECRET = 6  # shorter env values ("1", "true", "EMPTY"...) are not worth hiding and would mangle text
+
+
+# Credentials this process has met (keys read from the variables a config names, a URL's user:password),
+# with their encoded forms: every redact() removes them, and a publication refuses a file that holds one.
+_KNOWN: set[str] = set()
+_AUTH: dict[str, tuple[str, str]] = {}   # bare URL -> (user, password) it was given with
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1024)
+def forms(secret: str) -> tuple[str, ...]:
+    """How a secret can appear in text: as it is, percent-encoded (a URL), JSON-escaped and in base64
+    (a Basic header is base64 of ``user:password``; without its padding, so a padded or cut form is
+    found too)."""
+    out = {secret, quote(secret, safe=""), json.dumps(secret, ensure_ascii=False)[1:-1],
+           json.dumps(secret)[1:-1]}
+    if len(secret) >= 4:
+        out.add(base64.b64encode(secret.encode()).decode().rstrip("="))
+    return tuple(sorted((f for f in out if len(f) >= 4), key=len, reverse=True))
+
+
+def remember(*secrets: str | None) -> None:
+    """Make ``secrets`` known to every later :func:`redact` of this process (and to the publications'
+    secret check, :func:`known_secrets`). Values shorter than 4 characters are not worth hiding."""
+    new = [s for s in secrets if s and len(s) >= 4 and s not in _KNOWN]
+    if new:
+        with _lock:
+            _KNOWN.update(new)
+
+
+def known_secrets(secrets: Iterable[str | None] = (), env: bool = True) -> list[str]:
+    """Every form (:func:`forms`) of ``secrets``, of the credentials remembered by this process and (with
+    ``env``) of :func:`env_secrets`: longest first, so that a value containing another is removed whole."""
+    with _lock:
+        values = set(_KNOWN)
+    values |= {s for s in secrets if s and len(s) >= 4}
+    if env:
+        values |= set(env_secrets())
+    return sorted({f for s in values for f in forms(s)}, key=len, reverse=True)
+
+
+def bare_url(url: str | None) -> str | None:
+    """``url`` without its ``user:password@``: what a config stores and every message shows. The
+    credentials are remembered (redacted everywhere from now on) and kept for :func:`url_auth`, which
+    the HTTP clients send them with; a URL without them is returned as it is."""
+    if not url or "@" not in url:
+        return url
+    try:
+        bare, cred = strip_userinfo(url)
+    except ValueError:   # not a URL (a bad port, a broken IPv6 host): its validation says so
+        return url
+    if cred is None:
+        return url
+    user, password = cred
+    remember(f"{user}:{password}", password, *((user,) if not password else ()))
+    with _lock:
+        _AUTH[bare] = cred
+    return bare
+
+
+def url_auth(url: str | None) -> tuple[str, str] | None:
+    """The (user, password) that :func:`bare_url` took out of ``url`` (or that ``url`` still carries),
+    for a client to send as Basic auth; None when there were none."""
+    if not url:
+        return None
+    bare = bare_url(url)
+    with _lock:
+        return _AUTH.get(bare)
+
+
+def redact_known(text: Any, secrets: Iterable[str | None] = ()) -> Any:
+    """``text`` without the credentials this process knows (:func:`known_secrets`, all their forms) and
+    ``secrets``; nothing else is touched (ordinary text that merely looks like a key stays): for answers a
+    server sent, which may quote the request's Authorization header."""
+    if not isinstance(text, str) or not text:
+        return text
+    for s in known_secrets(secrets):
+        if s in text:
+            text = text.replace(s, MASK)
+    return text
 
 
 def env_secrets(names: Iterable[str | None] = ()) -> list[str]:
@@ -68,13 +164,11 @@ def _userinfo(m: re.Match) -> str:
 def redact(text: Any, secrets: Iterable[str | None] = (), env: bool = True) -> Any:
     """``text`` without credentials: a URL's ``user:password@`` (the password, or a token given as the
     user), ``Bearer``/``Basic`` header values, ``api_key=…``-style assignments, the token shapes of
-    :data:`PATTERNS`, and every value of ``secrets`` and (with ``env``) of :func:`env_secrets`.
-    Anything that is not a string is returned as it is (``None`` stays ``None``)."""
+    :data:`PATTERNS`, and every form (:func:`forms`) of ``secrets``, of the credentials this process
+    remembered (:func:`remember`, :func:`bare_url`) and (with ``env``) of :func:`env_secrets`. Anything that is not a string is returned as it is (``None`` stays ``None``)."""
     if not isinstance(text, str) or not text:
         return text
-    known = sorted({s for s in secrets if s and len(s) >= 4} | (set(env_secrets()) if env else set()),
-                   key=len, reverse=True)
-    for s in known:  # longest first: a value that contains another is removed whole
+    for s in known_secrets(secrets, env):  # longest first: a value that contains another is removed whole
         if s in text:
             text = text.replace(s, MASK)
     text = _URL_USERINFO.sub(_userinfo, text)

@@ -98,6 +98,10 @@ class BadManifestError(StorageError):
     """A ``_SUCCESS`` that is not a valid manifest (not JSON, not an object, keys missing or unsafe)."""
 
 
+class SecretFoundError(StorageError):
+    """A publication that still holds a credential after redaction (:meth:`Publication.publish` refuses it)."""
+
+
 class TooLargeError(StorageError):
     """A read that went past its size limit (:func:`read_bytes` ``limit``)."""
 
@@ -942,6 +946,14 @@ def utcnow() -> str:
 class Publication:
     """Stage output under construction; ``publish()`` makes it visible atomically.
 
+    No credential is published: every string a stage writes (table columns, nested ones included; text and
+    JSON files; the manifest's config and stats) has the credentials the process knows removed first, in
+    all their forms (:func:`memsifter.security.redact.known_secrets`: keys, URL passwords, Basic/base64,
+    percent-encoded), and the token shapes the secret scan reports (:mod:`memsifter.security.secretscan`).
+    Every file is then scanned as it is staged (gzip, zip, tar and parquet opened; a file copied in as it
+    is, too): ``publish`` refuses one that still holds a finding (:class:`SecretFoundError`, one line
+    naming the file and the kind, never the value) before anything is visible.
+
     Files are written to ``<out>/_staging/<attempt>/<name>``; ``publish`` writes the journal
     ``_PUBLISHING`` (the manifest to be, naming the staging attempt), removes the old manifest, moves
     each staged file into place (idempotently) and writes ``_SUCCESS`` last. A crash before the journal
@@ -956,6 +968,7 @@ class Publication:
         self.attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
         self.staging = join(self.uri, STAGING, self.attempt)
         self.files: dict[str, dict] = {}
+        self.findings: list[Any] = []   # secretscan findings in what was staged (publish refuses them)
         self.stats: dict[str, Any] = {}
         self.inputs: dict[str, Any] = {}   # fingerprints of the inputs this output was built from
         self.started = utcnow()
@@ -970,9 +983,29 @@ class Publication:
     def _record(self, name: str, nbytes: int, sha: str, rows: int | None) -> None:
         self.files[name] = {"bytes": nbytes, "sha256": sha, **({"rows": rows} if rows is not None else {})}
 
-    def write_bytes(self, name: str, data: bytes, rows: int | None = None) -> None:
+    def _stage(self, name: str, data: bytes, rows: int | None = None) -> None:
         write_bytes(join(self.staging, name), data)
         self._record(name, len(data), sha256_bytes(data), rows)
+
+    def write_bytes(self, name: str, data: bytes, rows: int | None = None) -> None:
+        """Stage a file: UTF-8 text is redacted first (:func:`memsifter.security.secretscan.scrub_text`),
+        then the bytes are scanned (a gzip or parquet file opened)."""
+        from ..security import secretscan
+        from ..security.redact import known_secrets
+
+        known = known_secrets()
+        if data[:4] == b"PAR1":
+            self.findings += secretscan.scan_table(pq.read_table(io.BytesIO(data)), name, known)
+        else:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            if text is not None:
+                clean = secretscan.scrub_text(text, known)
+                data = clean.encode("utf-8") if clean != text else data
+            self.findings += secretscan.scan_bytes(data, name, known)
+        self._stage(name, data, rows)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode("utf-8"))
@@ -981,9 +1014,21 @@ class Publication:
         self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
 
     def write_table(self, name: str, table: pa.Table) -> None:
-        self.write_bytes(name, parquet_bytes(table), rows=table.num_rows)
+        """Stage a parquet table, its strings redacted and then scanned (binary columns scanned only)."""
+        from ..security import secretscan
+        from ..security.redact import known_secrets
+
+        known = known_secrets()
+        table = secretscan.scrub_table(table, known)
+        self.findings += secretscan.scan_table(table, name, known)
+        self._stage(name, parquet_bytes(table), rows=table.num_rows)
 
     def add_file(self, name: str, local_path: str) -> None:
+        """Copy a local file in as it is (model weights, checkpoints): scanned, never rewritten."""
+        from ..security import secretscan
+        from ..security.redact import known_secrets
+
+        self.findings += secretscan.scan_file(local_path, name, known_secrets())
         n, sha = copy_file(local_path, join(self.staging, name))
         self._record(name, n, sha, None)
 
@@ -997,14 +1042,22 @@ class Publication:
     def publish(self, stats: dict | None = None, check: Callable[[], None] | None = None) -> dict:
         """Move the staged files into place and write ``_SUCCESS``; ``check()`` runs just before the
         first visible change (the stage's lease check)."""
+        from ..security import secretscan
+        from ..security.redact import known_secrets, redact_obj
+
         if stats:
             self.stats.update(stats)
         manifest = {
-            "stage": self.stage, "config": self.config, "config_hash": self.config_hash,
+            "stage": self.stage, "config": redact_obj(self.config), "config_hash": self.config_hash,
             "code_version": self.code_version, "started_at": self.started, "published_at": utcnow(),
-            "attempt": self.attempt, "files": self.files, "stats": self.stats, "inputs": self.inputs,
+            "attempt": self.attempt, "files": self.files, "stats": redact_obj(self.stats), "inputs": self.inputs,
             "run_id": os.environ.get("MEMSIFTER_RUN_ID"),
         }
+        found = self.findings + secretscan.scan_text(_dumps(manifest).decode(), MANIFEST, known_secrets())
+        if found:
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise SecretFoundError(f"{self.uri}: refusing to publish: a credential is still in the output after "
+                                   f"redaction: {found[0]}{more}; nothing was published")
         faults.checkpoint("publish-start")
         if check is not None:
             check()
