@@ -45,7 +45,7 @@ import re
 from typing import Callable, Generator, Sequence
 
 from ..retrieval.render import _STOP, content_words
-from ..security.redact import redact
+from ..security.redact import bare_url, redact, remember, url_auth
 from .base import (Hit, Request, Result, Search, Task, TokenCounter, approx_tokens, clip, close_stop,
                    scan_tags, trim_to_tokens)
 
@@ -288,20 +288,23 @@ def http_search(base_url: str, corpus_id: str, api_key_env: str | None = None, t
                 topk_max: int | None = None) -> Search:
     """A :data:`Search` over the memory service: ``POST {base_url}/retrieve`` (Search-R1's request with
     ``corpus_id``: the question's haystack as published, or a user's memory); ``api_key_env`` names the
-    environment variable holding the key (sent as ``Authorization: Bearer``). ``topk_max`` caps what is
-    asked. The returned callable is thread-safe; ``.close()`` ends its connection pool."""
+    environment variable holding the key (sent as ``Authorization: Bearer``); a ``user:password`` the URL
+    was given with (:func:`memsifter.security.redact.bare_url`) is sent as Basic auth instead. ``topk_max``
+    caps what is asked. The returned callable is thread-safe; ``.close()`` ends its connection pool."""
     import httpx
 
-    url = base_url.rstrip("/") + "/retrieve"
+    url = bare_url(base_url).rstrip("/") + "/retrieve"
+    auth = url_auth(base_url)
     key = None
     if api_key_env:
         key = os.environ.get(api_key_env)
         if not key:
             raise SearchError(f"search: environment variable {api_key_env} (the memory service's key) is not set")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    remember(key)
+    headers = {"Authorization": f"Bearer {key}"} if key and not auth else {}
     secrets = [key] if key else []
     shown_url = redact(url, secrets)
-    client = httpx.Client(timeout=timeout, headers=headers)
+    client = httpx.Client(timeout=timeout, headers=headers, auth=auth)
 
     def search(query: str, k: int) -> list[Hit]:
         k = min(k, topk_max) if topk_max else k

@@ -50,7 +50,7 @@ from ..models import registry as models
 from ..models.llm import ChatClient, LLMEndpoint, ResponseCache, _retryable, request_key, retry_after
 from ..retrieval import rankings
 from ..retrieval.metrics import exact_match, token_f1
-from ..security.redact import redact, redact_obj, strip_userinfo
+from ..security.redact import bare_url, redact, redact_known, redact_obj, url_auth
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..store import storage
 from ..testing import faults
@@ -118,6 +118,12 @@ class AgentsConfig(StageConfig):
         if isinstance(v, dict) and "temperature" not in v:
             return {**v, "temperature": 0.0}
         return v
+
+    @field_validator("search_url")
+    @classmethod
+    def _bare(cls, v: str | None) -> str | None:
+        """A ``user:password@`` in the URL is taken out here: never stored, sent as the search's auth."""
+        return bare_url(v)
 
     @field_validator("agent_options")
     @classmethod
@@ -289,7 +295,8 @@ class AgentClient:
                                                                      **params)
                 choice = resp.choices[0]
                 usage = getattr(resp, "usage", None)
-                rec = {"text": choice.message.content or "", "finish_reason": choice.finish_reason,
+                text = redact_known(choice.message.content or "", self.endpoint.secrets())  # echoed keys
+                rec = {"text": text, "finish_reason": choice.finish_reason,
                        "prompt_tokens": getattr(usage, "prompt_tokens", None) if usage else None,
                        "completion_tokens": getattr(usage, "completion_tokens", None) if usage else None}
                 extra = getattr(choice, "model_extra", None) or {}
@@ -446,7 +453,7 @@ def run(config: AgentsConfig, out: storage.Publication) -> dict:
                                            if config.search_api_key_env and os.environ.get(config.search_api_key_env)
                                            else [])
     if config.search_url:
-        secrets += [c for c in (strip_userinfo(config.search_url)[1] or ()) if c]
+        secrets += [c for c in (url_auth(config.search_url) or ()) if c]
 
     work = storage.join(out.work, f"agents-{config_hash(config)}")
     done = {(r["method"], r["question_id"]): r for r in rankings.read_partials(work)}
