@@ -113,7 +113,7 @@ class ModelCase:
     model: str                    # {tmp}: the test's directory
     says: list[str]               # words the one line must hold
     env: dict = field(default_factory=dict)   # {hub}: the missing-repository hub; {closed}: a closed port
-    setup: str = ""               # "file" | "empty_dir" | "" : what to make at {tmp}/thing
+    setup: str = ""               # "file" | "empty_dir" | "" | a config.json's text: what to make at {tmp}/thing
 
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -133,6 +133,17 @@ MODEL_CASES = [
               {**ONLINE, "HF_ENDPOINT": "http://127.0.0.1:{closed}"}),
     ModelCase("hub-repo-missing", "embed", "nobody/no-such-encoder", ["not found on the Hugging Face hub"],
               {**ONLINE, "HF_ENDPOINT": "{hub}"}),
+    # issue 41: a folder whose config.json is bad printed 331-362 lines of Ray traceback
+    ModelCase("config-not-json", "embed", "{tmp}/thing", ["config.json is not JSON (line 1 column"], OFFLINE,
+              setup='{"model_type": "bert",'),
+    ModelCase("config-a-list", "embed", "{tmp}/thing", ["config.json holds a JSON list"], OFFLINE, setup="[1, 2]"),
+    ModelCase("config-no-model-type", "embed", "{tmp}/thing", ["field 'model_type'"], OFFLINE,
+              setup='{"hidden_size": 8}'),
+    ModelCase("config-unknown-model-type", "embed", "{tmp}/thing", ["not a config transformers can load",
+                                                                     "no-such-arch"], OFFLINE,
+              setup='{"model_type": "no-such-arch"}'),
+    ModelCase("sft-config-not-json", "sft", "{tmp}/thing", ["sft: model", "config.json is not JSON"], OFFLINE,
+              setup="{"),
     ModelCase("sft-missing-path", "sft", "/nonexistent", ["sft: model '/nonexistent'", "no such"], OFFLINE),
     ModelCase("train-missing-path", "train", "/nonexistent", ["train: model '/nonexistent'", "no such"], OFFLINE),
     ModelCase("sft-hub-id-offline-uncached", "sft", "HuggingFaceTB/no-such-model",
@@ -148,6 +159,10 @@ def test_model_reference_is_one_line_exit_2_before_anything_starts(case, synth, 
         thing.write_text("not a model")
     elif case.setup == "empty_dir":
         (thing / "sub").mkdir(parents=True)
+    elif case.setup:   # a model directory whose config.json is this text (weights beside it)
+        thing.mkdir()
+        (thing / "config.json").write_text(case.setup)
+        (thing / "model.safetensors").write_bytes(b"\0" * 64)
     hf_home = tmp_path / "hf"   # an empty Hugging Face cache: nothing is cached
     env = {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub")}
     env.update({k: v.replace("{hub}", missing_repo_hub).replace("{closed}", str(closed_port()))

@@ -129,6 +129,8 @@ def check_model_ref(name: str, stage: str, field: str = "model", adapters: bool 
         marks = ("config.json", *(("adapter_config.json",) if adapters else ()))
         if not any(os.path.isfile(os.path.join(local, m)) for m in marks):
             raise ConfigError(f"{what} is not a model directory: it holds no {' or '.join(marks)}; pass {kinds}")
+        if os.path.isfile(os.path.join(local, "config.json")):
+            check_model_config(local, what)
         return
     if os.path.exists(local):
         raise ConfigError(f"{what} is a file, not a model directory; pass {kinds}")
@@ -175,6 +177,46 @@ def check_model_ref(name: str, stage: str, field: str = "model", adapters: bool 
     except Exception as e:  # noqa: BLE001 - connection refused, DNS, timeouts (httpx / OSError)
         raise ConfigError(f"{head}, and the Hugging Face hub cannot be reached to download it "
                           f"({type(e).__name__}: {_first_line(e)}); {fix}") from None
+
+
+MAX_MODEL_CONFIG_BYTES = 16 << 20   # a model's config.json is a few kB
+
+
+def check_model_config(path: str, what: str) -> None:
+    """Refuse, in one line naming the file, a model directory whose ``config.json`` transformers cannot
+    read (not JSON, not an object, no or an unknown ``model_type``, a field of the wrong type): read
+    here, before Ray starts, where it costs a second, not in a Ray actor where it costs hundreds of lines
+    of traceback. Only the config is read, never the weights."""
+    from ..errors import ConfigError
+
+    cfg = os.path.join(path, "config.json")
+    try:
+        with open(cfg, "rb") as f:
+            raw = f.read(MAX_MODEL_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{what}: {cfg} cannot be read ({e.strerror or e})") from None
+    if len(raw) > MAX_MODEL_CONFIG_BYTES:
+        raise ConfigError(f"{what}: {cfg} is larger than {MAX_MODEL_CONFIG_BYTES >> 20} MiB: not a model config")
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what}: {cfg} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what}: {cfg} is not JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{what}: {cfg} is not JSON ({_first_line(e)[:100]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {cfg} holds a JSON {type(data).__name__}, expected an object")
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        raise ConfigError(f"{what}: {cfg}: field 'model_type': expected the model's type (a string such as "
+                          f"\"bert\"), got {str(data.get('model_type'))[:60]!r}")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path)   # the config alone: its model_type known, its fields of their types
+    except Exception as e:  # noqa: BLE001 - whatever transformers says, in one line
+        raise ConfigError(f"{what}: {cfg} is not a config transformers can load ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]})") from None
 
 
 def _hf_cache() -> str:
