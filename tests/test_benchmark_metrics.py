@@ -286,6 +286,17 @@ def test_longmemeval_judge_on_a_real_vllm_server(vllm_endpoint, tmp_path):
     assert s["task_averaged"] == round(sum(sum(v) / len(v) for v in by_type.values()) / 2, 4)
     assert m["stats"]["answers"]["m"]["longmemeval_judge"]["accuracy"] == s["accuracy"]
     assert "### LongMemEval's judge" in storage.read_text(storage.join(out, "report.md"))
+    # what was sent: LongMemEval's prompt for each question as one user message, temperature 0, 10 tokens (the
+    # request cache is keyed by model, messages and parameters; q1 and q2 send the same prompt)
+    from memsifter.models.llm import LLMEndpoint, request_key
+
+    params = LLMEndpoint(base_url=vllm_endpoint, model="tiny", api_key_env=None).params(temperature=0.0, max_tokens=10)
+    want = {request_key("tiny", [{"role": "user", "content": bm.lme_judge_prompt(ds.question(q), "x")}], params)
+            for q in ("q1", "q2", "q3_abs", "q4")}
+    cache = storage.join(out, "_work", "llm-cache", "lme-judge")
+    sent = {json.loads(line)["key"] for f in storage.list_files(cache)
+            for line in storage.read_text(storage.join(cache, f)).splitlines() if line.strip()}
+    assert len(want) == 3 and sent == want
 
 
 def test_longmemeval_judge_failure_publishes_nothing(tmp_path):
