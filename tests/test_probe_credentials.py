@@ -209,12 +209,14 @@ def _planted_key() -> str:
     return "sk" + "-" + "proj" + "-" + secrets.token_hex(12) + "AbCd" + secrets.token_hex(4)
 
 
-@pytest.mark.parametrize("plant", ["known-in-gzip", "known-in-binary-column", "token-shape-in-gzip"])
-def test_a_publish_that_still_holds_a_secret_is_refused(plant, tmp_path):
-    """What the redactor cannot reach (inside a gzip file, a binary column) is found by the scan before
-    anything moves: the publish is refused with one line naming the file and what was found (never the
-    value); nothing is published, the staged files are removed."""
-    from memsifter.security import redact
+@pytest.mark.parametrize("plant", ["known-in-gzip", "known-in-binary-column", "token-shape-in-gzip",
+                                   "known-in-copied-file", "known-in-large-copied-file"])
+def test_a_publish_that_still_holds_a_secret_is_refused(plant, tmp_path, monkeypatch):
+    """What the redactor cannot reach (inside a gzip file, a binary column, a file copied in as it is;
+    one past the scanner's size limit is searched block by block) is found by the scan before anything
+    moves: the publish is refused with one line naming the file and what was found (never the value);
+    nothing is published, the staged files are removed."""
+    from memsifter.security import redact, secretscan
 
     out = tmp_path / "out"
     value = "cred" + secrets.token_hex(16) if plant.startswith("known") else _planted_key()
@@ -222,7 +224,13 @@ def test_a_publish_that_still_holds_a_secret_is_refused(plant, tmp_path):
         redact.remember(value)   # a credential of this run (read from its variable or its URL)
     pub = storage.Publication(str(out), "probe", {"note": "plain"}, "fake", "test")
     pub.write_table("clean.parquet", pa.table({"a": ["nothing to see"]}))
-    if plant == "known-in-binary-column":
+    if plant.endswith("copied-file"):
+        if plant.startswith("known-in-large"):
+            monkeypatch.setattr(secretscan, "MAX_BYTES", 1024)
+        src = tmp_path / "weights.bin"
+        src.write_bytes(os.urandom(20 << 20) + value.encode() + os.urandom(100))   # past one 8 MiB block
+        pub.add_file("planted/weights.bin", str(src))
+    elif plant == "known-in-binary-column":
         pub.write_table("planted.parquet", pa.table({"blob": pa.array([f"x {value} y".encode()], pa.binary())}))
     else:
         pub.write_bytes("planted.json.gz", gzip.compress(json.dumps({"k": value}).encode()))

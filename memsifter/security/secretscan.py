@@ -29,7 +29,7 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 # One place for the token shapes: what this scanner reports is what memsifter.security.redact removes from
 # errors, logs and published columns.
@@ -243,18 +243,19 @@ def scan_bytes(data: bytes, location: str, known: Iterable[str] = ()) -> list[Fi
     return scan_text(data.decode("utf-8", errors="replace"), location, known)
 
 
-def scan_file(path: str, location: str, known: Iterable[str] = ()) -> list[Finding]:
-    """Findings in a local file: as :func:`scan_bytes` up to :data:`MAX_BYTES`; a larger one (weights,
-    checkpoints) is searched for the ``known`` strings only, in 8 MiB blocks that overlap."""
+def scan_stream(open_file: Callable[[], Any], size: int, location: str, known: Iterable[str] = ()) -> list[Finding]:
+    """Findings in a file of ``size`` bytes that ``open_file()`` opens (a local file, a store object): as
+    :func:`scan_bytes` up to :data:`MAX_BYTES`; a larger one (weights, checkpoints) is searched for the
+    ``known`` strings only, in 8 MiB blocks that overlap."""
     known = list(known)
-    if os.path.getsize(path) <= MAX_BYTES:
-        with open(path, "rb") as f:
+    if size <= MAX_BYTES:
+        with open_file() as f:
             return scan_bytes(f.read(), location, known)
     wanted = [k.encode() for k in known if k]
     if not wanted:
         return []
     overlap, tail, offset = max(len(w) for w in wanted), b"", 0
-    with open(path, "rb") as f:
+    with open_file() as f:
         while block := f.read(8 << 20):
             window = tail + block
             for k, w in zip(known, wanted):

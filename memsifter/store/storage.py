@@ -1024,11 +1024,14 @@ class Publication:
         self._stage(name, parquet_bytes(table), rows=table.num_rows)
 
     def add_file(self, name: str, local_path: str) -> None:
-        """Copy a local file in as it is (model weights, checkpoints): scanned, never rewritten."""
+        """Copy a file in as it is (model weights, checkpoints; a local path or a URI): scanned, never
+        rewritten."""
         from ..security import secretscan
         from ..security.redact import known_secrets
 
-        self.findings += secretscan.scan_file(local_path, name, known_secrets())
+        fs, path = resolve(local_path)
+        size = retrying(lambda: fs.get_file_info(path), local_path).size
+        self.findings += secretscan.scan_stream(lambda: fs.open_input_stream(path), size, name, known_secrets())
         n, sha = copy_file(local_path, join(self.staging, name))
         self._record(name, n, sha, None)
 
