@@ -312,3 +312,16 @@ def test_longmemeval_judge_failure_publishes_nothing(tmp_path):
                                    "lme_judge": {"base_url": url, "model": "j", "api_key_env": None,
                                                  "max_retries": 0, "timeout_s": 5}})
     assert not storage.exists(storage.join(out, "report.json"))
+
+
+def test_longmemeval_judge_endpoint_is_never_implied(monkeypatch):
+    """The judge is off by default; on, its endpoint must be named (no request goes to a server the user did
+    not name): one line naming the field, before anything runs."""
+    from memsifter.errors import ConfigError
+    from memsifter.stages.evaluate import EvaluateConfig
+
+    for var in ("MEMSIFTER_LLM_BASE_URL", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    assert EvaluateConfig(output="o", input="i").lme_judge is None
+    with pytest.raises(ConfigError, match=r"lme_judge\.base_url is not set"):
+        EvaluateConfig(output="o", input="i", lme_judge={"model": "j"}).preflight()
