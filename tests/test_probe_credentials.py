@@ -267,3 +267,27 @@ def test_a_known_credential_is_redacted_from_every_column_and_the_manifest(tmp_p
             t = text_of(p)
             assert not any(f in t for f in forms), p
     assert m["files"]["t.parquet"]["rows"] == 3
+
+
+def test_the_cli_log_handler_masks_every_credential_the_run_knows(capsys):
+    """The CLI's log lines (stderr) and a stage's failure record pass through the redaction: a
+    credential the run read, quoted as it is or in its Basic form, is masked."""
+    from memsifter.console import setup_logging
+    from memsifter.security import redact
+    from memsifter.stage import _LogTail
+
+    value = "cred" + secrets.token_hex(12)
+    redact.remember(value, f"dave:{value}")
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    tail = _LogTail()
+    try:
+        setup_logging(0)
+        root.addHandler(tail)
+        logging.getLogger("memsifter.probe").warning("the server said %s, then %s", value, b64(f"dave:{value}"))
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    err = capsys.readouterr().err
+    assert "the server said ***" in err and value not in err and b64(f"dave:{value}") not in err, err
+    assert tail.lines() and all(value not in ln and "***" in ln for ln in tail.lines())
