@@ -353,6 +353,9 @@ def stage_parser(name: str, prog: str | None = None,
     p.add_argument("--steal-lease", action="store_true", help=STEAL_HELP)
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     p.add_argument("--schema", action="store_true", help="print the config's JSON schema and exit")
+    if terminal_summary(name):
+        p.add_argument("--json", action="store_true",
+                       help="print the output's stats as JSON instead of its tables")
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     settings = p.add_argument_group(f"{name} settings", plain(st.config.__doc__) or None)
@@ -383,15 +386,27 @@ def run_stage_cli(name: str, rest: list[str], prog: str | None = None,
         return 0
     manifest = st.run(cfg, force=args.force, steal_lease=args.steal_lease, replace=args.replace)
     if not manifest.get("dry_run"):
-        report_manifest(cfg.output, manifest)
+        report_manifest(cfg.output, manifest, None if getattr(args, "json", False) else terminal_summary(name))
     return 0
 
 
-def report_manifest(uri: str, manifest: dict) -> None:
+def terminal_summary(name: str) -> Callable[[dict], list[str]] | None:
+    """A stage's own screen of its output (its module's ``terminal_summary(manifest)``: evaluate's tables),
+    or None: the stats are printed as JSON."""
+    import importlib
+
+    from . import stage as stg
+
+    return getattr(importlib.import_module(stg.get_stage(name).module), "terminal_summary", None)
+
+
+def report_manifest(uri: str, manifest: dict, summary: Callable[[dict], list[str]] | None = None) -> None:
     state = "already published (skipped)" if manifest.get("skipped") else "published"
     print(f"{manifest['stage']}: {state}: {uri}")
     stats = manifest.get("stats") or {}
-    if stats:
+    if summary:
+        print("\n".join(summary(manifest)))
+    elif stats:
         print(json.dumps(stats, indent=2, sort_keys=True, default=str))
 
 

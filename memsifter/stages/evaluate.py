@@ -62,7 +62,9 @@ questions; written when some method recorded its tokens), ``longmemeval_judge.pa
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import logging
 import os
 from typing import Literal
@@ -104,7 +106,6 @@ class EvaluateConfig(StageConfig):
         """Where the judge's requests go and their key, checked before anything starts (one line, exit 2)."""
         if self.lme_judge:
             self.lme_judge.check("lme_judge")
-
 
 
 def expand_rankings(uri: str) -> list[tuple[str, str]]:
@@ -175,7 +176,6 @@ def longmemeval_retrieval(rows: list[dict], ds: Dataset, ks: list[int]) -> dict 
     return {"n": whole["n"], "relevant": relevant, "questions": "non-abstention, with a relevant session",
             "overall": {k: v for k, v in whole.items() if k not in ("n", "ci")}, "ci": whole["ci"],
             "by_type": _group_means(per_q, ds, lambda q: q.question_type)}
-
 
 
 def score_rankings(rows: list[dict], ds: Dataset, ks: list[int], max_k: int, variant: str) -> dict:
@@ -643,6 +643,39 @@ def markdown(report: dict, ks: list[int], written_plots: list[str] | None = None
     return "\n".join(lines)
 
 
+def terminal_summary(manifest: dict) -> list[str]:
+    """What ``memsifter run evaluate`` prints (``--json``: the stats instead): the tables ``memsifter demo``
+    prints (:func:`memsifter.demo.screen`: the first stage, the rankers beside it, the answers, the agents
+    with their cost), read from this output's stats and the manifests of the stages it scored, then where
+    the report and the plots are."""
+    from .. import demo
+
+    cfg = manifest.get("config") or {}
+    out = cfg.get("output") or ""
+    res: dict[str, dict] = {"evaluate": manifest}
+    for uri in [*cfg.get("rankings", []), *cfg.get("answers", [])]:   # the first stage's default, the
+        if uri.endswith(".parquet"):                                  # rankers' n, the agents' format counts
+            continue
+        with contextlib.suppress(Exception):
+            m = storage.read_manifest(uri)
+            key = {"embed": "embed", "rank": "rank"}.get(m.get("stage"), uri.rstrip("/").rsplit("/", 1)[-1])
+            res.setdefault(key, m)
+    name = "evaluate"
+    with contextlib.suppress(Exception):   # the datasets its questions come from
+        name = "+".join(json.loads(storage.read_text(storage.join(out, "report.json")))["dataset"]["by_dataset"])
+    stats = manifest.get("stats") or {}
+    agents = any(k.startswith("agent:") for k in ((stats.get("side_by_side") or {}).get("methods") or {}))
+    if agents:
+        res[demo.AGENTS_EVAL] = manifest
+    lines = [ln for part in ("first", "evaluate") + (("agents",) if agents else ())
+             for ln in demo.screen({name: res}, part)]
+    files = [f for f in (manifest.get("files") or {}) if f.endswith(".png")]
+    lines += ["", f"report {storage.join(out, 'report.md')} (every metric by type and dataset; the stats: --json)"]
+    if files:
+        lines.append(f"plots  {', '.join(storage.join(out, f) for f in sorted(files))}")
+    return lines
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -760,32 +793,84 @@ def f1_by_method_figure(report: dict):
     return fig
 
 
+MARKERS = "osD^vPX*h<>p"   # one shape per method, so that two methods drawn on one spot both show
+
+
+def _token_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values of a log token axis: 1, 2, 5 × powers of ten within [lo, hi] (at most 8 of them)."""
+    import math
+
+    ticks = [m * 10 ** e for e in range(int(math.floor(math.log10(lo))), int(math.ceil(math.log10(hi))) + 1)
+             for m in (1, 2, 5) if lo <= m * 10 ** e <= hi]
+    while len(ticks) > 8:
+        ticks = ticks[::2]
+    return ticks
+
+
+def _tokens_label(v: float, _pos=None) -> str:  # noqa: ANN001
+    return f"{v / 1000:g}k" if v >= 1000 else f"{v:g}"
+
+
 def f1_and_cost_figure(report: dict):
     """Answer F1 (95% bootstrap error bars) against tokens read per question, one point per method, on the
     questions every method answered (``side_by_side``); methods whose tokens are not recorded are named
-    in the title instead."""
+    in the title instead. Every method is visible: its own colour and marker shape and its number beside
+    the point and in the legend; points that would cover each other are set side by side (a few points
+    apart, their values unchanged). The token axis is logarithmic when the means span more than 20x, with
+    1/2/5 ticks written as plain numbers (500, 1k, 2k)."""
+    import matplotlib.ticker as mticker
+    from matplotlib.transforms import offset_copy
+
     plt = _pyplot()
     sbs = report["side_by_side"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    unknown = []
-    xs = []
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    unknown, pts = [], []
     for i, (label, e) in enumerate(sbs["methods"].items()):
         tok = e["cost"].get("prompt_tokens")
         if tok is None or e.get("f1") is None:
             unknown.append(label)
             continue
-        x = max(1.0, tok["mean"])
-        xs.append(x)
-        ci = (e.get("ci") or {}).get("f1")
-        ax.errorbar([x], [e["f1"]], yerr=_yerr([e["f1"]], [ci]), fmt="o", ms=7, capsize=3, color=f"C{i % 10}",
-                    label=f"{label} (n={e['n']})")
-    if xs and max(xs) / min(xs) > 20:
+        pts.append((i, label, e, max(1.0, tok["mean"]), (e.get("ci") or {}).get("f1")))
+    xs = [x for _, _, _, x, _ in pts]
+    top = max([0.1] + [max(e["f1"], ci["ci_high"] if ci else 0.0) for _, _, e, _, ci in pts])
+    ax.set_ylim(-0.04 * top * 1.3, top * 1.3)   # room below 0 so that a 0.0 point is not cut in half
+    log = bool(xs) and max(xs) / min(xs) > 20
+    if xs:
+        lo, hi = min(xs), max(xs)
+        ax.set_xlim(lo / 1.6, hi * 1.6) if log else ax.set_xlim(0, hi * 1.15)
+    if log:
         ax.set_xscale("log")
-    ax.set_xlabel("tokens read per question (prompt tokens over all LLM calls, mean)")
+        ax.xaxis.set_major_locator(mticker.FixedLocator(_token_ticks(*ax.get_xlim())))
+        ax.xaxis.set_major_formatter(mticker.FuncFormatter(_tokens_label))
+        ax.xaxis.set_minor_formatter(mticker.NullFormatter())
+    else:
+        ax.xaxis.set_major_formatter(mticker.FuncFormatter(_tokens_label))
+    # points within 14 pixels of each other on the page (chains of them) are set side by side, 14 points apart
+    px = [ax.transData.transform((x, e["f1"])) for _, _, e, x, _ in pts]
+    group = list(range(len(pts)))
+    for k in range(len(pts)):
+        for j in range(k):
+            if abs(px[k][0] - px[j][0]) < 14 and abs(px[k][1] - px[j][1]) < 14:
+                old, new = group[k], group[j]
+                group = [new if g == old else g for g in group]
+    shifts: list[float] = []
+    for k in range(len(pts)):
+        members = sorted((j for j in range(len(pts)) if group[j] == group[k]), key=lambda j: (px[j][0], j))
+        shifts.append(14.0 * (members.index(k) - (len(members) - 1) / 2))
+    for k, ((i, label, e, x, ci), dx) in enumerate(zip(pts, shifts), 1):
+        tr = offset_copy(ax.transData, fig=fig, x=dx, y=0, units="points")
+        ax.errorbar([x], [e["f1"]], yerr=_yerr([e["f1"]], [ci]), fmt=MARKERS[(k - 1) % len(MARKERS)], ms=7,
+                    capsize=3, color=f"C{i % 10}", mec="black", mew=0.5, transform=tr,
+                    label=f"{k}  {label} (n={e['n']})")
+        ax.annotate(str(k), (x, e["f1"]), xycoords=tr, xytext=(5, 4), textcoords="offset points", ha="left",
+                    va="bottom", fontsize=7, fontweight="bold")
+    ax.set_xlabel("tokens read per question (prompt tokens over all LLM calls, mean" + (", log scale)" if log else ")"))
     ax.set_ylabel("answer token F1")
-    ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
+    ax.grid(alpha=0.12, which="minor")
     title = f"answer F1 vs tokens read, on the same {sbs['questions']} questions (error bars: 95% bootstrap)"
+    if any(shifts):
+        title += "\npoints on one spot are set side by side (values unchanged)"
     if unknown:
         title += "\ntokens not recorded (not shown): " + ", ".join(unknown)
     ax.set_title(title, fontsize=8)
@@ -844,17 +929,15 @@ def _answer_retrieval(method: str, info: dict, ds: Dataset, config: EvaluateConf
     return {k: s.get(k) for k in ANSWER_RETRIEVAL}, {"n": s["n"], "ci": {k: s["ci"].get(k) for k in ANSWER_RETRIEVAL}}
 
 
-@stage("evaluate", EvaluateConfig, family="chat", gpus=0,
-       help="Score rankings and answers: JSON + Markdown report and PNG plots")
-def run(config: EvaluateConfig, out: storage.Publication) -> dict:
-    ds = read_dataset(config.input)
-    report: dict = {"dataset": {"uri": config.input, "questions": len(ds.questions),
-                                "scored_for_retrieval": sum(1 for q in ds.questions if rankings.eligible(q)),
-                                "by_dataset": ds.summary()["questions_by_dataset"]},
-                    "ks": config.ks, "ndcg_variant": config.ndcg_variant, "retrieval": {}, "answers": {}}
+def score_all_rankings(uris: list[str], ds: Dataset, ks: list[int], max_k: int,
+                       variant: str) -> tuple[dict[str, dict], dict[str, dict[str, dict]], dict[str, dict[str, dict]]]:
+    """Every rankings file the URIs stand for, scored: (label -> report entry with its ``fallback`` note and,
+    for a rank output, its ``input_order``; label -> question id -> metrics; re-ranker label -> question id ->
+    its order change)."""
+    retrieval: dict[str, dict] = {}
     per_method: dict[str, dict[str, dict]] = {}   # label -> question id -> metrics
     changes: dict[str, dict[str, dict]] = {}      # re-ranker label -> question id -> its order change
-    for uri in config.rankings:
+    for uri in uris:
         given, given_error = None, None
         try:  # a rank stage output: the first-stage order it was given and the sessions it was shown
             given = rankings.ranker_input(uri)
@@ -864,14 +947,37 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
         for hint, path in expand_rankings(uri):
             rows = rankings.read_rankings(path)
             label = (rows[0].get("method") if rows else None) or hint
-            if label in report["retrieval"]:
+            if label in retrieval:
                 label = f"{label} ({uri.rstrip('/').rsplit('/', 1)[-1]})"
-            summary, per_method[label] = _score(rows, ds, config.ks, config.curve_max_k, config.ndcg_variant)
-            report["retrieval"][label] = {"source": path, **summary}
+            summary, per_method[label] = _score(rows, ds, ks, max_k, variant)
+            retrieval[label] = {"source": path, **summary}
             if given is not None:
-                report["retrieval"][label]["input_order"], changes[label] = input_order_entry(rows, ds, given)
+                retrieval[label]["input_order"], changes[label] = input_order_entry(rows, ds, given)
             elif given_error:
-                report["retrieval"][label]["input_order"] = {"error": given_error[:300]}
+                retrieval[label]["input_order"] = {"error": given_error[:300]}
+            retrieval[label]["fallback"] = fallback_note(retrieval[label]["status"])
+    return retrieval, per_method, changes
+
+
+def retrieval_stats(input: str, uris: list[str], ks: list[int] | None = None, max_k: int = 20,
+                    variant: str = "standard") -> dict:
+    """The ``retrieval`` part of the stats this stage publishes, for these rankings alone, computed here and
+    written nowhere: what the demo shows of the first stage as soon as embed is done, before evaluate runs
+    (the same scoring, so the same numbers as evaluate's)."""
+    retrieval, _, _ = score_all_rankings(uris, read_dataset(input), ks or [1, 5, 10], max_k, variant)
+    return _stat_retrieval(retrieval)
+
+
+@stage("evaluate", EvaluateConfig, family="chat", gpus=0,
+       help="Score rankings and answers: JSON + Markdown report and PNG plots")
+def run(config: EvaluateConfig, out: storage.Publication) -> dict:
+    ds = read_dataset(config.input)
+    report: dict = {"dataset": {"uri": config.input, "questions": len(ds.questions),
+                                "scored_for_retrieval": sum(1 for q in ds.questions if rankings.eligible(q)),
+                                "by_dataset": ds.summary()["questions_by_dataset"]},
+                    "ks": config.ks, "ndcg_variant": config.ndcg_variant, "retrieval": {}, "answers": {}}
+    report["retrieval"], per_method, changes = score_all_rankings(config.rankings, ds, config.ks,
+                                                                  config.curve_max_k, config.ndcg_variant)
     rows_by_label: dict[str, list[dict]] = {}
     qmap = {q.question_id: q for q in ds.questions}
     for uri in config.answers:
@@ -917,8 +1023,6 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
             report["answers"][label]["longmemeval_judge"] = summary
     if rows_by_label:
         report["references"] = add_references(report, rows_by_label, ds)
-    for label, r in report["retrieval"].items():
-        r["fallback"] = fallback_note(r["status"])
     report["question_sets"] = question_sets(per_method, changes)
     report["side_by_side"] = side_by_side(rows_by_label, {k: v["cost"] for k, v in report["answers"].items()})
     out.write_json("report.json", report)
@@ -927,10 +1031,7 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
     out.write_text("report.md", markdown(report, config.ks, list(figures)))
     for name, data in figures.items():
         out.write_bytes(name, data)
-    return {"retrieval": {k: {**_stat_means(v["overall"], v), "status": v["status"], "fallback": v.get("fallback"),
-                              "input_order": _stat_input_order(v.get("input_order")),
-                              "longmemeval": _stat_longmemeval(v.get("longmemeval"))}
-                          for k, v in report["retrieval"].items()},
+    return {"retrieval": _stat_retrieval(report["retrieval"]),
             "question_sets": _stat_question_sets(report["question_sets"]),
             "side_by_side": {**{k: v for k, v in report["side_by_side"].items() if k != "methods"},
                              "methods": {k: {"n": v["n"], "exact_match": v["exact_match"], "f1": v["f1"],
@@ -953,11 +1054,12 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
 STAT_METRICS = ("recall_any@5", "ndcg@10", "mrr")
 
 
-def _stat_means(means: dict, summary: dict) -> dict:
-    """The manifest's copy of a method's headline means, with their n and intervals (what a screen such
-    as the demo's shows without reading report.json)."""
-    return {**{m: means.get(m) for m in STAT_METRICS}, "n": summary.get("n"),
-            "ci": {m: (summary.get("ci") or {}).get(m) for m in STAT_METRICS}}
+def _stat_retrieval(retrieval: dict[str, dict]) -> dict:
+    """The manifest's ``retrieval``: each method's headline means with n and intervals, status, fallback and
+    order change."""
+    return {k: {**_stat_means(v["overall"], v), "status": v["status"], "fallback": v.get("fallback"),
+                "input_order": _stat_input_order(v.get("input_order")),
+                "longmemeval": _stat_longmemeval(v.get("longmemeval"))} for k, v in retrieval.items()}
 
 
 LME_STAT_METRICS = ("recall_any@5", "recall_all@5", "ndcg_any@5", "recall_all@10", "ndcg_any@10")
