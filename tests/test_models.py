@@ -191,6 +191,40 @@ def test_an_intact_entry_is_never_replaced(tmp_path):
     assert os.stat(dest).st_ino == inode and Path(dest, "w.bin").read_bytes() == b"1"
 
 
+@pytest.mark.parametrize("case", ["truncated-hash-edited", "changed-hash-edited"])
+def test_models_verify_compares_weights_with_the_pinned_digest(smollm2_dir, tmp_path, case):
+    """issue 41: `models verify` passed truncated weights whose sha256 in memsifter-model.json was edited to
+    match. It compares the weights with the sha256 pinned in the registry (code, not beside the weights)
+    and says so; a truncated safetensors file also fails its own header's size."""
+    m = models.REGISTRY["smollm2-135m-instruct"]
+    cache = tmp_path / "cache"
+    dest = cache / os.path.basename(smollm2_dir)
+    shutil.copytree(smollm2_dir, dest)
+    weights = dest / "model.safetensors"
+    with open(weights, "r+b") as f:
+        if case == "truncated-hash-edited":
+            f.truncate(os.path.getsize(weights) // 2)
+        else:   # same size and header, some weights changed: only the pinned digest can tell
+            f.seek(-4096, os.SEEK_END)
+            f.write(b"\x7f" * 4096)
+    prov = json.loads((dest / models.PROVENANCE).read_text())
+    prov["files"]["model.safetensors"] = models.sha256_file(str(weights))   # the edit that hid it
+    (dest / models.PROVENANCE).write_text(json.dumps(prov))
+    env = {**os.environ, "MEMSIFTER_MODEL_CACHE": str(cache)}
+    p = subprocess.run([sys.executable, "-m", "memsifter.cli", "models", "verify", m.name], capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 1 and "match" not in p.stdout, p.stdout + p.stderr
+    assert "model.safetensors: sha256" in p.stderr and "differs from the registry's pinned sha256" in p.stderr
+    if case == "truncated-hash-edited":
+        assert "safetensors header declares" in p.stderr and models.check_dir(str(dest)) != []
+    # the intact copy: verified against both, and the report says which hash it compared with
+    ok = subprocess.run([sys.executable, "-m", "memsifter.cli", "models", "verify", m.name], capture_output=True,
+                        text=True, env={**os.environ, "MEMSIFTER_MODEL_CACHE": os.path.dirname(smollm2_dir)})
+    assert ok.returncode == 0, ok.stderr
+    assert "6 files (model.safetensors a672150fb4f99d7c… among them) compared with the registry's pinned sha256" \
+        in ok.stdout, ok.stdout
+
+
 @pytest.mark.parametrize("case", ["missing-entry-truncated", "extra-file", "changed"])
 def test_models_verify_rehashes_every_file_and_does_not_repair(smollm2_dir, tmp_path, case):
     """`models verify` re-hashes every file present (not only those its provenance lists), reports, exits 1,

