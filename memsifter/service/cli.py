@@ -16,7 +16,9 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -58,11 +60,17 @@ def build_config(args: argparse.Namespace) -> dict:
     return data
 
 
-def example_curl(cfg: Any, corpus_id: str | None, question: str | None) -> str:
+def example_curl(cfg: Any, corpus_id: str | None, question: str | None, keys: Any = None) -> str:
+    """A curl of ``/retrieve`` that works as printed: with keys, the header names the variable of a key that
+    may read ``corpus_id`` (the first one configured if none names it)."""
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
     body = json.dumps({"queries": [question or "What did I say about my trip?"], "topk": 3, "return_scores": True})
     path = f"/u/{corpus_id}/retrieve" if corpus_id else "/retrieve"
-    key = ' -H "Authorization: Bearer $MEMSIFTER_API_KEY"' if cfg.auth.keys or cfg.auth.keys_file else ""
+    key_var = None
+    if keys is not None and keys.enabled:
+        names = keys.readers(corpus_id) if corpus_id else []
+        key_var = (names or keys.env_names)[0]
+    key = f' -H "Authorization: Bearer ${key_var}"' if key_var else ""
     return f"curl -s {url}{path} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"
 
 
@@ -75,19 +83,26 @@ def serve_config_yaml(cfg: Any) -> str:
                           sort_keys=False)
 
 
-def _wait_health(url: str, timeout: float) -> dict:
+def _wait_ready(url: str, timeout: float, keys: Any = None) -> dict:
+    """Waits for ``/readyz`` (the index, the encoder and the unit vectors loaded); returns ``/healthz``'s
+    detail (asked with a configured key when there are keys)."""
     import urllib.request
 
     deadline = time.time() + timeout
-    last = None
+    last: Any = None
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(url + "/healthz", timeout=5) as r:
+            with urllib.request.urlopen(url + "/readyz", timeout=5):
+                pass
+            headers = {}
+            if keys is not None and keys.enabled:
+                headers["Authorization"] = "Bearer " + os.environ[keys.env_names[0]]
+            with urllib.request.urlopen(urllib.request.Request(url + "/healthz", headers=headers), timeout=5) as r:
                 return json.loads(r.read())
-        except Exception as e:  # noqa: BLE001 - not up yet
+        except Exception as e:  # noqa: BLE001 - not up yet (503 while loading)
             last = e
             time.sleep(1)
-    raise ConfigError(f"serve: no answer from {url}/healthz in {timeout:.0f}s ({type(last).__name__})")
+    raise ConfigError(f"serve: {url}/readyz not ready in {timeout:.0f}s ({type(last).__name__})")
 
 
 def run_local(cfg: Any, ready: Any = None) -> None:
@@ -119,7 +134,14 @@ def run_serve(cfg: Any, blocking: bool = True) -> str:
     from ..models.raypool import ensure_ray
     from .app import APP_NAME, deployments
 
-    ensure_ray()
+    # Ctrl-C reaches the whole process group: Ray's own processes (raylet, GCS, workers) ignore it, as they
+    # inherit this disposition, so that they are stopped in order by main()'s shutdown, not killed under
+    # a live driver (whose core worker would then dump its C++ stack).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ensure_ray()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(deployments(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
@@ -127,6 +149,7 @@ def run_serve(cfg: Any, blocking: bool = True) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from ..cli import plain, setup_logging
+    from .auth import Keys
     from .config import load_config
 
     p = argparse.ArgumentParser(prog="memsifter serve", description=plain(__doc__))
@@ -156,7 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.questions < 1:
             raise ConfigError("--questions must be at least 1")
         data.setdefault("state", storage.join(args.workdir, "state"))
-        data.setdefault("auth", {}).setdefault("anonymous", {"read": ["*"], "write": ["*"]})
+        auth = data.setdefault("auth", {})
+        if isinstance(auth, dict) and not auth.get("keys") and not auth.get("keys_file"):   # with keys, anonymous only when configured
+            auth.setdefault("anonymous", {"read": ["*"], "write": ["*"]})
+    # the whole config, and every key variable, checked before any work starts (one line, exit 2)
+    early = load_config({**data, "index": data.get("index") or "-"}, "memsifter serve")
+    keys = None if args.print_serve_config else Keys(early.auth)   # the keys are the cluster's, not this shell's
+    if sample:
         if args.print_serve_config:
             data["index"] = storage.join(args.workdir, "embed")
         else:
@@ -177,27 +206,41 @@ def main(argv: list[str] | None = None) -> int:
         first = ds.questions[0] if ds and ds.questions else None
     except Exception:  # noqa: BLE001 - the example only
         first = None
-    curl = example_curl(cfg, first.question_id if first else cfg.default_corpus, first.question if first else None)
+    curl = example_curl(cfg, first.question_id if first else cfg.default_corpus, first.question if first else None,
+                        keys)
 
     def announce(_: Any = None) -> None:
         print(f"[serve] listening on http://{cfg.host}:{cfg.port} (docs: /docs, metrics: /metrics). Try:\n  {curl}",
               flush=True)
 
-    if args.no_ray:
-        run_local(cfg, ready=announce)
+    if args.no_ray:   # the Try line once it answers as fast as it will
+        url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}"
+        threading.Thread(target=lambda: (_wait_ready(url, 900, keys), announce()), daemon=True).start()
+        run_local(cfg)
         return 0
     url = run_serve(cfg)
-    health = _wait_health(url, 900)
+    health = _wait_ready(url, 900, keys)
     print(f"[serve] {health.get('corpora')} corpora, {health.get('sessions')} sessions, method {health.get('method')}")
     announce()
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+    print("[serve] stopping", flush=True)
+    shutdown_serve()
     return 0
+
+
+def shutdown_serve() -> None:
+    """Serve's application and proxy, then this driver's Ray (and the local Ray it started)."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ class RetrievalService:
         self._memories: dict[str, MemoryCorpus] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._stop = threading.Event()
+        self._warm = threading.Event()
         self.reloads = 0
         self._threads: list[threading.Thread] = []
         self._update_gauges()
@@ -180,9 +181,20 @@ class RetrievalService:
         self._stop.set()
 
     def _precompute(self, st: State) -> None:
+        """Warm-up (the encoder loaded, one query through it), then every session's unit vectors: what
+        :meth:`readiness` waits for, so that the first query costs what any query does."""
         if st.settings.method not in DENSE_METHODS:
             st.units_ready = True
+            self._warm.set()
             return
+        try:
+            t0 = time.time()
+            st.encoder.encode([st.settings.query_instruction + "warm-up"], urgent=True)
+            log.info("serve: query encoder loaded and warm in %.1fs", time.time() - t0)
+        except Exception as e:  # noqa: BLE001 - a query will say what is wrong
+            log.error("serve: loading the query encoder failed: %s", redact(f"{type(e).__name__}: {e}", self.secrets))
+            return
+        self._warm.set()
         if not self.cfg.precompute_units:
             return
         try:
@@ -214,6 +226,8 @@ class RetrievalService:
         index = PublishedIndex.load(self.cfg, previous=old.index)
         same = index.settings.spec.key == old.settings.spec.key and index.settings.turn_words == old.settings.turn_words
         encoder = old.encoder if same else Encoder(index.settings.spec, self.cfg.torch_threads)
+        if not same and index.settings.method in DENSE_METHODS:   # warm before it serves
+            encoder.encode([index.settings.query_instruction + "warm-up"], urgent=True)
         units = old.units if same else Units(index.vectors, encoder, index.settings.turn_words)
         units.vectors = index.vectors
         st = State(index, encoder, units)
@@ -246,7 +260,7 @@ class RetrievalService:
     # ------------------------------------------------------------------ first stage
     def _encode_queries(self, texts: list[str]) -> list[np.ndarray]:
         st = self.state
-        return list(st.encoder.encode(texts))
+        return list(st.encoder.encode(texts, urgent=True))
 
     async def query_vector(self, st: State, query: str) -> np.ndarray:
         text = st.settings.query_instruction + query
@@ -520,9 +534,25 @@ class RetrievalService:
         self._update_gauges()
         return {"user_id": user_id, "deleted": len(mem.sessions)}
 
-    def health(self) -> dict:
+    def readiness(self) -> tuple[bool, str | None]:
+        """Ready = a query now costs what any query does: the index loaded, the query encoder loaded and
+        warm, and (``precompute_units``) every session's unit vectors built; else what is still loading."""
         st = self.state
-        return {"status": "ok", **st.index.stats(), "units_ready": st.units_ready, "reloads": self.reloads,
+        if not self._warm.is_set():
+            return False, "loading the query encoder"
+        if self.cfg.precompute_units and st.settings.method in DENSE_METHODS and not st.units_ready:
+            return False, f"embedding the sessions' units ({st.units.count()} unit vectors so far)"
+        return True, None
+
+    def health(self, detail: bool = True) -> dict:
+        """Liveness: ``status`` ok once ready, ``loading`` before (see :meth:`readiness`); with ``detail``
+        (a caller with access) what is loaded."""
+        st = self.state
+        ready, _ = self.readiness()
+        out = {"status": "ok" if ready else "loading", "ready": ready}
+        if not detail:
+            return out
+        return {**out, **st.index.stats(), "units_ready": st.units_ready, "reloads": self.reloads,
                 "memories_loaded": len(self._memories), "ranker": self.ranker is not None}
 
     def log_error(self, where: str, exc: BaseException) -> str:

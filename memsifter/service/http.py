@@ -2,8 +2,10 @@
 Ray Serve (``serve.ingress``) and plain uvicorn.
 
 Routes: ``POST /retrieve`` and ``POST /u/{corpus_id}/retrieve`` (Search-R1's request and response),
-``POST /memories``, ``POST /search``, ``DELETE /memories/{user_id}``, ``GET /healthz``, ``GET /metrics``
-(Prometheus), ``GET /docs`` (OpenAPI). Every error is ``{"detail": "<one line>"}`` with its status:
+``POST /memories``, ``POST /search``, ``DELETE /memories/{user_id}``, ``GET /healthz`` (liveness),
+``GET /readyz`` (readiness), ``GET /metrics`` (Prometheus), ``GET /docs`` (OpenAPI). With keys configured
+(or no anonymous grant), a request without a valid key is 401 on every path but the probes and the API
+description (:data:`memsifter.service.auth.PUBLIC_PATHS`), before any route runs. Every error is ``{"detail": "<one line>"}`` with its status:
 401 (no or unknown key), 403 (outside the key's grant), 404, 409, 413 (a bound: body size, queries per
 request, sessions per append), 422 (a field: its path and what is wrong, never the value sent), 500
 (``internal error`` and an id to find the server's log line). No response carries a traceback: every
@@ -14,17 +16,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from .auth import Forbidden, Unauthorized
+from .auth import Forbidden, Unauthorized, is_public
 from .config import ID_PATTERN
 from .core import ApiError, RetrievalService
 from .metrics import CONTENT_TYPE
@@ -32,11 +34,24 @@ from .metrics import CONTENT_TYPE
 ROLE_PATTERN = r"^[^<>\x00-\x1f\x7f]{1,64}$"
 
 
+def _unicode(v: str) -> str:
+    """A string that UTF-8 can encode: JSON lets a lone surrogate (``\\ud800``) through, no store or model
+    takes one, so it is a 422 here rather than a failure later."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode (a lone surrogate, e.g. \\ud800)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 # --------------------------------------------------------------------------- bodies
 class RetrieveRequest(BaseModel):
     """Search-R1's request, plus an optional corpus and mode."""
 
-    queries: list[str] = Field(description="queries, answered in order")
+    queries: list[Text] = Field(description="queries, answered in order")
     topk: int | None = Field(None, description="documents per query (default: the service's, Search-R1's 3)")
     return_scores: bool = Field(False, description="entries as {document, score}; else bare documents")
     corpus_id: str | None = Field(None, pattern=ID_PATTERN, description="the haystack to search (a published "
@@ -46,14 +61,14 @@ class RetrieveRequest(BaseModel):
 
 class Turn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: str = Field(pattern=ROLE_PATTERN, description="speaker (a tag name when rendered: no <, > or controls)")
-    content: str
+    role: Text = Field(pattern=ROLE_PATTERN, description="speaker (a tag name when rendered: no <, > or controls)")
+    content: Text
 
 
 class SessionIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     session_id: str | None = Field(None, pattern=ID_PATTERN, description="default: s-<content hash>")
-    date: str | None = Field(None, max_length=200)
+    date: Text | None = Field(None, max_length=200)
     turns: list[Turn] = Field(min_length=1)
 
 
@@ -66,7 +81,7 @@ class MemoriesRequest(BaseModel):
 class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     user_id: str = Field(pattern=ID_PATTERN, description="a user id (their memories) or a published corpus id")
-    query: str
+    query: Text
     top_k: int = 10
     mode: Literal["first_stage", "ranked"] = "first_stage"
 
@@ -132,6 +147,11 @@ class SafeRoute(APIRoute):
         return handler
 
 
+def _header(headers: dict, name: bytes) -> str | None:
+    v = headers.get(name)
+    return v.decode("latin-1") if v is not None else None
+
+
 class Guard:
     """Outermost ASGI middleware: body-size bounds (413 before or while the body is read), per-route
     metrics, and a last catch so that nothing escapes as a traceback."""
@@ -149,12 +169,12 @@ class Guard:
         started = {"v": False, "code": 500, "over": False}
         t0 = time.perf_counter()
 
-        async def reply(status: int, detail: str) -> None:
+        async def reply(status: int, detail: str, extra: list | None = None) -> None:
             body = json.dumps({"detail": detail}).encode()
             started["v"], started["code"] = True, status
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+                                    (b"content-length", str(len(body)).encode()), *(extra or [])]})
             await send({"type": "http.response.body", "body": body})
 
         async def send_(msg: dict) -> None:
@@ -167,8 +187,15 @@ class Guard:
             await send(msg)
 
         too_big = f"request body larger than {limit} bytes (limits.{'max_memory_body_bytes' if limit != lim.max_body_bytes else 'max_body_bytes'})"
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
         try:
+            if not is_public(path):   # who may ask is settled before any route (or a 404/405) answers
+                try:
+                    svc.principal(_header(headers, b"authorization"), _header(headers, b"x-api-key"))
+                except Unauthorized as e:
+                    await reply(401, str(e), [(b"www-authenticate", b"Bearer")])
+                    return
             if length is not None and (not length.isdigit() or int(length) > limit):
                 await reply(413 if length.isdigit() else 400, too_big if length.isdigit() else "bad Content-Length")
                 return
@@ -255,12 +282,24 @@ def make_app(service: RetrievalService) -> FastAPI:
                               x_api_key: str | None = Header(None)) -> dict:
         return await service.delete_memories(who(authorization, x_api_key), user_id)
 
-    @app.get("/healthz", summary="liveness and what is loaded")
-    async def healthz() -> dict:
+    @app.get("/healthz", summary="liveness: status (ok, or loading until ready) and, with a key, what is loaded")
+    async def healthz(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
+        try:
+            who(authorization, x_api_key)
+        except Unauthorized:   # a probe without a key: the status only
+            return service.health(detail=False)
         return service.health()
 
+    @app.get("/readyz", summary="readiness: 200 once the index, the encoder and every unit vector are loaded, "
+             "else 503")
+    async def readyz() -> Response:
+        ready, why = service.readiness()
+        return JSONResponse({"status": "ready" if ready else "loading", **({"detail": why} if why else {})},
+                            status_code=200 if ready else 503)
+
     @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics() -> Response:
+    async def metrics(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> Response:
+        who(authorization, x_api_key)
         service._update_gauges()
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 

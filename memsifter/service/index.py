@@ -24,13 +24,14 @@ Identity with the embed stage. For a question of the dataset, the service's orde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -55,14 +56,46 @@ def views_of(method: str) -> tuple[str, ...]:
 
 
 # --------------------------------------------------------------------------- vectors
+BULK_BATCH = 4
+
+
 class Encoder:
-    """The embed stage's dense model in this process (loaded on first use), one forward pass at a time."""
+    """The embed stage's dense model in this process (loaded on first use), one forward pass at a time.
+
+    Queries come first: a query's encode (``urgent``) waits for at most the one bulk batch in progress
+    (:data:`BULK_BATCH` texts), never for the rest of a large append's or of the load's unit vectors, which
+    yield the model between batches while a query waits."""
 
     def __init__(self, spec: embedding.ModelSpec, threads: int | None = None):
         self.spec, self.threads = spec, threads
         self._model: embedding.Embedder | None = None
-        self.lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._urgent = 0
         self.texts = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    @contextlib.contextmanager
+    def _turn(self, urgent: bool) -> Iterator[None]:
+        with self._cv:
+            if urgent:
+                self._urgent += 1
+            try:
+                while self._busy or (not urgent and self._urgent):
+                    self._cv.wait()
+            finally:
+                if urgent:
+                    self._urgent -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def _load(self) -> embedding.Embedder:
         if self._model is None:
@@ -72,16 +105,25 @@ class Encoder:
             self._model = embedding.Embedder(self.spec)
         return self._model
 
-    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-        """Vectors of ``texts`` in order (length-bucketed batches, as the stage plans them)."""
-        with self.lock:
+    def encode(self, texts: Sequence[str], batch_size: int = 64, urgent: bool = False) -> np.ndarray:
+        """Vectors of ``texts`` in order (length-bucketed batches, as the stage plans them): ``urgent`` (a
+        query's) in one turn of the model, else :data:`BULK_BATCH` texts a turn."""
+        with self._turn(urgent):
             model = self._load()
-            out = np.zeros((len(texts), model.dim), dtype=np.float32)
-            items = [(str(i), t) for i, t in enumerate(texts)]
-            for b in embedding.plan_batches(items, self.spec.max_length, max_batch_size=batch_size):
-                out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
-            self.texts += len(texts)
-            return out
+        out = np.zeros((len(texts), model.dim), dtype=np.float32)
+        items = [(str(i), t) for i, t in enumerate(texts)]
+        batches = embedding.plan_batches(items, self.spec.max_length,
+                                         max_batch_size=batch_size if urgent else min(batch_size, BULK_BATCH))
+        if urgent:
+            with self._turn(True):
+                for b in batches:
+                    out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
+        else:
+            for b in batches:
+                with self._turn(False):
+                    out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
+        self.texts += len(texts)
+        return out
 
 
 class Vectors:
@@ -138,12 +180,12 @@ class Units:
         """The session's unit matrix, embedding what no store holds (blocking)."""
         m = self._mats.get(s.content_hash)
         if m is None:
-            self.ensure([s])
+            self.ensure([s], urgent=True)   # a query waits for it
             m = self._mats[s.content_hash]
         return m
 
     def ensure(self, sessions: Iterable[Session], chunk: int = 512,
-               progress: Callable[[int], None] | None = None) -> int:
+               progress: Callable[[int], None] | None = None, urgent: bool = False) -> int:
         """Build the matrices of ``sessions``, embedding missing units ``chunk`` texts at a time (so a
         query's own few units wait for at most one chunk). Returns how many texts were embedded."""
         todo = [s for s in {s.content_hash: s for s in sessions}.values() if s.content_hash not in self._mats]
@@ -159,7 +201,7 @@ class Units:
             items = sorted(texts.items())
             for j in range(0, len(items), chunk):
                 part = items[j:j + chunk]
-                vecs = self.encoder.encode([t for _, t in part])
+                vecs = self.encoder.encode([t for _, t in part], urgent=urgent)
                 self.vectors.add([h for h, _ in part], vecs)
                 n += len(part)
                 if progress:
