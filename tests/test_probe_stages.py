@@ -197,7 +197,7 @@ def test_model_reference_accepted_forms(tmp_path, monkeypatch):
 
     d = tmp_path / "enc"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "bert"}')   # a config transformers loads ("{}" is refused)
     cache = tmp_path / "hub"
     snap = cache / "models--org--cached-enc" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
