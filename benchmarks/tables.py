@@ -173,7 +173,38 @@ def table_agents_sft_paired() -> list[str]:
     return lines
 
 
+AGENTS_RANKER = "benchmarks/gpu/results/2026-11-26-h100-agents-ranker"
+
+
+def table_agents_base_episodes() -> list[str]:
+    """The untrained agents' rows of the earlier run (its agents stage did not publish: the episodes it kept,
+    ``agents/base-agents-episodes.jsonl``, one line an episode); the chat rows of that table are evaluate's
+    aggregates (``agents/report.md``), not per-question files, and are not printed here."""
+    import json
+
+    from memsifter.retrieval.metrics import bootstrap_ci, exact_match
+
+    with open(os.path.join(ROOT, AGENTS_RANKER, "agents", "base-agents-episodes.jsonl")) as f:
+        eps = [json.loads(line) for line in f if line.strip()]
+    n_questions = len({e["question_id"] for e in eps})
+    lines = []
+    for method in ("agent:search", "agent:memory"):
+        rs = [e for e in eps if e["method"] == method]
+        v = [float(e["f1"] or 0.0) for e in rs]
+        lo, hi = bootstrap_ci(v)
+        em = mean([exact_match(e["answer"] or "", e["gold"]) for e in rs])
+        n = f"{len(rs)}" if len(rs) == n_questions else f"{len(rs)} of {n_questions}"
+        fmt = f"{sum(bool(e['format_ok']) for e in rs)} / {len(rs)}"
+        searched = f"{sum((e['searches'] or 0) >= 1 for e in rs)} / {len(rs)}" if method == "agent:search" else "–"
+        lines.append(f"| {method} | {n} | {mean(v):.3f} [{lo:.3f}, {hi:.3f}] | {em:.3f} | {fmt} | {searched} | "
+                     f"{mean([e['llm_calls'] for e in rs]):.3g} | {mean([e['prompt_tokens'] for e in rs]):,.0f} | "
+                     f"{mean([e['seconds'] for e in rs]):.1f} |")
+    return lines
+
+
 TABLES = {
+    "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
+                             [f"{AGENTS_RANKER}/README.md"]),
     "agents-sft": (table_agents_sft, [f"{AGENTS_SFT}/answers/*.parquet"],
                    [f"{AGENTS_SFT}/README.md"]),
     "agents-sft-card": (lambda: table_agents_sft("card"), [f"{AGENTS_SFT}/answers/*.parquet"], [CARD]),
