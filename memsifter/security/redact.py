@@ -83,8 +83,10 @@ def forms(secret: str) -> tuple[str, ...]:
 
 def remember(*secrets: str | None) -> None:
     """Make ``secrets`` known to every later :func:`redact` of this process (and to the publications'
-    secret check, :func:`known_secrets`). Values shorter than 4 characters are not worth hiding."""
-    new = [s for s in secrets if s and len(s) >= 4 and s not in _KNOWN]
+    secret check, :func:`known_secrets`). Values shorter than 6 characters are not remembered: hiding
+    every "test" of every published text would mangle it (a URL's ``user:pass`` is still remembered whole,
+    and so is its Basic form)."""
+    new = [s for s in secrets if s and len(s) >= _MIN_SECRET and s not in _KNOWN]
     if new:
         with _lock:
             _KNOWN.update(new)
@@ -114,7 +116,9 @@ def bare_url(url: str | None) -> str | None:
     if cred is None:
         return url
     user, password = cred
-    remember(f"{user}:{password}", password, *((user,) if not password else ()))
+    # with a password, user:password (its base64 is the Basic header) and the password; without one, the
+    # user may be a token (https://TOKEN@host)
+    remember(*((f"{user}:{password}", password) if password else (user, f"{user}:")))
     with _lock:
         _AUTH[bare] = cred
     return bare
@@ -165,7 +169,8 @@ def redact(text: Any, secrets: Iterable[str | None] = (), env: bool = True) -> A
     """``text`` without credentials: a URL's ``user:password@`` (the password, or a token given as the
     user), ``Bearer``/``Basic`` header values, ``api_key=…``-style assignments, the token shapes of
     :data:`PATTERNS`, and every form (:func:`forms`) of ``secrets``, of the credentials this process
-    remembered (:func:`remember`, :func:`bare_url`) and (with ``env``) of :func:`env_secrets`. Anything that is not a string is returned as it is (``None`` stays ``None``)."""
+    remembered (:func:`remember`, :func:`bare_url`) and (with ``env``) of :func:`env_secrets`. Anything
+    that is not a string is returned as it is (``None`` stays ``None``)."""
     if not isinstance(text, str) or not text:
         return text
     for s in known_secrets(secrets, env):  # longest first: a value that contains another is removed whole
