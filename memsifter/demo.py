@@ -689,16 +689,15 @@ def main(argv: list[str] | None = None) -> int:
             echo(f"[demo] {MODEL} ({m.upstream}, PyPI {m.package}, {m.licence}): converted once into "
                  f"{models.cache_root()} and served by vLLM on the CPU, starting in the background")
             server = BackgroundServer(MODEL, MODEL, os.path.join(local, "_logs", "vllm-server.log"))
+            # the trained ranker returns its input order: it runs only when asked for (--trained-ranker)
             adapter = models.shipped_adapter(TRAINED) if args.trained_ranker else None
-            if not args.trained_ranker:
-                pass   # it returns its input order: shown only when asked for (--trained-ranker)
-            elif not adapter:
+            if args.trained_ranker and not adapter:
                 echo(f"[demo] {TRAINED} is not installed with memsifter: the trained ranker is left out")
-            elif args.rank_engine == "endpoint":
+            elif adapter and args.rank_engine == "endpoint":
                 echo(f"[demo] {TRAINED}: the LoRA adapter of {MODEL} trained by this platform ({adapter}; it returns "
                      "its input order, MODEL_CARD.md), merged onto its base once and served by a second vLLM server")
                 trained = BackgroundServer(TRAINED, TRAINED, os.path.join(local, "_logs", "vllm-server-trained.log"))
-            else:
+            elif adapter:
                 trained = True
         agents_srv: BackgroundServer | None = None   # --agents: the adapter trained as the agents, if shipped
         if args.answers and agent_questions:
