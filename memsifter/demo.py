@@ -465,9 +465,13 @@ def first_stage_table(results: dict[str, dict], first_stage: bool = True, ranker
     return lines
 
 
+REFERENCE_ROWS = ("no memory", "constant answer", "random sessions")
+
+
 def _context_order(label: str) -> int:
-    """Answer methods in the screen's order: no memory, dense, the first stage, rankers, the oracle, agents."""
-    return (0 if label.startswith("no memory") else 1 if label.endswith(":dense") else
+    """Answer methods in the screen's order: the references (no memory, the constant answer, random sessions),
+    dense, the first stage, rankers, the oracle, agents."""
+    return (0 if label.startswith(REFERENCE_ROWS) else 1 if label.endswith(":dense") else
             2 if label.startswith("embed:") else 3 if label.startswith("rank:") else
             5 if label.startswith("agent:") else 4)
 
@@ -477,6 +481,7 @@ def answers_table(results: dict[str, dict], width: int | None = None) -> list[st
     and that context's retrieval on the same answered questions (its own n: those with gold sessions).
     ``width``: lines fit it (:func:`_table`)."""
     rows: list[list[str]] = []
+    refs_named: list[str] = []
     for ds, res in results.items():
         stats = res["evaluate"].get("stats") or {}
         a = stats.get("answers") or {}
@@ -495,14 +500,24 @@ def answers_table(results: dict[str, dict], width: int | None = None) -> list[st
                 shown = label + (" (default first stage)" if primary and label == f"embed:{primary}" else "")
             note = m.get("fallback") or rt.get("note") or ""
             n = (m.get("ci") or {}).get("f1", {}) or {}
+            vs = (m.get("vs_reference") or {}).get("f1")
+            if vs and vs["reference"] not in refs_named:
+                refs_named.append(vs["reference"])
             rows.append([ds, shown, str(n.get("n", m.get("answered", m.get("n", "")))), _fci(m, "f1"),
+                         _f(m.get("locomo_f1")),
+                         f"{vs['diff']:+.2f} [{vs['ci_low']:+.2f},{vs['ci_high']:+.2f}]" if vs else "-",
                          _f(m.get("exact_match")), str(on.get("n", "-")),
                          _fci({**rt, "ci": on.get("ci")}, "recall_any@5") if rt else "-",
                          _fci({**rt, "ci": on.get("ci")}, "ndcg@10") if rt else "-", note])
     if not rows:
         return []
-    return _table([("dataset", "<"), ("context", "w"), ("n", ">"), ("F1 [95% CI]", "<"), ("EM", ">"),
-                   ("ret. n", ">"), ("recall_any@5", "<"), ("NDCG@10", "<"), ("note", "w")], rows, width)
+    return _table([("dataset", "<"), ("context", "w"), ("n", ">"), ("F1 [95% CI]", "<"), ("LoCoMo", ">"),
+                   ("ΔF1 vs ref", "<"), ("EM", ">"), ("ret. n", ">"), ("recall_any@5", "<"), ("NDCG@10", "<"),
+                   ("note", "w")], rows, width) + (textwrap.wrap(
+        f"LoCoMo: LoCoMo's own QA F1 (stemmed, per category) over the LoCoMo questions. ΔF1 vs ref: F1 minus the "
+        f"strongest reference's "
+        f"({', '.join(refs_named)}) on the same questions, 95% paired bootstrap interval; the constant answer is "
+        "chosen on the other half of the questions (report.md names it).", width or 120) if refs_named else [])
 
 
 def _cost(v, fmt: str) -> str:  # noqa: ANN001
