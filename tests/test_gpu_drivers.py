@@ -502,7 +502,7 @@ def test_dapo_4b_table_rows_come_from_the_raw_files(tmp_path):
            "matmul_peak_flops": 800e12, "device": "NVIDIA H100 80GB HBM3", "dynamic_sampling": False}
     step = {"tag": "8k", "config": run["config"], "step": 1, "prompt_length/mean": 8000.0,
             "response_length/mean": 256.0, "timing_s/step": 90.0, "timing_s/gen": 16.0,
-            "timing_s/update_actor": 50.0, "perf/max_memory_allocated_gb": 40.0}
+            "timing_s/update_actor": 50.0, "actor/perf/max_memory_allocated_gb": 40.0}
     failed = {**run, "tag": "32k", "config": "memsifter/configs/train_4b_32k_1gpu.yaml", "exit": 1, "steps_logged": 0}
     (tmp_path / "runs.jsonl").write_text(json.dumps(run) + "\n" + json.dumps(failed) + "\n")
     (tmp_path / "steps.jsonl").write_text(json.dumps(step) + "\n")
@@ -511,7 +511,7 @@ def test_dapo_4b_table_rows_come_from_the_raw_files(tmp_path):
     (r,) = rows
     assert r["rows"] == 32 and r["rollout_gen_tok_s"] == 32 * 256 / 16 and r["rollout_prompt_tok_s"] == 8 * 8000 / 16
     flops = t.train_flops(t.QWEN3_4B, [8256.0] * 32)
-    assert r["mfu"] == flops / 50.0 / 800e12 and 0 < r["mfu"] < 1
+    assert r["mfu"] == flops / 50.0 / 800e12 and 0 < r["mfu"] < 1 and r["mem_alloc_gb"] == 40.0
     assert f"{100 * r['mfu']:.1f}%" in text and "no step logged (exit 1" in text and "68.4" in text
 
 

@@ -47,7 +47,10 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
            "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
            "rollout_gen_tok_s": rows * resp / gen if gen and resp is not None else None,
            "rollout_prompt_tok_s": run["batch"] * prompt / gen if gen and prompt is not None else None,
-           "mem_alloc_gb": st.get("perf/max_memory_allocated_gb"), "mem_reserved_gb": st.get("perf/max_memory_reserved_gb"),
+           # verl 0.9.1 logs the actor's memory as actor/perf/*; earlier versions as perf/*
+           "mem_alloc_gb": st.get("actor/perf/max_memory_allocated_gb", st.get("perf/max_memory_allocated_gb")),
+           "mem_reserved_gb": st.get("actor/perf/max_memory_reserved_gb", st.get("perf/max_memory_reserved_gb")),
+           "host_mem_gb": st.get("actor/perf/cpu_memory_used_gb", st.get("perf/cpu_memory_used_gb")),
            "verl_mfu_actor": st.get("perf/mfu/actor")}
     peak = run.get("matmul_peak_flops")
     if upd and peak and prompt is not None and resp is not None:
@@ -71,13 +74,14 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
     rows = []
     lines = ["| prompt | GPUs | step | rows × (prompt + response) tokens | step s | rollout s | old log-prob s | "
              "actor update s | rollout gen tok/s | rollout prompt tok/s | actor TFLOP/s | actor MFU | "
-             "verl's MFU (datasheet peak) | GPU mem alloc / reserved GB (actor) | device peak GiB (nvidia-smi) |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "verl's MFU (datasheet peak) | GPU mem alloc / reserved GB (actor) | device peak GiB (nvidia-smi) | "
+             "host mem GB (actor) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for run in runs:
         mine = [s for s in steps if s.get("tag") == run["tag"] and s.get("config") == run["config"]]
         if not mine:
             lines.append(f"| {run['tag']} | {run['gpus']} | - | no step logged (exit {run['exit']}, "
-                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} |")
+                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} | |")
             continue
         for st in mine:
             r = step_row(run, st)
@@ -88,7 +92,8 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                 f"{fmt(r['old_log_prob_s'])} | {fmt(r['update_s'])} | {fmt(r['rollout_gen_tok_s'], ',.0f')} | "
                 f"{fmt(r['rollout_prompt_tok_s'], ',.0f')} | {fmt(r.get('update_tflops_s'), '.0f')} | "
                 f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
-                f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} |")
+                f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} | "
+                f"{fmt(r['host_mem_gb'])} |")
     head = []
     for run in runs:
         head.append(f"- {run['tag']}: `{run['config']}`, exit {run['exit']}, {run['wall_s']:.0f} s wall "
