@@ -17,8 +17,8 @@ pods and their logs are gone):
 
 Outputs under the run that its plan does not name (a mistyped command's) are listed after the run's
 stages, marked as outside the plan, and do not count for the exit code. ``status`` of one stage's
-output shows that stage. ``--watch [SECONDS]`` redraws until nothing runs any more (no stage holds a
-live lease and no live pipeline or driver holds the run's ``_run/_LEASE``), then exits: 0 when every
+output shows that stage. ``--watch [SECONDS]`` (at least 1) redraws until nothing runs any more (no stage
+holds a live lease and no live pipeline or driver holds the run's ``_run/_LEASE``), then exits: 0 when every
 stage is published, 1 when one failed or the run stopped before the end; ``--json`` prints the
 states as JSON. Exit 1 without ``--watch`` means a stage of the run failed. Text read from the store is
 printed with its control characters escaped (no terminal escape sequence from a store file reaches the
