@@ -23,6 +23,10 @@ episode is a generator of LLM requests); this stage drives the episodes with the
 * Finished episodes are saved in batches under ``<output>/_work/agents-<config hash>/``; a re-run runs
   only the rest. A failed episode (a request that failed after its retries, a search that failed) is not
   saved; the stage refuses to publish when more than ``max_failed_fraction`` of the episodes failed.
+* Time budgets: an episode fails once it has taken ``episode_timeout_s`` (default 900 s) over all its LLM
+  calls and searches, and every episode still running when the stage has taken ``stage_timeout_s``
+  (default a day) fails too; each request waits only for what is left, so a server that trickles its
+  reply (a byte every few seconds, no read timeout ever firing) cannot hold the stage.
 * Nothing is started here: ``agent:search`` needs ``search_url`` (a running memory service whose index
   holds the dataset's questions); without one the stage refuses it, one line naming the field. On
   Kubernetes the chart fills ``search_url`` with its RayService's URL when ``serve.enabled``.
