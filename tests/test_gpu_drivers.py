@@ -513,6 +513,7 @@ def test_dapo_4b_table_rows_come_from_the_raw_files(tmp_path):
     flops = t.train_flops(t.QWEN3_4B, [8256.0] * 32)
     assert r["mfu"] == flops / 50.0 / 800e12 and 0 < r["mfu"] < 1 and r["mem_alloc_gb"] == 40.0
     assert f"{100 * r['mfu']:.1f}%" in text and "no step logged (exit 1" in text and "68.4" in text
+    assert "random weights" in text and "4.02B" in text
 
 
 @pytest.mark.parametrize("name,prompt,tokens_per_micro_batch",

@@ -94,7 +94,9 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                 f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
                 f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} | "
                 f"{fmt(r['host_mem_gb'])} |")
-    head = []
+    p = model_params(QWEN3_4B)
+    head = [f"- model: Qwen3-4B's architecture ({(p['body'] + p['lm_head']) / 1e9:.2f}B matmul weights with the tied "
+            f"LM head), **random weights** (speed and memory depend on shape and tokens, not on weight values)"]
     for run in runs:
         head.append(f"- {run['tag']}: `{run['config']}`, exit {run['exit']}, {run['wall_s']:.0f} s wall "
                     f"(verl start included), {run['steps_logged']} step(s), dynamic sampling "
