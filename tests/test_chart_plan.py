@@ -77,9 +77,10 @@ def chart_plan(values: dict) -> dict[str, dict]:
     docs = chart.render_docs([], values=values, show_only="templates/configmaps.yaml")
     out = {}
     for d in docs:
-        ((key, text),) = d["data"].items()
-        out[d["metadata"]["labels"]["memsifter.io/stage"]] = yaml.safe_load(text)
-        assert key == f"{d['metadata']['labels']['memsifter.io/stage']}.yaml"
+        stage = d["metadata"]["labels"]["memsifter.io/stage"]
+        # the config document, beside the S3 settings the RayJob's containers read (memsifter.runSettings)
+        assert set(d["data"]) == {f"{stage}.yaml", "MEMSIFTER_S3_ENDPOINT", "AWS_REGION"}, d["data"].keys()
+        out[stage] = yaml.safe_load(d["data"][f"{stage}.yaml"])
     return out
 
 

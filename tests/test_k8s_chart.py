@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 import shlex
 from pathlib import Path
 
@@ -629,3 +630,174 @@ def test_model_cache_on_a_persistent_volume_and_train_restarts():
     train = next(j for k, j in jobs.items() if "train" in k)
     assert train["spec"]["backoffLimit"] == 3
     assert all(j["spec"].get("backoffLimit", 0) == 0 for k, j in jobs.items() if "train" not in k)
+
+
+# --------------------------------------------------------------------------- values refused (issue 41)
+_IMPORT = {"stages": {"import": {"enabled": True, "config": {"format": "longmemeval", "source": "s3://b/in"}},
+                      "embed": {"enabled": True}}}
+_SECRET = "pw" + "x" * 6   # built at run time: no key-shaped literal in the repository
+
+
+def _with(values: dict, **more) -> dict:
+    import copy as _copy
+
+    out = _copy.deepcopy(values)
+    for dotted, v in more.items():
+        cur = out
+        *path, last = dotted.split("__")
+        for k in path:
+            cur = cur.setdefault(k, {})
+        cur[last] = v
+    return out
+
+
+BAD_VALUES = {
+    "tag with a space": (_with(_IMPORT, images__families__embed__tag="0.1 .0"), "/images/families/embed/tag"),
+    "empty tag": (_with(_IMPORT, images__families__embed__tag=""), "/images/families/embed/tag"),
+    "tag with a newline": (_with(_IMPORT, images__families__embed__tag="0.1.0\nrepository: x"),
+                           "/images/families/embed/tag"),
+    "stage image tag with a space": (_with(_IMPORT, stages__embed__image={"tag": "a b"}), "/stages/embed/image/tag"),
+    "1 MB config value": (_with(_IMPORT, stages__import__config={"format": "longmemeval",
+                                                                   "source": "s3://b/" + "x" * 1_000_000}),
+                          "/stages/import/config/source"),
+    "1 MB env value": (_with(_IMPORT, env=[{"name": "BIG", "value": "x" * 1_000_000}]), "/env/0/value"),
+    "fullnameOverride with /": ({"fullnameOverride": "a/b"}, "/fullnameOverride"),
+    "fullnameOverride ..": ({"fullnameOverride": ".."}, "/fullnameOverride"),
+    "fullnameOverride with a space": ({"fullnameOverride": "my app"}, "/fullnameOverride"),
+    "secret name with /": ({"secrets": {"s3": {"name": "a/b"}}}, "/secrets/s3/name"),
+    "secret name ..": ({"secrets": {"llm": {"name": ".."}}}, "/secrets/llm/name"),
+    "secret name with a space": ({"secrets": {"huggingFace": {"name": "my hf"}}}, "/secrets/huggingFace/name"),
+    "secret key ..": ({"secrets": {"s3": {"accessKeyIdKey": ".."}}}, "/secrets/s3/accessKeyIdKey"),
+    "serve secret name with /": ({"serve": {"enabled": True, "apiKeys": {"secretName": "a/b"}}},
+                                 "/serve/apiKeys/secretName"),
+    "extraEnv secret name ..": ({"secrets": {"extraEnv": [{"name": "T", "secretName": "..", "key": "t"}]}},
+                                "/secrets/extraEnv/0/secretName"),
+    "runPrefix ../": ({"s3": {"runPrefix": "../other"}}, "/s3/runPrefix"),
+    "runPrefix with a space": ({"s3": {"runPrefix": "my runs"}}, "/s3/runPrefix"),
+    "runPrefix /abs": ({"s3": {"runPrefix": "/runs"}}, "/s3/runPrefix"),
+    "endpoint with a password": ({"s3": {"endpoint": f"http://user:{_SECRET}@seaweedfs:8333"}},
+                                 "/s3/endpoint"),
+    "endpoint with a path": ({"s3": {"endpoint": "http://seaweedfs:8333/x y"}}, "/s3/endpoint"),
+    "LLM base_url with a password": (_with(_IMPORT, stages__rank={"enabled": True, "config": {"endpoint": {
+        "base_url": f"http://user:{_SECRET}@llm:8000/v1"}}}), "/stages/rank/config/endpoint/base_url"),
+    "service ranker URL with a password": ({"serve": {"enabled": True, "config": {"ranker": {"endpoint": {
+        "base_url": f"http://user:{_SECRET}@llm:8000/v1"}}}}}, "/serve/config/ranker/endpoint/base_url"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_unsafe_values_refused_by_template_and_lint(case, tmp_path):
+    """Each probe of issue 41 that used to render (an image tag with a space, empty or with a newline; a 1 MB
+    value; names and prefixes with '/', '..' or spaces; a URL with a password) is refused by `helm template` and
+    `helm lint` in one message naming the value's path, and the password is never printed."""
+    values, where = BAD_VALUES[case]
+    f = tmp_path / "values.yaml"
+    f.write_text(yaml.safe_dump(values))
+    for args in (["template", "x", str(CHART), "-f", str(f)], ["lint", "--strict", str(CHART), "-f", str(f)]):
+        proc = helm(*args, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, f"{args[0]} accepted {case}"
+        assert where in out, out[-2000:]
+        assert _SECRET not in out
+
+
+@pytest.mark.parametrize("sets", [
+    ["images.families.embed.tag=0.1.0@sha256:" + "a" * 64],
+    ["images.families.embed.repository=registry.example.com:5000/team/memsifter-embed"],
+    ["s3.endpoint=http://[::1]:8333", "s3.runPrefix=team-a/runs_2026.11"],
+    ["fullnameOverride=lme", "secrets.s3.name=s3.creds", "secrets.s3.accessKeyIdKey=.id"],
+])
+def test_safe_values_still_render(sets):
+    assert chart.render_docs([CHART / "ci" / "minimal-cpu.yaml"], sets)
+
+
+_BIG_ENV = [{"name": f"E{i}", "value": "y" * 60000} for i in range(20)]   # each within the schema's bound
+
+
+@pytest.mark.parametrize("case,values,msg", [
+    ("RayJob over 1 MiB", _with(_IMPORT, env=_BIG_ENV, driver={"enabled": False}), ": the RayJob renders"),
+    ("plan over 1 MiB", _with(_IMPORT, env=_BIG_ENV), "the driver's plan ConfigMap"),
+    ("password in a field not named *_url", _with(_IMPORT, stages__embed__config={
+        "input": f"s3://b/in?u=http://user:{_SECRET}@host/x"}), "stages.embed.config: a URL with user:password@"),
+])
+def test_template_checks_what_the_schema_cannot(case, values, msg):
+    """An object over 1 MiB made of strings each within the schema's bound, and a credential-bearing URL in a field
+    the schema does not know as a URL: `helm template`/`install` fail naming the value, no password shown. (helm
+    4's lint reports a template's `fail` as INFO only, so these are the templates' alone.)"""
+    with pytest.raises(ToolError) as err:
+        chart.render([], values=values)
+    assert msg in str(err.value) and _SECRET not in str(err.value), str(err.value)[-1500:]
+
+
+# --------------------------------------------------------------------------- jobs/: one place to edit (issue 41)
+def _job(name: str) -> tuple[str, list[dict]]:
+    text = (chart.JOBS_DIR / f"{name}.yaml").read_text()
+    return text, [d for d in yaml.safe_load_all(text) if d]
+
+
+def _pod_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str | None]:
+    """What a container's env resolves to (a ConfigMap key as kubectl apply of the file would make it; a
+    Secret as None)."""
+    out: dict[str, str | None] = {}
+    for e in container.get("env") or []:
+        ref = (e.get("valueFrom") or {}).get("configMapKeyRef")
+        out[e["name"]] = configmaps[ref["name"]]["data"][ref["key"]] if ref else e.get("value")
+    return out
+
+
+@pytest.mark.parametrize("stage", [i.name for i in registry.stage_infos()])
+def test_job_has_one_place_to_edit(stage):
+    """`kubectl apply -f jobs/<stage>.yaml` after editing only the ConfigMap at its top: the stage's config (format,
+    source, output, inputs) and the S3 endpoint/region that every Ray container reads from it; no container
+    carries its own copy of them."""
+    text, docs = _job(stage)
+    cm, rj = docs[0], docs[1]
+    assert (cm["kind"], rj["kind"]) == ("ConfigMap", "RayJob") and cm["metadata"]["name"] == rj["metadata"]["name"]
+    assert "Edit one place, the ConfigMap below" in text
+    assert {"MEMSIFTER_S3_ENDPOINT", "AWS_REGION", f"{stage}.yaml"} <= set(cm["data"])
+    edited = copy.deepcopy(cm)
+    edited["data"]["MEMSIFTER_S3_ENDPOINT"] = "http://seaweedfs.storage.svc:8333"
+    edited["data"]["AWS_REGION"] = "eu-west-3"
+    spec = rj["spec"]["rayClusterSpec"]
+    templates = [spec["headGroupSpec"]["template"], *[g["template"] for g in spec.get("workerGroupSpecs", [])]]
+    for tpl in templates:
+        for c in tpl["spec"]["containers"]:
+            env = _pod_env(c, {cm["metadata"]["name"]: edited})
+            assert env["MEMSIFTER_S3_ENDPOINT"] == "http://seaweedfs.storage.svc:8333", c["name"]
+            assert env["AWS_REGION"] == "eu-west-3", c["name"]
+    head = spec["headGroupSpec"]["template"]["spec"]
+    (vol,) = [v for v in head["volumes"] if v["name"] == "config"]
+    assert vol["configMap"]["items"] == [{"key": f"{stage}.yaml", "path": f"{stage}.yaml"}]
+
+
+@pytest.mark.parametrize("stage", [i.name for i in registry.stage_infos()])
+def test_job_inputs_optional_when_their_stage_is_not_run(stage):
+    """A job's config wires only its required inputs (jobs/evaluate.yaml no longer needs rank, chat and agents
+    outputs); the optional ones are listed as comments in the config document, and uncommenting them gives a
+    valid config of the stage with those inputs."""
+    info = stg.get_stage(stage)
+    kinfo = next(i for i in registry.stage_infos() if i.name == stage)
+    _, docs = _job(stage)
+    doc = docs[0]["data"][f"{stage}.yaml"]
+    cfg = yaml.safe_load(doc)
+    optional = {f for f, w in kinfo.wiring.items() if not chart.required(w)}
+    ran = chart.job_stages(kinfo, registry.stage_infos(), optional=False)
+    # an optional input is wired only from a stage its required inputs run anyway (chat: embeddings from the
+    # embed stage that rank reads), or where the config cannot do without one (sft: data or traces)
+    try:
+        info.config.model_validate({k: v for k, v in cfg.items() if k not in optional})
+        needs_one = False
+    except Exception:
+        needs_one = True
+    for f in optional & set(cfg):
+        assert needs_one or set(kinfo.wiring[f]["from"]) & set(ran), (stage, f)
+    assert info.config.model_validate(cfg)
+    if optional:
+        uncommented = yaml.safe_load("\n".join(ln[2:] if ln.startswith("# ") else ln for ln in doc.splitlines()
+                                               if not ln.startswith("# Optional")))
+        assert set(uncommented) - set(cfg) <= optional, stage
+        full = info.config.model_validate(uncommented)
+        for f in optional:
+            assert getattr(full, f), (stage, f)
+    if stage == "evaluate":
+        assert set(cfg) == {"input", "output"}

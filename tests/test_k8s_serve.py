@@ -26,6 +26,7 @@ import yaml
 
 from memsifter import pipeline
 from memsifter.k8s.dev import chart, validate
+from memsifter.k8s.dev.serve import DEFAULT_KEY, READINESS_PATH, STATE_PREFIX
 from memsifter.k8s.dev.tools import ToolError, helm
 
 CHART = chart.CHART_DIR
@@ -110,15 +111,21 @@ def test_pods_hardened_like_the_rayjobs():
         assert spec["securityContext"]["runAsNonRoot"] is True
         vols = {v["name"]: v for v in spec["volumes"]}
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
-        for c in spec["containers"]:
+        head = p["metadata"]["name"].endswith("-head")
+        for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
             assert sc["allowPrivilegeEscalation"] is False
             assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
-        assert spec["automountServiceAccountToken"] is p["metadata"]["name"].endswith("-head")
+        assert spec["automountServiceAccountToken"] is head
         ray = spec["containers"][0]
         assert {"containerPort": 8000, "name": "serve", "protocol": "TCP"} in ray["ports"]
-        assert "readinessProbe" not in ray, "KubeRay injects the RayService probes (raylet, Serve proxy /-/healthz)"
+        if head:   # KubeRay's probes (raylet, GCS): it deploys the application only once the head is ready
+            assert "readinessProbe" not in ray
+            assert [c["name"] for c in spec["initContainers"]] == ["wait-for-index"]
+        else:      # ready = the service's readiness route answers 200 (index, encoder, unit vectors loaded)
+            assert ray["readinessProbe"]["httpGet"] == {"path": READINESS_PATH, "port": 8000}
+            assert "initContainers" not in spec
 
 
 # --------------------------------------------------------------------------- serveConfigV2
@@ -217,15 +224,15 @@ def test_index_wired_from_the_embed_output_as_the_plan_wires_it(case):
         assert want == "s3://memsifter-ci/runs/t/embed"
 
 
-def test_index_required_without_an_embed_stage():
-    values = {"serve": {"enabled": True}}
-    with pytest.raises(ToolError) as err:
-        rayservice(values)
-    lines = [ln for ln in str(err.value).splitlines() if "serve.config.index" in ln]
-    assert len(lines) == 1 and "stages.embed" in lines[0], str(err.value)
-    # given an index, the service alone renders (no stage enabled)
+def test_index_defaults_to_this_runs_embed_output_without_the_stage():
+    """serve.enabled alone serves this run's embed output (the head waits for it: the service starts once the
+    embed stage publishes) instead of failing the install; a given index is served as it is."""
+    rs = rayservice({"serve": {"enabled": True}})
+    assert app_of(rs)["args"]["index"] == "s3://memsifter/runs/memsifter/embed"
     rs = rayservice({"serve": {"enabled": True, "config": {"index": "s3://b/runs/old/embed"}}})
     assert app_of(rs)["args"]["index"] == "s3://b/runs/old/embed"
+    init = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["initContainers"]
+    assert init[0]["command"][:4] == ["memsifter", "k8s", "await-published", "s3://b/runs/old/embed"]
 
 
 def test_scenario_serves_its_embed_output():
@@ -344,3 +351,81 @@ def test_network_policy_lets_clients_reach_port_8000():
     labels = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
     assert serve["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert not [d for d in chart.render_docs([SCENARIO]) if d["kind"] == "NetworkPolicy"]
+
+
+# --------------------------------------------------------------------------- out of the box (issue 46 item 4)
+def test_default_serve_release_would_answer(crd):
+    """`helm install` with serve.enabled=true and nothing else renders a RayService that would answer: valid for
+    KubeRay's CRD, state in the release's bucket, one key from a Secret granted read and write (no anonymous
+    access), the head waiting for the index it serves (with the S3 credentials to look), worker pods ready only
+    when the service's readiness route answers, the head out of the Service, and NOTES that create that Secret and
+    define every variable their curl uses."""
+    from memsifter.service.config import ServeConfig
+
+    docs = chart.render_docs([], ["serve.enabled=true"])
+    (rs,) = [d for d in docs if d["kind"] == "RayService"]
+    assert validate.validate_rayservice(rs, crd) == []
+    assert validate.validate_rayservice(rs, validate.kind_schema("RayService")) == []   # the packaged CRD
+    assert not [d for d in docs if d["kind"] in ("RayJob", "Ingress")]
+    args = app_of(rs)["args"]
+    cfg = ServeConfig.model_validate(args)
+    assert cfg.state == f"s3://memsifter/{STATE_PREFIX}/{rs['metadata']['name']}"
+    assert cfg.index == "s3://memsifter/runs/memsifter/embed"
+    assert cfg.auth.anonymous is None
+    assert {k: (g.read, g.write) for k, g in cfg.auth.keys.items()} == {DEFAULT_KEY["env"]: (["*"], ["*"])}
+    ref = {"secretKeyRef": {"name": "memsifter-serve-keys", "key": DEFAULT_KEY["secretKey"]}}
+    for c in containers(rs):
+        env = {e["name"]: e for e in c["env"]}
+        assert env[DEFAULT_KEY["env"]]["valueFrom"] == ref, c["name"]
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "memsifter-s3"
+    rcc = rs["spec"]["rayClusterConfig"]
+    head = rcc["headGroupSpec"]["template"]["spec"]
+    (init,) = head["initContainers"]
+    assert init["command"] == ["memsifter", "k8s", "await-published", cfg.index, "--poll", "15"]
+    assert init["image"] == head["containers"][0]["image"]
+    init_env = {e["name"]: e for e in init["env"]}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "MEMSIFTER_S3_ENDPOINT"} <= set(init_env)
+    assert DEFAULT_KEY["env"] not in init_env          # the API keys stay with the service
+    for g in rcc["workerGroupSpecs"]:
+        probe = g["template"]["spec"]["containers"][0]["readinessProbe"]
+        assert probe["httpGet"] == {"path": READINESS_PATH, "port": 8000}
+    assert rs["spec"]["excludeHeadPodFromServeSvc"] is True
+    # the route the probe calls is the service's readiness route (memsifter.service.http: 503 until loaded)
+    import inspect
+
+    from memsifter.service import http
+
+    assert f'@app.get("{READINESS_PATH}"' in inspect.getsource(http)
+
+    out = helm("install", "lme", str(CHART), "-n", "memsifter", "--dry-run=client", "--set", "serve.enabled=true").stdout
+    notes = out[out.index("NOTES:"):].splitlines()
+    create = [ln for ln in notes if "create secret generic" in ln]
+    assert create and create[0].strip() == ("kubectl -n memsifter create secret generic memsifter-serve-keys "
+                                            f"--from-literal={DEFAULT_KEY['secretKey']}=\"$(openssl rand -hex 32)\"")
+    defined: set[str] = set()
+    for ln in notes:
+        for var in re.findall(r"\$([A-Z]+)\b", ln.replace("$(", "")):
+            assert var in defined, f"NOTES use ${var} before defining it: {ln}"
+        m = re.match(r"\s*([A-Z]+)=", ln)
+        if m:
+            defined.add(m.group(1))
+    assert {"KEY", "URL"} <= defined and any("curl" in ln and "$KEY" in ln for ln in notes)
+    assert any(f"jsonpath='{{.data.{DEFAULT_KEY['secretKey']}}}'" in ln for ln in notes)
+
+
+def test_optional_ingress_reaches_the_service():
+    import kubernetes_validate
+
+    values = {"serve": {"enabled": True, "ingress": {"enabled": True, "className": "nginx", "host": "mem.example.com",
+                                                     "tls": [{"secretName": "mem-tls", "hosts": ["mem.example.com"]}],
+                                                     "annotations": {"nginx.ingress.kubernetes.io/proxy-body-size": "32m"}}}}
+    docs = chart.render_docs([], values=values)
+    (ing,) = [d for d in docs if d["kind"] == "Ingress"]
+    (rs,) = [d for d in docs if d["kind"] == "RayService"]
+    kubernetes_validate.validate(ing, kubernetes_validate.latest_version(), strict=True)
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "mem.example.com" and ing["spec"]["ingressClassName"] == "nginx"
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{rs['metadata']['name']}-serve-svc", "port": {"number": 8000}}
+    with pytest.raises(ToolError, match="/serve/ingress/host"):
+        chart.render([], values={"serve": {"enabled": True, "ingress": {"enabled": True, "host": "a b"}}})

@@ -103,3 +103,72 @@ def test_strict_schema_keeps_free_form_maps(crd):
     head = spec["properties"]["rayClusterSpec"]["properties"]["headGroupSpec"]
     assert head["additionalProperties"] is False
     assert head["properties"]["rayStartParams"]["additionalProperties"] == {"type": "string"}  # a map stays open
+
+
+# --------------------------------------------------------------------------- the packaged CRDs (issue 41)
+def test_packaged_crds_are_kuberay_v1_7_0(shared_dir):
+    """The three CRDs ship inside the package (gzipped, in package-data) with their Apache-2.0 licence, and are
+    byte-identical to the KubeRay v1.7.0 snapshots of the project's shared folder (sha256 in PROVENANCE.md)."""
+    import fnmatch
+    import gzip
+    import hashlib
+    import tomllib
+
+    d = validate.CRD_DIR
+    assert "Apache License" in (d / "LICENSE").read_text() and "Version 2.0" in (d / "LICENSE").read_text()
+    provenance = (d / "PROVENANCE.md").read_text()
+    globs = tomllib.loads((chart.REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["memsifter"]
+    shipped = [str(p.relative_to(chart.REPO / "memsifter")) for p in d.iterdir()]
+    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in shipped), (shipped, globs)
+    for kind in ("RayJob", "RayService", "RayCluster"):
+        path = validate.packaged_crd(kind)
+        raw = gzip.decompress(path.read_bytes())
+        assert raw == (shared_dir / "crds" / path.name.removesuffix(".gz")).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() in provenance
+        assert validate.crd_kind(validate.read_crd(path)) == kind
+        assert validate.kind_schema(kind)["properties"]["spec"]
+
+
+def _validate_cli(*args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from memsifter.k8s import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["validate", *args])
+    return rc, out.getvalue() + err.getvalue()
+
+
+def test_validate_cli_checks_schema_with_the_packaged_crds(tmp_path, good):
+    """`memsifter k8s validate FILE` with no --crd checks the CRD schema (a misspelt field fails), for RayJobs
+    and the RayService of jobs/; --crd still takes a file (plain YAML) of its kind."""
+    rc, out = _validate_cli(str(chart.JOBS_DIR / "embed.yaml"), str(chart.JOBS_DIR / "serve.yaml"))
+    assert rc == 0 and "RayJob memsifter-example-embed: ok" in out and "RayService" in out, out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(mutated(good, lambda r: r["spec"].update(entrypointt="x"))))
+    rc, out = _validate_cli(str(bad))
+    assert rc == 1 and "schema:" in out and "entrypointt" in out, out
+    (rs,) = [d for d in yaml.safe_load_all((chart.JOBS_DIR / "serve.yaml").read_text()) if d]
+    bad.write_text(yaml.safe_dump(mutated(rs, lambda r: r["spec"].update(serveConfigV3="x"))))
+    rc, out = _validate_cli(str(bad))
+    assert rc == 1 and "serveConfigV3" in out, out
+    plain = tmp_path / "rayjobs.yaml"
+    plain.write_bytes(__import__("gzip").decompress(validate.packaged_crd("RayJob").read_bytes()))
+    rc, out = _validate_cli(str(chart.JOBS_DIR / "embed.yaml"), "--crd", str(plain))
+    assert rc == 0, out
+    rc, out = _validate_cli(str(chart.JOBS_DIR / "embed.yaml"), "--crd", str(tmp_path / "missing.yaml"))
+    assert rc == 2 and "missing.yaml" in out
+
+
+def test_validate_cli_checks_a_raycluster(good, tmp_path):
+    rc_doc = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "c"},
+              "spec": copy.deepcopy(good["spec"]["rayClusterSpec"])}
+    f = tmp_path / "rc.yaml"
+    f.write_text(yaml.safe_dump(rc_doc))
+    assert _validate_cli(str(f))[0] == 0
+    rc_doc["spec"]["headGroupSpec"]["rayStartParamz"] = {}
+    f.write_text(yaml.safe_dump(rc_doc))
+    rc, out = _validate_cli(str(f))
+    assert rc == 1 and "rayStartParamz" in out, out

@@ -2,16 +2,17 @@
 
   memsifter k8s drive --plan plan.json     create the stage RayJobs in dependency order and wait
   memsifter k8s await-capacity ... -- CMD  request GPU nodes from the autoscaler, wait, exec CMD
+  memsifter k8s await-published URI        wait until a stage output is published (the RayService's init container)
   memsifter k8s gen-chart [--check]        the chart's generated files from the stage registry (and sizes)
   memsifter k8s gen-jobs [--check]         jobs/<stage>.yaml rendered from the chart
-  memsifter k8s validate FILE... [--crd]   check RayJobs (CRD schema strict, CEL, KubeRay admission rules)
+  memsifter k8s validate FILE... [--crd F]  check RayJobs, RayServices, RayClusters (CRD schema strict, CEL,
+                                           KubeRay admission rules; the packaged KubeRay v1.7.0 CRDs)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -20,8 +21,6 @@ from ..console import setup_logging
 from ..errors import MemsifterError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CRD = os.environ.get("MEMSIFTER_RAYJOB_CRD", "")
 
 
 def _gen(kind: str, argv: Sequence[str]) -> int:
@@ -61,23 +60,43 @@ def _validate(argv: Sequence[str]) -> int:
     from .dev import validate
 
     p = argparse.ArgumentParser(prog="memsifter k8s validate",
-                                description="Check RayJob manifests without an API server")
+                                description="Check KubeRay manifests (RayJob, RayService, RayCluster) without an API "
+                                            f"server, against the KubeRay {validate.KUBERAY_VERSION} CRDs shipped "
+                                            "with memsifter")
     p.add_argument("files", nargs="+")
-    p.add_argument("--crd", default=DEFAULT_CRD, help="KubeRay rayjobs CRD YAML (enables the schema and CEL checks)")
+    p.add_argument("--crd", action="append", default=[],
+                   help="a CRD YAML (.yaml or .yaml.gz) to use instead of the packaged one of its kind (repeatable)")
     args = p.parse_args(argv)
-    schema = validate.crd_schema(args.crd) if args.crd else None
-    bad = 0
+    schemas: dict[str, dict | None] = {}
+    for path in args.crd:
+        if not Path(path).is_file():
+            print(f"error: --crd {path}: no such file", file=sys.stderr)
+            return 2
+        crd = validate.read_crd(path)
+        kind = validate.crd_kind(crd)
+        if kind not in validate.VALIDATORS:
+            print(f"error: --crd {path}: a CRD of {kind}, not of {', '.join(validate.VALIDATORS)}", file=sys.stderr)
+            return 2
+        schemas[kind] = validate.crd_version_schema(crd, where=path)
+    bad = seen = 0
     for f in args.files:
         for doc in yaml.safe_load_all(Path(f).read_text()):
-            if not doc or doc.get("kind") != "RayJob":
+            kind = doc.get("kind") if isinstance(doc, dict) else None
+            if kind not in validate.VALIDATORS:
                 continue
-            errs = validate.validate_rayjob(doc, schema)
-            name = doc.get("metadata", {}).get("name")
+            if kind not in schemas:
+                schemas[kind] = validate.kind_schema(kind)
+            seen += 1
+            errs = validate.validate_kuberay(doc, schemas)
+            name = (doc.get("metadata") or {}).get("name")
             if errs:
                 bad += 1
-                print(f"{f}: RayJob {name}:\n  " + "\n  ".join(errs))
+                print(f"{f}: {kind} {name}:\n  " + "\n  ".join(errs))
             else:
-                print(f"{f}: RayJob {name}: ok")
+                print(f"{f}: {kind} {name}: ok")
+    if not seen:
+        print(f"error: no {', '.join(validate.VALIDATORS)} in {', '.join(args.files)}", file=sys.stderr)
+        return 2
     return 1 if bad else 0
 
 
@@ -96,7 +115,8 @@ def _drive(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     setup_logging(args.verbose)
     plan = Plan.load(args.plan)
-    backend = (RayBackend(args.ray_address, pod_env=True, configs=plan.configs) if args.ray_address
+    backend = (RayBackend(args.ray_address, pod_env=True, configs=plan.configs,
+                          settings=plan.run.get("settings")) if args.ray_address
                else KubernetesBackend.from_environment(args.namespace))
     driver = Driver(plan, backend, poll=args.poll, stage_timeout=args.stage_timeout,
                     write_manifest=not args.no_manifest)
@@ -121,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         setup_logging(0)
         return capacity.main(rest)
+    if cmd == "await-published":
+        from . import published
+
+        setup_logging(0)
+        return published.main(rest)
     if cmd not in cmds:
         print(f"memsifter k8s: unknown command '{cmd}'\n{__doc__}", file=sys.stderr)
         return 2

@@ -225,7 +225,8 @@ class RayBackend:
     Like KubeRay, only ``runtimeEnvYAML`` becomes the job's runtime env: the head container's env is
     the *process* env of a pod, so the Ray cluster should be started with it (S3 settings, secrets,
     caches). ``pod_env=True`` instead copies the head container's env into the runtime env (plain
-    values; ``secretKeyRef``/``fieldRef`` entries from this process's environment, same name), for a
+    values; ``configMapKeyRef`` entries, the stage ConfigMap's S3 settings, from ``settings`` (the plan's
+    ``run.settings``); ``secretKeyRef``/``fieldRef`` entries from this process's environment, same name), for a
     cluster started without it; stages that call ``ray.init(runtime_env=...)`` with the same keys then
     conflict, as they would on Kubernetes if those keys were in runtimeEnvYAML. The status is reported
     in KubeRay's vocabulary so the driver logic is the same.
@@ -237,7 +238,7 @@ class RayBackend:
     """
 
     def __init__(self, address: str, env_overrides: dict[str, str] | None = None, submit_timeout: float = 180,
-                 pod_env: bool = False, configs: dict[str, dict] | None = None):
+                 pod_env: bool = False, configs: dict[str, dict] | None = None, settings: dict | None = None):
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
@@ -245,6 +246,7 @@ class RayBackend:
         self.pod_env = pod_env
         self.env_overrides = dict(env_overrides or {})
         self.configs = dict(configs or {})
+        self.settings = {k: str(v) for k, v in (settings or {}).items()}
         self.jobs: dict[str, str] = {}  # rayjob name -> submission id
         self._config_dir: str | None = None
 
@@ -263,8 +265,12 @@ class RayBackend:
         if self.pod_env:
             head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
             for e in head.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("configMapKeyRef") or {}
                 if "value" in e:
                     env_vars[e["name"]] = str(e["value"])
+                elif ref.get("key") in self.settings:
+                    if self.settings[ref["key"]]:   # '' (no endpoint): unset, as storage reads it
+                        env_vars[e["name"]] = self.settings[ref["key"]]
                 elif e["name"] in os.environ:
                     env_vars[e["name"]] = os.environ[e["name"]]
         env_vars.update(rte.get("env_vars") or {})

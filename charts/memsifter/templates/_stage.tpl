@@ -110,3 +110,26 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{- $_ := set $s "capacity" $cap }}
 {{- toJson $s }}
 {{- end }}
+
+{{/* Fails when a rendered text is larger than Kubernetes stores: a ConfigMap holds at most 1 MiB (1048576 bytes:
+     keys and values), and the chart keeps every other object it renders under the same bound (etcd refuses a
+     request over ~1.5 MiB). A stage's config document is bounded at 256 KiB (max), so that the driver's plan,
+     which holds every enabled stage's, stays within 1 MiB too. The schema bounds the strings it can; this
+     catches a large value anywhere (a config field, an env value). dict what text [max] */}}
+{{- define "memsifter.checkSize" -}}
+{{- $max := int (.max | default 1048576) }}
+{{- if gt (len .text) $max }}{{ fail (printf "%s renders %d bytes, over its bound of %d (Kubernetes stores at most 1 MiB in a ConfigMap): shorten the values that feed it" .what (len .text) $max) }}{{ end }}
+{{- end }}
+
+{{/* The settings every container of a stage reads, as JSON (env var -> value): the S3 endpoint ('' = AWS S3)
+     and region. In the stage's ConfigMap beside its config document; in the driver's plan (run.settings). root */}}
+{{- define "memsifter.runSettings" -}}
+{{- include "memsifter.checkUrls" (dict "what" "s3.endpoint" "text" (.Values.s3.endpoint | default "")) }}
+{{- toJson (dict "MEMSIFTER_S3_ENDPOINT" (.Values.s3.endpoint | default "") "AWS_REGION" .Values.s3.region) }}
+{{- end }}
+
+{{/* Fails when a rendered text holds a URL with user:password@ (a credential in a ConfigMap or object), without
+     printing it: keys come from Secrets (secrets.*, serve.apiKeys, a config's *_env field). dict what text */}}
+{{- define "memsifter.checkUrls" -}}
+{{- if regexMatch "[A-Za-z][-A-Za-z0-9+.]*://[^/?#@\\s\"]*@" .text }}{{ fail (printf "%s: a URL with user:password@ is refused (it would be stored in the cluster in the clear): give the host only and the credential through a Secret (secrets.*, serve.apiKeys, or the config's *_env field)" .what) }}{{ end }}
+{{- end }}

@@ -225,15 +225,25 @@ def anchor_image(text: str) -> str:
     return re.sub(r"^(\s*(?:- )?)image: (\S+)$", sub, text, flags=re.MULTILINE)
 
 
-def job_stages(info: StageInfo, infos: list[StageInfo]) -> list[str]:
+def required(wiring: dict) -> bool:
+    """An input field the stage cannot run without (no enabled producer and no value fails the install)."""
+    return isinstance(wiring["cases"][""], str)
+
+
+def job_stages(info: StageInfo, infos: list[StageInfo], optional: bool = True) -> list[str]:
     """The stages enabled to render ``jobs/<stage>.yaml``: the stage and, transitively, the stages its inputs
-    read from in a run where all could run (:func:`memsifter.k8s.registry.preferred`), in pipeline order.
-    The chart wires an input only from an enabled stage (as ``memsifter pipeline`` does), so they are
-    enabled; only the stage's own objects are kept."""
+    read from in a run where all could run (:func:`memsifter.k8s.registry.preferred`), in pipeline order;
+    with ``optional=False`` only the producers of its required inputs (and theirs): a job applied as it is
+    does not wait for outputs of stages the user may not run (its other inputs are listed as comments,
+    :func:`optional_inputs_text`), unless the stage's config needs one of them (:func:`job_text`). The chart wires an input
+    only from an enabled stage (as ``memsifter pipeline`` does), so they are enabled; only the stage's own
+    objects are kept."""
     by = {i.name: i for i in infos}
     todo, chain = [info.name], {info.name}
     while todo:
         for w in by[todo.pop()].wiring.values():
+            if not optional and not required(w):
+                continue
             for p in preferred(w):
                 if p not in chain:
                     chain.add(p)
@@ -241,23 +251,56 @@ def job_stages(info: StageInfo, infos: list[StageInfo]) -> list[str]:
     return [i.name for i in infos if i.name in chain]
 
 
-def job_text(info: StageInfo, chart_dir: Path = CHART_DIR, jobs_dir: Path = JOBS_DIR,
-             infos: list[StageInfo] | None = None) -> str:
-    on = job_stages(info, registry.stage_infos() if infos is None else infos)
+def _stage_docs(info: StageInfo, on: list[str], chart_dir: Path, jobs_dir: Path) -> list[dict]:
     sets = [f"stages.{n}.enabled=true" for n in on]
     docs = render_docs([jobs_dir / "values.yaml"], sets, chart_dir,
                        show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
-    docs = [d for d in docs if d["metadata"]["labels"].get("memsifter.io/stage") == info.name]
+    return [d for d in docs if d["metadata"]["labels"].get("memsifter.io/stage") == info.name]
+
+
+def optional_inputs_text(info: StageInfo, minimal: dict, full: dict) -> str:
+    """The optional inputs a run of every producer would wire, as YAML comments to append to the config document
+    (the job runs without them; a user uncomments those whose stage ran)."""
+    extra = {k: v for k, v in full.items() if k not in minimal and k in info.wiring and not required(info.wiring[k])}
+    if not extra:
+        return ""
+    body = yaml.safe_dump(extra, sort_keys=False, default_flow_style=False, width=1000)
+    return ("# Optional inputs, wired from a run of every stage that makes them: uncomment those whose stage ran.\n"
+            + "".join(f"# {line}\n" for line in body.splitlines()))
+
+
+def job_text(info: StageInfo, chart_dir: Path = CHART_DIR, jobs_dir: Path = JOBS_DIR,
+             infos: list[StageInfo] | None = None) -> str:
+    from pydantic import ValidationError
+
+    infos = registry.stage_infos() if infos is None else infos
+    on, full_on = job_stages(info, infos, optional=False), job_stages(info, infos)
+    docs = _stage_docs(info, on, chart_dir, jobs_dir)
+    key = f"{info.name}.yaml"
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    try:   # a stage that needs one of its optional inputs (e.g. sft: data or traces) gets them wired
+        info.config.model_validate(yaml.safe_load(cm["data"][key]))
+    except ValidationError:
+        on = full_on
+        docs = _stage_docs(info, on, chart_dir, jobs_dir)
+        cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    if full_on != on:
+        full_cm = next(d for d in _stage_docs(info, full_on, chart_dir, jobs_dir) if d["kind"] == "ConfigMap")
+        cm["data"][key] += optional_inputs_text(info, yaml.safe_load(cm["data"][key]),
+                                                yaml.safe_load(full_cm["data"][key]))
     body = "".join("---\n" + anchor_image(yaml.dump(d, Dumper=_JobDumper, sort_keys=False, width=110,
                                                      allow_unicode=True)) for d in docs)
     upstream = [n for n in on if n != info.name]
+    sets = " ".join(f"--set stages.{n}.enabled=true" for n in on)
     how = "".join(f"# {line}\n" for line in textwrap.wrap(
-        f"Its inputs are wired from a run of {', '.join(upstream)}: rendered with those stages enabled too "
-        f"({' '.join('--set ' + s for s in sets)}).", 108, break_on_hyphens=False)) if upstream else ""
+        f"Its required inputs are wired from a run of {', '.join(upstream)}: rendered with those stages enabled "
+        f"too ({sets}).", 108, break_on_hyphens=False)) if upstream else ""
+    settings = " and ".join(k for k in cm["data"] if k != key)
     return (f"# GENERATED by `memsifter k8s gen-jobs` from charts/memsifter with jobs/values.yaml: do not edit.\n"
             f"# Stage '{info.name}': {info.help}\n"
-            f"# The ConfigMap holds the stage's config: only what differs from its defaults, output and inputs\n"
-            f"# included (edit the bucket there); the image is named once (&image).\n"
+            f"# Edit one place, the ConfigMap below: {key} is the stage's config (only what differs from its\n"
+            f"# defaults: inputs, output, options; `memsifter run {info.name} --help`), {settings}\n"
+            f"# the S3 settings every container of the RayJob reads from it. The image is named once (&image).\n"
             + how +
             f"# Apply: kubectl apply -n memsifter -f jobs/{info.name}.yaml   (secrets: k8s/secrets.example.yaml)\n"
             + body)

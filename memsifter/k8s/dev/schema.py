@@ -14,7 +14,38 @@ import json
 from typing import Any
 
 from ..registry import StageInfo
-from .values import STAGE_KEYS, Group, Value, global_tree, image_families
+from .values import (ENV_NAME_SCHEMA, IMAGE_REPO_PATTERN, IMAGE_TAG, NAME, SECRET_KEY_SCHEMA, STAGE_KEYS, Group, Value,
+                     global_tree, image_families)
+
+# A URL field of a stage's or the service's config (``*_url``: an LLM endpoint, the memory service): a scheme and
+# a host, no whitespace, and no ``user:password@`` (keys come from Secrets, never from a ConfigMap), refused with
+# ``not`` so that the schema's error names the field without printing the credential.
+URL_FIELD = "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#\\s]+([/?#][^\\s]*)?$"
+USERINFO = {"pattern": "^[A-Za-z][-A-Za-z0-9+.]*://[^/?#@\\s]*@"}
+# Every string of a config is bounded (a ConfigMap holds 1 MiB; templates also bound a whole config document).
+MAX_STRING = 65536
+
+
+def _bound_strings(node: Any, name: str = "") -> None:
+    """``maxLength`` on every string schema (and on fields whose type a coercing validator widened), and the URL
+    rules on properties named ``url`` or ``*_url``."""
+    if isinstance(node, dict):
+        types = node.get("type", [])
+        types = types if isinstance(types, list) else [types]
+        if "string" in types or (name and not types and not ({"$ref", "anyOf", "allOf", "oneOf", "items",
+                                                               "properties", "enum", "const"} & set(node))):
+            node.setdefault("maxLength", MAX_STRING)
+            if name == "url" or name.endswith("_url"):
+                node["pattern"], node["not"], node["maxLength"] = URL_FIELD, USERINFO, 2048
+        for k, v in node.items():
+            if k == "properties" and isinstance(v, dict):
+                for pname, prop in v.items():
+                    _bound_strings(prop, pname)
+            elif k not in ("not", "default", "examples"):
+                _bound_strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            _bound_strings(v)
 
 
 def _rename_refs(node: Any, names: dict[str, str]) -> Any:
@@ -100,6 +131,8 @@ def model_schema(cls: Any, prefix: str, defs: dict) -> dict:
                                         if k in ("description", "default", "uri", "runtime", "stage", "wire")}
     names = {}
     own = sch.pop("$defs", {}) or {}
+    _bound_strings(sch)
+    _bound_strings(own)
     for name, d in own.items():
         shared = "$ref" not in str(d) and defs.get(name, _rename_refs(d, {})) == _rename_refs(d, {})
         names[name] = name if shared else prefix + name
@@ -136,14 +169,20 @@ def shared_defs() -> dict:
         "resources": {"type": "object", "additionalProperties": False, "properties": {
             "requests": {"type": "object", "additionalProperties": ref("quantity")},
             "limits": {"type": "object", "additionalProperties": ref("quantity")}}},
-        "image": {"type": "object", "additionalProperties": False,
-                  "properties": {"repository": {"type": "string"}, "tag": {"type": "string"}}},
+        "image": {"type": "object", "additionalProperties": False, "description": "'' keeps the family's.",
+                  "properties": {"repository": {"type": "string", "pattern": IMAGE_REPO_PATTERN, "maxLength": 255},
+                                 "tag": {"type": "string", "pattern": IMAGE_TAG, "maxLength": 200}}},
+        "familyImage": {"allOf": [ref("image"), {"required": ["repository", "tag"], "properties": {
+            "repository": {"minLength": 1}, "tag": {"minLength": 1}}}]},
         "env": {"type": "array", "items": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                           "properties": {"name": {"type": "string"}, "value": {"type": "string"},
+                                           "properties": {"name": {"type": "string",
+                                                                   "pattern": "^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                                                                   "maxLength": 253},
+                                                          "value": {"type": "string", "maxLength": 65536},
                                                           "valueFrom": _OBJ}}},
         "secretEnv": {"type": "object", "additionalProperties": False, "required": ["name", "secretName", "key"],
-                      "properties": {"name": {"type": "string"}, "secretName": {"type": "string"},
-                                     "key": {"type": "string"}, "optional": {"type": "boolean"}}},
+                      "properties": {"name": ENV_NAME_SCHEMA, "secretName": NAME,
+                                     "key": SECRET_KEY_SCHEMA, "optional": {"type": "boolean"}}},
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
             "key": {"type": "string"}, "operator": {"enum": ["Exists", "Equal"]}, "value": {"type": "string"},
@@ -193,12 +232,16 @@ def values_schema(infos: list[StageInfo]) -> dict:
 
 
 def schema_text(schema: dict, width: int = 110) -> str:
-    """JSON, indented, with lists of scalars (types, enums, required names) on one line when they fit."""
+    """JSON, indented, with lists of scalars (types, enums, required names) and objects of scalars (a string's
+    type, pattern and bound) on one line when they fit."""
     def enc(node: Any, indent: int) -> str:
         pad, inner = "  " * indent, "  " * (indent + 1)
         if isinstance(node, dict):
             if not node:
                 return "{}"
+            flat = json.dumps(node)
+            if all(not isinstance(v, (dict, list)) for v in node.values()) and len(inner) + len(flat) <= width:
+                return flat
             items = [f"{inner}{json.dumps(k)}: {enc(v, indent + 1)}" for k, v in node.items()]
             return "{\n" + ",\n".join(items) + f"\n{pad}}}"
         if isinstance(node, list):

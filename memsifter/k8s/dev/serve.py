@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .values import Group, Value, resources
+from .values import NAME, SECRET_KEY_SCHEMA, Group, Value, resources
 
 # The stage whose publication the service loads (memsifter.service.index reads an embed stage's output:
 # its _SUCCESS, config and vector store).
@@ -30,12 +30,21 @@ UPGRADE_TYPES = ["auto", "NewCluster", "NewClusterWithIncrementalUpgrade", "None
 FIRST_STAGE_FIELDS = ("num_cpus", "min_replicas", "max_replicas", "target_ongoing_requests")
 RANKER_FIELDS = ("num_cpus", "num_gpus", "min_replicas", "max_replicas", "max_batch_size")
 EXAMPLE_KEY = {"MEMSIFTER_KEY_TRAINER": "trainer"}
+# Out of the box (issue 46 item 4): with no apiKeys.keys, one key, this variable from the Secret's key, granted
+# read and write on every id unless config.auth names its own grants; the memory state under this prefix of the
+# release's bucket (s3://<bucket>/<prefix>/<RayService name>) unless config.state is set.
+DEFAULT_KEY = {"env": "MEMSIFTER_API_KEY", "secretKey": "api-key"}
+STATE_PREFIX = "serve-state"
+# The service's readiness route: 200 once the index, the encoder and the unit vectors are loaded, else 503
+# (memsifter.service.http); the worker pods' readiness probe, so that <name>-serve-svc sends a request only
+# to pods of a service that answers it at once.
+READINESS_PATH = "/readyz"
 
 
 def index_wiring() -> dict:
     """``serve.config.index``'s wiring table (the shape of :attr:`memsifter.k8s.registry.StageInfo.wiring`):
-    filled from :data:`INDEX_STAGE`'s output when that stage is enabled, else the install fails naming the
-    field. The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
+    filled from :data:`INDEX_STAGE`'s output, whether or not that stage is enabled in this release (the
+    RayService's head waits for its ``_SUCCESS``: the service starts once this run's embed stage publishes). The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
     rule the templates apply (``memsifter.stageOutput``: ``<run root>/<stage>`` unless its config sets one)."""
     from ... import pipeline
     from ...store import storage
@@ -53,10 +62,7 @@ def index_wiring() -> dict:
         if out != want:
             raise RuntimeError(f"pipeline.plan gives {INDEX_STAGE} the output {out}, the chart's rule {want}: "
                                "update memsifter.stageOutput and this wiring together")
-    return {"from": [INDEX_STAGE], "list": False, "cases": {
-        "": (f"serve.config.index is required: set it (an {INDEX_STAGE} stage's output, e.g. s3://<bucket>/runs/"
-             f"<run>/{INDEX_STAGE}) or enable stages.{INDEX_STAGE}, whose output this release then serves"),
-        INDEX_STAGE: [INDEX_STAGE]}}
+    return {"from": [INDEX_STAGE], "list": False, "cases": {"": [INDEX_STAGE], INDEX_STAGE: [INDEX_STAGE]}}
 
 
 def serve_facts() -> dict:
@@ -69,6 +75,7 @@ def serve_facts() -> dict:
 
     return {"application": {"name": app.APP_NAME, "importPath": f"{app.build_app.__module__}:{app.build_app.__name__}",
                             "firstStage": app.FirstStageDeployment.name, "ranker": app.RankerDeployment.name},
+            "defaultKey": DEFAULT_KEY, "statePrefix": STATE_PREFIX, "readinessPath": READINESS_PATH,
             "defaults": defaults(ServeConfig, FIRST_STAGE_FIELDS),
             "rankerDefaults": defaults(RankerSettings, RANKER_FIELDS),
             "wiring": {"index": index_wiring()}}
@@ -95,16 +102,16 @@ def serve_group(families: list[str]) -> Group:
                              {"type": "boolean"}),
             "config": Value({}, "The service's config (ServeConfig, `memsifter serve --help`; README: serve.config): only "
                             "what differs from its defaults; its deployments' replicas, CPUs and GPUs come from it. "
-                            f"index: default the output of stages.{INDEX_STAGE} when that is enabled (the plan's "
-                            f"rule: its config.output, else <run root>/{INDEX_STAGE}), else required. host/port are "
-                            "the Serve proxy's, 0.0.0.0:8000.", {"$ref": "#/$defs/serve__config"}),
+                            f"Defaults: index, this run's {INDEX_STAGE} output; state, s3://<bucket>/{STATE_PREFIX}/"
+                            "<name>; auth.keys, read and write '*' for each apiKeys variable. host/port: 0.0.0.0:8000.",
+                            {"$ref": "#/$defs/serve__config"}),
             "apiKeys": Group("API keys by reference, never in values: each is an env var of the Ray containers from "
                              "a Secret (secretKeyRef); config.auth.keys grants each variable it names.", {
-                "secretName": Value("memsifter-serve-keys", "The Secret holding the keys.",
-                                    {"type": "string", "minLength": 1}),
-                "keys": Value({}, "ENV_NAME: key in the Secret, e.g. {MEMSIFTER_KEY_TRAINER: trainer}.",
+                "secretName": Value("memsifter-serve-keys", "The Secret holding the keys.", NAME),
+                "keys": Value({}, "ENV_NAME: key in the Secret, e.g. {MEMSIFTER_KEY_TRAINER: trainer}; {}: "
+                              f"{{{DEFAULT_KEY['env']}: {DEFAULT_KEY['secretKey']}}}.",
                               {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                               "additionalProperties": {"type": "string", "pattern": "^[-._a-zA-Z0-9]+$"}})}),
+                               "additionalProperties": SECRET_KEY_SCHEMA})}),
             "families": Value({"cpu": "embed", "gpu": "rank"}, "Image family of the head and CPU workers (first "
                               "stage: BM25, the embed encoder) and of GPU workers (the ranker: vLLM).",
                               {"type": "object", "additionalProperties": False, "required": ["cpu", "gpu"],
@@ -122,6 +129,25 @@ def serve_group(families: list[str]) -> Group:
                                  "maxReplicas": 2}, "GPU worker group, when config.ranker asks for GPUs (num_gpus > "
                                 "0): gpus per pod (a Ranker replica must fit one), min/maxReplicas.",
                                 _group_schema("gpus", "minReplicas", "maxReplicas")),
+            "waitForIndex": Value({"enabled": True, "pollSeconds": 15}, "The head waits for the index's _SUCCESS "
+                                  "(init container).",
+                                  {"type": "object", "additionalProperties": False, "properties": {
+                                      "enabled": {"type": "boolean"},
+                                      "pollSeconds": {"type": "integer", "minimum": 1, "maximum": 3600}}}),
+            "ingress": Value({"enabled": False, "className": "", "host": "", "path": "/"}, "An Ingress to the "
+                             "service; also annotations, tls: [{secretName, hosts}].",
+                             {"type": "object", "additionalProperties": False, "properties": {
+                                 "enabled": {"type": "boolean"},
+                                 "className": {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$",
+                                               "maxLength": 253},
+                                 "host": {"type": "string", "maxLength": 253,
+                                          "pattern": "^((\\*\\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$"},
+                                 "path": {"type": "string", "pattern": "^/[-._~/A-Za-z0-9]*$", "maxLength": 200},
+                                 "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                 "tls": {"type": "array", "items": {
+                                     "type": "object", "additionalProperties": False, "required": ["secretName"],
+                                     "properties": {"secretName": NAME,
+                                                    "hosts": {"type": "array", "items": {"type": "string"}}}}}}}),
             "upgradeStrategy": Value("auto", "How a change of the cluster spec is rolled out. NewCluster: a second "
                                      "cluster takes over when ready (zero downtime; needs room for two clusters). "
                                      "NewClusterWithIncrementalUpgrade: traffic moves step by step (needs the Gateway "

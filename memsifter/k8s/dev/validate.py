@@ -15,6 +15,10 @@
 * :func:`rayservice_errors` — the same for a RayService (``ValidateRayServiceMetadata``,
   ``ValidateRayServiceSpec``, ``ValidateClusterUpgradeOptions``) and a parseable ``serveConfigV2``;
   :func:`validate_rayservice` runs them with the rayservices CRD's schema and CEL rules.
+
+The three KubeRay v1.7.0 CRDs these checks read ship with the package (``crds/``, gzipped, with their
+Apache-2.0 licence and provenance): :func:`packaged_crd` / :func:`kind_schema`; ``memsifter k8s validate``
+uses them unless ``--crd`` names another file.
 """
 
 from __future__ import annotations
@@ -43,12 +47,43 @@ class UnsupportedRule(Exception):
 
 
 # --------------------------------------------------------------------------- CRD schema
-def crd_schema(crd_path: str | Path, version: str = "v1") -> dict:
-    crd = yaml.safe_load(Path(crd_path).read_text())
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+KUBERAY_VERSION = "v1.7.0"
+CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml.gz", "RayService": "ray.io_rayservices.yaml.gz",
+             "RayCluster": "ray.io_rayclusters.yaml.gz"}
+
+
+def packaged_crd(kind: str) -> Path:
+    """The KubeRay v1.7.0 CRD of ``kind`` (RayJob, RayService, RayCluster) shipped in ``crds/``."""
+    return CRD_DIR / CRD_FILES[kind]
+
+
+def read_crd(crd_path: str | Path) -> dict:
+    """A CRD document from a ``.yaml`` or gzipped ``.yaml.gz`` file."""
+    import gzip
+
+    raw = Path(crd_path).read_bytes()
+    return yaml.safe_load(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
+def crd_kind(crd: dict) -> str:
+    return crd["spec"]["names"]["kind"]
+
+
+def crd_version_schema(crd: dict, version: str = "v1", where: str = "CRD") -> dict:
     for v in crd["spec"]["versions"]:
         if v["name"] == version:
             return v["schema"]["openAPIV3Schema"]
-    raise KeyError(f"{crd_path}: no version {version}")
+    raise KeyError(f"{where}: no version {version}")
+
+
+def crd_schema(crd_path: str | Path, version: str = "v1") -> dict:
+    return crd_version_schema(read_crd(crd_path), version, str(crd_path))
+
+
+def kind_schema(kind: str) -> dict:
+    """The openAPIV3Schema of the packaged CRD of ``kind``."""
+    return crd_schema(packaged_crd(kind))
 
 
 def strict_schema(schema: dict) -> dict:
@@ -410,6 +445,17 @@ def validate_rayservice(rs: dict, schema: dict | None = None) -> list[str]:
     return errs
 
 
+def validate_raycluster(rc: dict, schema: dict | None = None) -> list[str]:
+    """A RayCluster: the rayclusters CRD's schema (strict) and CEL rules, KubeRay's cluster spec checks."""
+    errs = []
+    if schema is not None:
+        errs += [f"schema: {e}" for e in schema_errors(rc, strict_schema(schema))]
+        errs += [f"CEL: {e}" for e in cel_errors(rc, schema)]
+    meta = rc.get("metadata") or {}
+    errs += [f"kuberay: {e}" for e in raycluster_spec_errors(rc.get("spec") or {}, meta.get("annotations"))]
+    return errs
+
+
 def validate_rayjob(rayjob: dict, schema: dict | None = None) -> list[str]:
     """All checks; ``schema`` is the CRD's openAPIV3Schema (made strict here)."""
     errs = []
@@ -418,6 +464,14 @@ def validate_rayjob(rayjob: dict, schema: dict | None = None) -> list[str]:
         errs += [f"CEL: {e}" for e in cel_errors(rayjob, schema)]
     errs += [f"kuberay: {e}" for e in kuberay_errors(rayjob)]
     return errs
+
+
+VALIDATORS = {"RayJob": validate_rayjob, "RayService": validate_rayservice, "RayCluster": validate_raycluster}
+
+
+def validate_kuberay(doc: dict, schemas: dict[str, dict | None]) -> list[str]:
+    """The checks of a KubeRay document by its kind, with ``schemas[kind]`` (None: KubeRay's rules only)."""
+    return VALIDATORS[doc["kind"]](doc, schemas.get(doc["kind"]))
 
 
 # --------------------------------------------------------------------------- policy scanning

@@ -76,7 +76,26 @@ _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
 _POS = {"type": "integer", "minimum": 1}
 _NONNEG = {"type": "integer", "minimum": 0}
-_PATH = {"type": "string", "pattern": "^/"}
+_PATH = {"type": "string", "pattern": "^/[-._/A-Za-z0-9]*$", "maxLength": 200}
+
+# Values that end up in names, paths and references are checked by the schema (issue 41): no '/', '..', spaces,
+# newlines or oversized strings reach a manifest. Kubernetes' own grammars (DNS-1123 names, Secret keys, env var
+# names), the image reference grammar, an S3 endpoint of scheme, host and port only (no user:password@: the
+# credentials come from secrets.s3), a prefix of path segments that do not start with '.'.
+DNS1123_LABEL = "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
+DNS1123_SUBDOMAIN = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = "^\\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"   # Kubernetes: [-._a-zA-Z0-9]+, not '.', '..' or '..x'
+ENV_NAME = "^[A-Za-z_][A-Za-z0-9_]*$"
+IMAGE_TAG = "^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[a-f0-9]{64})?)?$"
+IMAGE_REPO_PATTERN = ("^(([a-z0-9]([-a-z0-9.]*[a-z0-9])?(:[0-9]{1,5})?/)?[a-z0-9]+([._-]+[a-z0-9]+)*"
+                      "(/[a-z0-9]+([._-]+[a-z0-9]+)*)*)?$")
+# (user:password@ passes the pattern and is refused by `not`, whose error does not print the value)
+S3_ENDPOINT = "^(https?://([^/@\\s]*@)?([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\\[[0-9A-Fa-f:.]+\\])(:[0-9]{1,5})?/?)?$"
+PREFIX = "^([A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*)?$"
+NAME = {"type": "string", "pattern": DNS1123_SUBDOMAIN, "maxLength": 253}   # a Secret, ServiceAccount, PVC ...
+NAME_OR_EMPTY = {"type": "string", "pattern": DNS1123_SUBDOMAIN.replace("^", "^(", 1)[:-1] + ")?$", "maxLength": 253}
+SECRET_KEY_SCHEMA = {"type": "string", "pattern": SECRET_KEY, "maxLength": 253}
+ENV_NAME_SCHEMA = {"type": "string", "pattern": ENV_NAME, "maxLength": 253}
 
 
 def profile_group(family: str, infos: list[StageInfo]) -> Group:
@@ -96,19 +115,24 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
 
     families = image_families(infos)
     return {
-        "nameOverride": Value("", "Replaces the chart name in resource names.", _STR),
-        "fullnameOverride": Value("", "Replaces <release>-<chart> in resource names.", _STR),
+        "nameOverride": Value("", "Replaces the chart name in resource names.",
+                              {"type": "string", "pattern": DNS1123_LABEL, "maxLength": 40}),
+        "fullnameOverride": Value("", "Replaces <release>-<chart> in resource names.",
+                                  {"type": "string", "pattern": DNS1123_LABEL, "maxLength": 63}),
         "run": Group("Run identity: RayJob names, S3 prefixes and the run manifest are scoped by it.", {
             "id": Value("", "Run id ('' = the release name). A new id starts a fresh run; the same id resumes.",
                         {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 40})}),
         "s3": Group("Where everything is published: s3://<bucket>/<runPrefix>/<run id>/<stage>/.", {
-            "endpoint": Value("", "S3 endpoint URL; '' for AWS S3, else e.g. http://seaweedfs.memsifter.svc:8333.",
-                              {"type": "string", "pattern": "^(https?://.+)?$"}),
-            "region": Value("us-east-1", "Region (AWS_REGION).", {"type": "string", "minLength": 1}),
+            "endpoint": Value("", "S3 endpoint, http(s)://host[:port] ('' for AWS S3), e.g. "
+                              "http://seaweedfs.memsifter.svc:8333.",
+                              {"type": "string", "pattern": S3_ENDPOINT, "maxLength": 253,
+                               "not": {"pattern": "://[^/?#@\\s]*@"}}),
+            "region": Value("us-east-1", "Region (AWS_REGION).",
+                            {"type": "string", "pattern": "^[a-z0-9][-a-z0-9]*$", "maxLength": 40}),
             "bucket": Value("memsifter", "Bucket of the run.",
                             {"type": "string", "pattern": "^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"}),
-            "runPrefix": Value("runs", "Prefix of runs in the bucket.",
-                               {"type": "string", "pattern": "^[^/](.*[^/])?$|^$"})}, required=["bucket"]),
+            "runPrefix": Value("runs", "Prefix of runs in the bucket ('/'-separated segments of [A-Za-z0-9._-]).",
+                               {"type": "string", "pattern": PREFIX, "maxLength": 200})}, required=["bucket"]),
         "secrets": Group("Secrets by name and key (create them first: k8s/secrets.example.yaml); pods get them as "
                          "env vars via secretKeyRef, nothing secret is stored in values.", {
             "s3": Value({"name": "memsifter-s3", "accessKeyIdKey": "AWS_ACCESS_KEY_ID",
@@ -127,13 +151,13 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
                                 {"enum": ["Always", "IfNotPresent", "Never"]}),
             "pullSecrets": Value([], "imagePullSecrets of every pod: [{name: ...}].",
                                  {"type": "array", "items": {"type": "object", "required": ["name"],
-                                                            "properties": {"name": _STR}}}),
+                                                            "additionalProperties": False,
+                                                            "properties": {"name": NAME}}}),
             "families": Value({f: {"repository": IMAGE_REPOSITORY.format(family=DRIVER_FAMILY if f == "driver" else f),
                                    "tag": __version__} for f in families},
                               "repository/tag per family; pin by digest with tag: \"<tag>@sha256:<digest>\".",
                               {"type": "object", "additionalProperties": False, "required": families,
-                               "properties": {f: {**_ref("image"), "required": ["repository", "tag"]}
-                                              for f in families}})}),
+                               "properties": {f: _ref("familyImage") for f in families}})}),
         "rayVersion": Value(RAY_VERSION, "Ray version of the images (KubeRay uses it for the cluster spec).",
                             {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"}),
         "env": Value([{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
@@ -142,7 +166,7 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
             "sizeLimit": Value("100Gi", "Size of the per-pod emptyDir.", _ref("size")),
             "mountPath": Value("/cache", "Where it is mounted.", _PATH),
             "existingClaim": Value("", "A ReadWriteMany PersistentVolumeClaim shared by every pod instead (weights "
-                                       "downloaded once).", _STR)}),
+                                       "downloaded once).", NAME_OR_EMPTY)}),
         "scratchVolume": Group("emptyDir at /tmp: Ray's session files and stage scratch (train's local_dir).", {
             "sizeLimit": Value("200Gi", "Size (needs that much node disk).", _ref("size"))}),
         "homeVolume": Group("emptyDir used as HOME (the root filesystem is read-only).", {
@@ -175,7 +199,8 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
             "resources": Value(resources("200m", "512Mi", cpu_limit="1"), "Driver pod resources.", _ref("resources")),
             "serviceAccount": Group("Its ServiceAccount (a Role allows get/create/delete on rayjobs only).", {
                 "create": Value(True, "Create it.", _BOOL),
-                "name": Value("", "Name ('' = <fullname>-driver, or 'default' when not created).", _STR)})}),
+                "name": Value("", "Name ('' = <fullname>-driver, or 'default' when not created).",
+                              NAME_OR_EMPTY)})}),
         "submitter": Group("KubeRay's submitter pod of each RayJob (`ray job submit`, in the head's image).", {
             "resources": Value(resources("500m", "1Gi"), "Its resources.", _ref("resources"))}),
         "networkPolicy": Group("Optional NetworkPolicy for all pods of the release: ingress from the release's pods "
@@ -210,10 +235,12 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
 
 
 def _secret(*keys: str) -> dict:
+    def prop(k: str) -> dict:
+        return _BOOL if k == "optional" else ENV_NAME_SCHEMA if k == "envName" else SECRET_KEY_SCHEMA
+
     return {"type": "object", "additionalProperties": False,
             "required": ["name", *[k for k in keys if k != "optional"]],
-            "properties": {"name": {"type": "string", "minLength": 1},
-                           **{k: (_BOOL if k == "optional" else {"type": "string", "minLength": 1}) for k in keys}}}
+            "properties": {"name": NAME, **{k: prop(k) for k in keys}}}
 
 
 # Keys a stage's block may set besides enabled/config (schema $defs/stage; README "Stage blocks").
@@ -305,10 +332,6 @@ def _tree_text(tree: dict[str, Value | Group], indent: int) -> str:
     return "".join(out)
 
 
-def field_names(info: StageInfo) -> list[str]:
-    return [f for f in info.fields if f != "output"]
-
-
 def stage_summary(info: StageInfo) -> str:
     gpus = (f"{info.capacity_defaults['gpusPerNode']} GPUs per node, config.{info.capacity['nodes']} nodes"
             if info.capacity else f"{info.gpus} GPU worker" if info.gpus else "no GPUs")
@@ -331,7 +354,8 @@ def values_text(infos: list[StageInfo], header: str) -> str:
         out.append(_comment("Run this stage.", 4) + "    enabled: false\n")
         wired = f" output comes from the run, {', '.join(info.inputs)} from its enabled stages." if info.inputs \
             else " output comes from the run."
-        out.append(_comment(f"Only what differs from the defaults: {', '.join(field_names(info))};{wired}", 4))
+        out.append(_comment(f"Only what differs from the defaults (its fields: `memsifter run {info.name} --help`, "
+                            f"helm show readme);{wired}", 4))
         out.append("    config: {}\n")
     return "".join(out)
 
@@ -430,12 +454,24 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
             out.append(f"| `{name}` | {default} | {desc} |\n")
     from ...service.config import ServeConfig
 
+    from .serve import DEFAULT_KEY, INDEX_STAGE, READINESS_PATH, STATE_PREFIX
+
     out.append("\n## The memory service (`serve`)\n\n`serve.enabled` renders a KubeRay RayService (templates/"
                "rayservice.yaml): one Ray Serve application whose args are `serve.config` (only what differs from "
-               "the defaults below, `memsifter serve --help`) plus `index`, the output of the embed stage of this "
-               "run when it is enabled, else required; a head, a CPU worker group and, when `config.ranker` asks "
-               "for GPUs, a GPU worker group, Ray-autoscaled; API keys from a Secret (`serve.apiKeys`). KubeRay's "
-               "Service `<fullname>-serve-svc` listens on 8000 (`kubectl port-forward`, then `POST /retrieve`).\n\n"
+               "the defaults below, `memsifter serve --help`); a head, a CPU worker group and, when `config.ranker` "
+               "asks for GPUs, a GPU worker group, Ray-autoscaled. KubeRay's Service `<fullname>-serve-svc` listens "
+               "on 8000 (`kubectl port-forward`, or `serve.ingress`).\n\nOut of the box (`--set serve.enabled=true` "
+               f"and nothing else; NOTES.txt prints the commands):\n\n- `index`: this run's {INDEX_STAGE} output "
+               "(its `config.output`, else `<run root>/embed`), enabled here or not: the head's init container "
+               "(`memsifter k8s await-published`) holds the cluster until its `_SUCCESS` exists, so the service "
+               f"starts once the {INDEX_STAGE} stage publishes (`serve.waitForIndex`).\n"
+               f"- `state` (the memory API's store): `s3://<bucket>/{STATE_PREFIX}/<RayService name>`.\n"
+               f"- Keys: `serve.apiKeys.keys` empty means one, `{DEFAULT_KEY['env']}` from key "
+               f"`{DEFAULT_KEY['secretKey']}` of Secret `serve.apiKeys.secretName` (create it: `kubectl create secret "
+               f"generic memsifter-serve-keys --from-literal={DEFAULT_KEY['secretKey']}=...`), granted read and write "
+               "on every id unless `config.auth` names grants; no anonymous access.\n"
+               f"- Readiness: a worker pod is ready when `GET {READINESS_PATH}` answers 200 (index, encoder and unit "
+               "vectors loaded); the head stays out of the Service (`excludeHeadPodFromServeSvc`).\n\n"
                "### serve.config\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
     for name, default, desc in _config_rows(ServeConfig):
         out.append(f"| `{name}` | {default} | {desc} |\n")
