@@ -58,6 +58,8 @@ every method; written when there are rankings), ``answer_f1_by_method.png``,
 ``answer_f1_by_type.png`` (written when there are answers: a plot with no data is not written) and
 ``answer_f1_and_cost.png`` (F1 against tokens read per question, one point per method, on the same
 questions; written when some method recorded its tokens), ``longmemeval_judge.parquet`` (with ``lme_judge``).
+On the terminal, ``memsifter run evaluate`` prints the tables ``memsifter demo`` prints (:func:`terminal_summary`;
+``--json``: the manifest's stats as JSON).
 """
 
 from __future__ import annotations
