@@ -307,6 +307,15 @@ TENANCY_ROUTES = [
     ("POST", "/memories", TENANT),
     ("POST", "/search", TENANT),
     ("DELETE", "/memories/{user_id}", TENANT),
+    ("POST", "/mem0/memories", TENANT),
+    ("GET", "/mem0/memories", TENANT),
+    ("GET", "/mem0/memories/{memory_id}", TENANT),
+    ("PUT", "/mem0/memories/{memory_id}", TENANT),
+    ("GET", "/mem0/memories/{memory_id}/history", TENANT),
+    ("POST", "/mem0/search", TENANT),
+    ("DELETE", "/mem0/memories/{memory_id}", TENANT),
+    ("DELETE", "/mem0/memories", TENANT),
+    ("POST", "/mem0/reset", TENANT),
 ]
 
 
@@ -369,7 +378,10 @@ def test_every_route_with_no_wrong_other_and_right_key(lme, tmp_path, host):
     bodies = {"/retrieve": {"queries": ["where did I move?"], "corpus_id": qid, "topk": 2},
               "/u/{corpus_id}/retrieve": {"queries": ["where did I move?"], "topk": 2},
               "/memories": {"user_id": "alice", "sessions": [session]},
-              "/search": {"user_id": "alice", "query": "Lisbon"}}
+              "/search": {"user_id": "alice", "query": "Lisbon"},
+              "/mem0/memories": {"messages": [{"role": "user", "content": "I like green tea."}], "user_id": "alice"},
+              "/mem0/memories/{memory_id}": {"text": "I like black tea."},
+              "/mem0/search": {"query": "tea", "user_id": "alice"}}
     paths = {"/u/{corpus_id}/retrieve": f"/u/{qid}/retrieve", "/memories/{user_id}": "/memories/alice"}
     cells = {"no key": {}, "wrong key": {"Authorization": f"Bearer {wrong}"}, "other tenant's key":
              {"X-API-Key": key_b}, "right key": {"Authorization": f"Bearer {key_a}"}}
@@ -380,10 +392,18 @@ def test_every_route_with_no_wrong_other_and_right_key(lme, tmp_path, host):
         have = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops} | {
             ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"), ("GET", "/openapi.json")}
         assert have == {(m, p) for m, p, _ in TENANCY_ROUTES}
+        added = requests.post(f"{url}/mem0/memories", json={"messages": [{"role": "user", "content": "I am alice."}],
+                                                             "user_id": "alice"}, headers=cells["right key"], timeout=60)
+        mid = added.json()["results"][0]["id"]
+        paths.update({"/mem0/memories/{memory_id}": f"/mem0/memories/{mid}",
+                      "/mem0/memories/{memory_id}/history": f"/mem0/memories/{mid}/history"})
         for method, template, kind in TENANCY_ROUTES:
+            path = paths.get(template, template)
+            if template in ("/mem0/memories", "/mem0/reset") and method != "POST" or template == "/mem0/reset":
+                path += "?user_id=alice"
+            body = bodies.get(template) if method in ("POST", "PUT") else None
             for cell, headers in cells.items():
-                r = requests.request(method, url + paths.get(template, template), json=bodies.get(template),
-                                     headers=headers, timeout=120)
+                r = requests.request(method, url + path, json=body, headers=headers, timeout=120)
                 got[(template, method, cell)] = r.status_code
                 assert "Traceback" not in r.text and key_a not in r.text and key_b not in r.text
                 if kind == PUBLIC:
@@ -520,6 +540,184 @@ def test_one_tenants_large_append_does_not_stall_another_tenants_search(lme, tmp
         assert done["append"][0] == 200
         print(f"\nappend {done['append'][1]:.1f}s; {len(lat)} searches meanwhile, max {max(lat):.2f}s")
         assert len(lat) >= 3 and max(lat) < done["append"][1] / 3, (done, lat)
+
+
+# --------------------------------------------------------------------------- mem0-compatible API
+class Mem0RestClient:
+    """A client written from mem0's REST API documentation (the self-hosted server's routes; request and
+    response shapes as documented), not from its code: ``base`` is the server's base URL."""
+
+    def __init__(self, base: str, key: str | None = None):
+        self.base = base.rstrip("/")
+        self.http = requests.Session()
+        if key:
+            self.http.headers["Authorization"] = f"Bearer {key}"
+
+    def _ok(self, r: requests.Response):  # noqa: ANN202
+        assert r.status_code == 200, (r.request.method, r.request.url, r.status_code, r.text[:300])
+        return r.json()
+
+    def add(self, messages, **ids):  # noqa: ANN001, ANN201
+        return self._ok(self.http.post(f"{self.base}/memories", json={"messages": messages, **ids}, timeout=120))
+
+    def get_all(self, **ids):  # noqa: ANN201
+        return self._ok(self.http.get(f"{self.base}/memories", params=ids, timeout=60))
+
+    def get(self, memory_id):  # noqa: ANN001, ANN201
+        return self._ok(self.http.get(f"{self.base}/memories/{memory_id}", timeout=60))
+
+    def update(self, memory_id, text):  # noqa: ANN001, ANN201
+        return self._ok(self.http.put(f"{self.base}/memories/{memory_id}", json={"text": text}, timeout=60))
+
+    def history(self, memory_id):  # noqa: ANN001, ANN201
+        return self._ok(self.http.get(f"{self.base}/memories/{memory_id}/history", timeout=60))
+
+    def delete(self, memory_id):  # noqa: ANN001, ANN201
+        return self._ok(self.http.delete(f"{self.base}/memories/{memory_id}", timeout=60))
+
+    def delete_all(self, **ids):  # noqa: ANN201
+        return self._ok(self.http.delete(f"{self.base}/memories", params=ids, timeout=60))
+
+    def search(self, query, **kw):  # noqa: ANN001, ANN201
+        return self._ok(self.http.post(f"{self.base}/search", json={"query": query, **kw}, timeout=120))
+
+    def reset(self, **ids):  # noqa: ANN201
+        return self._ok(self.http.post(f"{self.base}/reset", params=ids, timeout=60))
+
+
+def test_mem0_rest_client_against_the_compatible_api(lme, tmp_path, monkeypatch):
+    """Issue 46 item 2: a client written from mem0's REST docs, against <service>/mem0: add from messages
+    with user/agent/run ids and metadata; list, get, update (replaces, recorded in the history), delete
+    one; search with filters (ids, metadata operators, date ranges, AND/OR), limit and threshold; the same
+    content twice is one memory; every write is durable and searchable when it returns (a new process on
+    the same state sees it); reset removes a user. memsifter.client gives the same answers."""
+    from memsifter.client import MemoryClient, MemsifterHTTPError
+
+    key = "km-" + secrets.token_hex(16)
+    monkeypatch.setenv(KEY_A, key)
+    state = str(tmp_path / "state")
+    cfg = config(lme, state=state, auth={"keys": {KEY_A: {"read": ["alice", "bob"], "write": ["alice", "bob"]}}})
+    with local_server(cfg) as (url, _):
+        m0 = Mem0RestClient(url + "/mem0", key)
+        r = m0.add([{"role": "user", "content": "I adopted a cat named Miso in March."},
+                    {"role": "assistant", "content": "Miso is a lovely name for a cat."}],
+                   user_id="alice", agent_id="helper", run_id="chat-1", metadata={"topic": "pets", "priority": 2})
+        assert [x["event"] for x in r["results"]] == ["ADD", "ADD"]
+        cat = r["results"][0]["id"]
+        # searchable the moment the add returns
+        hits = m0.search("when did I adopt a cat?", user_id="alice")["results"]
+        assert hits and hits[0]["id"] == cat and hits[0]["memory"].startswith("I adopted a cat")
+        assert {"id", "memory", "score", "metadata", "created_at", "user_id"} <= set(hits[0])
+        m0.add([{"role": "user", "content": "I work as a nurse in Porto."}], user_id="alice",
+               metadata={"topic": "work", "priority": 5})
+        # the same content twice is one memory
+        again = m0.add([{"role": "user", "content": "I adopted a cat named Miso in March."}], user_id="alice",
+                       agent_id="helper", run_id="chat-1")
+        assert again["results"] == [{"id": cat, "memory": "I adopted a cat named Miso in March.", "event": "NONE"}]
+        listed = m0.get_all(user_id="alice")["results"]
+        assert len(listed) == 3 and len({x["id"] for x in listed}) == 3, listed
+        assert len(m0.get_all(user_id="alice", run_id="chat-1")["results"]) == 2
+        got = m0.get(cat)
+        assert got["memory"] == "I adopted a cat named Miso in March." and got["metadata"] == {"topic": "pets", "priority": 2}
+        assert got["agent_id"] == "helper" and got["run_id"] == "chat-1"
+        # an update replaces the text, keeps the id, and is in the history
+        m0.update(cat, "I adopted a cat named Tofu in March.")
+        assert m0.get(cat)["memory"] == "I adopted a cat named Tofu in March."
+        hist = m0.history(cat)
+        assert [h["event"] for h in hist] == ["ADD", "UPDATE"]
+        assert hist[1]["old_memory"] == "I adopted a cat named Miso in March." and \
+            hist[1]["new_memory"] == "I adopted a cat named Tofu in March."
+        assert m0.search("cat named Tofu", user_id="alice", limit=1)["results"][0]["id"] == cat
+        # filters: metadata operators, ids, dates, logic; limit; threshold
+        s = lambda **kw: [x["id"] for x in m0.search("cat nurse Porto", user_id="alice", **kw)["results"]]  # noqa: E731
+        work = [x["id"] for x in listed if x["metadata"]["topic"] == "work"][0]
+        reply = r["results"][1]["id"]   # the assistant's message: the same metadata as the cat's
+        assert set(s(filters={"topic": "pets"})) == {cat, reply}
+        assert s(filters={"priority": {"gte": 3}}) == [work]
+        assert set(s(filters={"topic": {"in": ["pets", "work"]}})) == {cat, reply, work}
+        assert set(s(filters={"topic": {"ne": "work"}, "role": "user"})) == {cat}
+        assert s(filters={"ids": [work]}) == [work]
+        assert s(filters={"OR": [{"topic": "work"}, {"priority": {"lt": 0}}]}) == [work]
+        assert s(filters={"AND": [{"topic": "pets"}, {"memory": {"icontains": "TOFU"}}]}) == [cat]
+        assert len(s(filters={"created_at": {"gte": "2000-01-01", "lte": "2999-12-31"}})) == 3
+        assert s(filters={"created_at": {"lt": "2000-01-01"}}) == []
+        assert len(s(limit=2)) == 2 and s(threshold=1e9) == []
+        bad = requests.post(f"{url}/mem0/search", json={"query": "x", "user_id": "alice", "filters": {"a": {"like": 1}}},
+                            headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert bad.status_code == 422 and "unknown operator" in bad.json()["detail"]
+        # delete one; memsifter.client sees what the docs client sees
+        assistant = reply
+        m0.delete(assistant)
+        client = MemoryClient(url, api_key=key)
+        assert sorted(x["id"] for x in client.get_all(user_id="alice")["results"]) == sorted([cat, work])
+        assert client.search("cat", user_id="alice", limit=1)["results"][0]["id"] == cat
+        assert [h["event"] for h in client.history(assistant)] == ["ADD", "DELETE"]
+        with pytest.raises(MemsifterHTTPError) as e:
+            client.get(assistant)
+        assert e.value.status == 404
+        bob = client.add("Bob likes chess.", user_id="bob")["results"][0]["id"]
+    # durable: a new process on the same state has every write
+    with local_server(config(lme, state=state, auth={"keys": {KEY_A: {"read": ["alice", "bob"],
+                                                                    "write": ["alice", "bob"]}}})) as (url, _):
+        m0 = Mem0RestClient(url + "/mem0", key)
+        assert sorted(x["id"] for x in m0.get_all(user_id="alice")["results"]) == sorted([cat, work])
+        assert m0.get(cat)["memory"].endswith("Tofu in March.")
+        m0.reset(user_id="alice")
+        assert m0.get_all(user_id="alice")["results"] == []
+        assert m0.get_all(user_id="bob")["results"][0]["id"] == bob   # another user untouched
+        m0.delete_all(user_id="bob")
+        assert m0.get_all(user_id="bob")["results"] == []
+
+
+MOUNT_SCRIPT = """
+import sys, threading, time, urllib.request
+import uvicorn
+from fastapi import FastAPI
+from memsifter.service.config import ServeConfig
+from memsifter.service.core import RetrievalService
+from memsifter.service.http import make_app
+
+index, data, port, corpus = sys.argv[1:5]
+cfg = ServeConfig.model_validate({"index": index, "dataset": data, "reload_poll_s": 0.5, "precompute_units": True,
+                                  "auth": {"anonymous": {"read": ["*"]}}})
+app = FastAPI(title="a user's own app")
+
+@app.get("/hello")
+def hello():
+    return {"hello": "world"}
+
+app.mount("/memory", make_app(RetrievalService(cfg)))
+server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning"))
+
+def client():
+    while not server.started:
+        time.sleep(0.05)
+    body = b'{"queries": ["where did I go?"], "topk": 2}'
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/memory/u/{corpus}/retrieve", data=body,
+                                 headers={"Content-Type": "application/json"})
+    print("status", urllib.request.urlopen(req, timeout=300).status, flush=True)
+    server.should_exit = True   # while the unit vectors are still being embedded in the background
+
+threading.Thread(target=client, daemon=True).start()
+server.run()
+print("stopped", flush=True)
+"""
+
+
+def test_in_process_mount_starts_and_stops_cleanly(lme, tmp_path):
+    """Issue 46 item 5: the app mounted in a user's own FastAPI process (uvicorn in the foreground) answers
+    under its prefix, and the process exits with code 0 when the server stops while the service's
+    background work (unit vectors) is still running (before: the interpreter aborted, exit 134)."""
+    import subprocess
+
+    qid = read_dataset(lme["data"]).questions[0].question_id
+    script = tmp_path / "mount.py"
+    script.write_text(MOUNT_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), lme["index"], lme["data"], str(free_port()), qid],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "status 200" in r.stdout and "stopped" in r.stdout, (r.returncode, out[-3000:])
+    assert "terminate called" not in out and "Traceback" not in out, out[-3000:]
 
 
 # --------------------------------------------------------------------------- memories

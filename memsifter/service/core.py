@@ -12,11 +12,13 @@ in batches (:class:`MicroBatcher`): while one forward pass runs, the queries tha
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import math
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -103,6 +105,12 @@ def release_memory() -> None:
         pass
 
 
+def _close_at_exit(ref: "weakref.ref[RetrievalService]") -> None:
+    svc = ref()
+    if svc is not None:
+        svc.close(10.0)
+
+
 # --------------------------------------------------------------------------- state
 @dataclass
 class State:
@@ -162,6 +170,7 @@ class RetrievalService:
         self.reloads = 0
         self._threads: list[threading.Thread] = []
         self._update_gauges()
+        atexit.register(_close_at_exit, weakref.ref(self))
         if start_threads:
             self.start()
 
@@ -177,8 +186,15 @@ class RetrievalService:
             w.start()
             self._threads.append(w)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the background work and wait for it (a forward pass in flight ends first): a process that
+        exits after this, or whose interpreter exits with the service open (an ``atexit`` hook calls it),
+        exits cleanly instead of aborting under a thread still inside the model."""
         self._stop.set()
+        deadline = time.time() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.time()))
 
     def _precompute(self, st: State) -> None:
         """Warm-up (the encoder loaded, one query through it), then every session's unit vectors: what
@@ -199,7 +215,9 @@ class RetrievalService:
             return
         try:
             t0 = time.time()
-            n = st.units.ensure(st.index.sessions.values(), chunk=128)
+            n = st.units.ensure(st.index.sessions.values(), chunk=16, stop=self._stop)
+            if self._stop.is_set():
+                return
             st.units_ready = True
             self._update_gauges()
             log.info("serve: unit vectors of %d sessions ready (%d embedded here) in %.1fs",

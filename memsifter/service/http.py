@@ -86,6 +86,40 @@ class SearchRequest(BaseModel):
     mode: Literal["first_stage", "ranked"] = "first_stage"
 
 
+# --------------------------------------------------------------------------- mem0-compatible bodies
+class Mem0Message(BaseModel):
+    role: Text = Field("user", pattern=ROLE_PATTERN)
+    content: Text
+
+
+class Mem0Owner(BaseModel):
+    """mem0's scoping ids (other fields a mem0 client may send are ignored)."""
+
+    user_id: str | None = Field(None, pattern=ID_PATTERN)
+    agent_id: str | None = Field(None, pattern=ID_PATTERN)
+    run_id: str | None = Field(None, pattern=ID_PATTERN)
+
+
+class Mem0AddRequest(Mem0Owner):
+    messages: list[Mem0Message] = Field(min_length=1, description="each message is one memory, stored as sent")
+    metadata: dict | None = None
+    infer: bool | None = Field(None, description="accepted; no LLM is called: messages are stored as sent")
+
+
+class Mem0UpdateRequest(BaseModel):
+    text: Text | None = Field(None, description="the new text (mem0's field; `memory` and `data` are accepted)")
+    memory: Text | None = None
+    data: Text | None = None
+    metadata: dict | None = None
+
+
+class Mem0SearchRequest(Mem0Owner):
+    query: Text
+    filters: dict | None = None
+    limit: int = 100
+    threshold: float | None = None
+
+
 # --------------------------------------------------------------------------- errors
 class FastJSON(JSONResponse):
     """JSON rendered by orjson when it is installed (documents are large; FastAPI's encoder walks them)."""
@@ -165,7 +199,7 @@ class Guard:
             return
         svc, path = self.service, scope.get("path", "")
         lim = svc.cfg.limits
-        limit = lim.max_memory_body_bytes if path.rstrip("/") == "/memories" else lim.max_body_bytes
+        limit = lim.max_memory_body_bytes if path.rstrip("/") in ("/memories", "/mem0/memories") else lim.max_body_bytes
         started = {"v": False, "code": 500, "over": False}
         t0 = time.perf_counter()
 
@@ -281,6 +315,67 @@ def make_app(service: RetrievalService) -> FastAPI:
     async def delete_memories(user_id: str = Path(pattern=ID_PATTERN), authorization: str | None = Header(None),
                               x_api_key: str | None = Header(None)) -> dict:
         return await service.delete_memories(who(authorization, x_api_key), user_id)
+
+    # ------------------------------------------------------------------ mem0-compatible (base URL: /mem0)
+    from fastapi import Query
+
+    from .mem0 import Mem0API
+
+    m0 = app.state.mem0 = Mem0API(service)
+    tags = ["mem0-compatible (base URL /mem0)"]
+
+    def qid():  # noqa: ANN202 - one Query per parameter (FastAPI binds a shared one to a single name)
+        return Query(None, pattern=ID_PATTERN)
+
+    @app.post("/mem0/memories", tags=tags, summary="add: each message one memory (no LLM), durable on return")
+    async def m0_add(body: Mem0AddRequest, authorization: str | None = Header(None),
+                     x_api_key: str | None = Header(None)) -> dict:
+        return await m0.add(who(authorization, x_api_key), [m.model_dump() for m in body.messages], body.user_id,
+                            body.agent_id, body.run_id, body.metadata)
+
+    @app.get("/mem0/memories", tags=tags, summary="list an owner's memories")
+    async def m0_list(user_id: str | None = qid(), agent_id: str | None = qid(), run_id: str | None = qid(),
+                      authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
+        return await m0.list(who(authorization, x_api_key), user_id, agent_id, run_id)
+
+    @app.delete("/mem0/memories", tags=tags, summary="delete an owner's memories (their history stays)")
+    async def m0_delete_all(user_id: str | None = qid(), agent_id: str | None = qid(), run_id: str | None = qid(),
+                            authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
+        return await m0.delete_all(who(authorization, x_api_key), user_id, agent_id, run_id)
+
+    @app.get("/mem0/memories/{memory_id}", tags=tags, summary="one memory")
+    async def m0_get(memory_id: str = Path(max_length=300), authorization: str | None = Header(None),
+                     x_api_key: str | None = Header(None)) -> dict:
+        return await m0.get(who(authorization, x_api_key), memory_id)
+
+    @app.put("/mem0/memories/{memory_id}", tags=tags, summary="replace a memory's text (recorded in its history)")
+    async def m0_update(body: Mem0UpdateRequest, memory_id: str = Path(max_length=300),
+                        authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
+        text = body.text if body.text is not None else body.memory if body.memory is not None else body.data
+        if text is None or not text.strip():
+            raise ApiError(422, "text: the memory's new text is required")
+        return await m0.update(who(authorization, x_api_key), memory_id, text, body.metadata)
+
+    @app.delete("/mem0/memories/{memory_id}", tags=tags, summary="delete one memory")
+    async def m0_delete(memory_id: str = Path(max_length=300), authorization: str | None = Header(None),
+                        x_api_key: str | None = Header(None)) -> dict:
+        return await m0.delete(who(authorization, x_api_key), memory_id)
+
+    @app.get("/mem0/memories/{memory_id}/history", tags=tags, summary="a memory's changes, oldest first")
+    async def m0_history(memory_id: str = Path(max_length=300), authorization: str | None = Header(None),
+                         x_api_key: str | None = Header(None)) -> list:
+        return await m0.history(who(authorization, x_api_key), memory_id)
+
+    @app.post("/mem0/search", tags=tags, summary="an owner's memories for a query: filters, limit, threshold")
+    async def m0_search(body: Mem0SearchRequest, authorization: str | None = Header(None),
+                        x_api_key: str | None = Header(None)) -> Response:
+        return FastJSON(await m0.search(who(authorization, x_api_key), body.query, body.user_id, body.agent_id,
+                                        body.run_id, body.filters, body.limit, body.threshold))
+
+    @app.post("/mem0/reset", tags=tags, summary="reset an owner: memories and history removed")
+    async def m0_reset(user_id: str | None = qid(), agent_id: str | None = qid(), run_id: str | None = qid(),
+                       authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
+        return await m0.reset(who(authorization, x_api_key), user_id, agent_id, run_id)
 
     @app.get("/healthz", summary="liveness: status (ok, or loading until ready) and, with a key, what is loaded")
     async def healthz(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:

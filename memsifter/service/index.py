@@ -185,12 +185,15 @@ class Units:
         return m
 
     def ensure(self, sessions: Iterable[Session], chunk: int = 512,
-               progress: Callable[[int], None] | None = None, urgent: bool = False) -> int:
+               progress: Callable[[int], None] | None = None, urgent: bool = False,
+               stop: threading.Event | None = None) -> int:
         """Build the matrices of ``sessions``, embedding missing units ``chunk`` texts at a time (so a
         query's own few units wait for at most one chunk). Returns how many texts were embedded."""
         todo = [s for s in {s.content_hash: s for s in sessions}.values() if s.content_hash not in self._mats]
         n = 0
         for i in range(0, len(todo), 64):
+            if stop is not None and stop.is_set():   # the service is closing
+                break
             group = todo[i:i + 64]
             texts: dict[str, str] = {}
             for s in group:
@@ -200,6 +203,9 @@ class Units:
                         texts[h] = t
             items = sorted(texts.items())
             for j in range(0, len(items), chunk):
+                if stop is not None and stop.is_set():
+                    self.embedded += n
+                    return n
                 part = items[j:j + chunk]
                 vecs = self.encoder.encode([t for _, t in part], urgent=urgent)
                 self.vectors.add([h for h, _ in part], vecs)
