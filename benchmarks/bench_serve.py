@@ -210,7 +210,7 @@ def proc_tree_rss(pid: int) -> int:
 
 
 class Server:
-    def __init__(self, kind: str, prep: dict, port: int, logdir: str, reload_poll_s: float = 0):
+    def __init__(self, kind: str, prep: dict, port: int, logdir: str, reload_poll_s: float = 0, write: bool = False):
         self.kind, self.port = kind, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(logdir, f"server-{kind}.log")
@@ -218,7 +218,7 @@ class Server:
         env.pop("RAY_ADDRESS", None)
         common = ["--index", prep["index"], "--dataset", prep["data"], "--state", prep["state"], "--port", str(port),
                   "--set", "reuse_query_vectors=false", "--set", f"reload_poll_s={reload_poll_s}",
-                  "--set", "auth.anonymous={read: ['*']}", "-q", *os.environ.get("BENCH_SERVE_SET", "").split()]
+                  "--set", "auth.anonymous={read: ['*']%s}" % (", write: ['*']" if write else ""), "-q", *os.environ.get("BENCH_SERVE_SET", "").split()]
         if kind == "baseline":
             cmd = [sys.executable, os.path.abspath(__file__), "--baseline-server", "--port", str(port),
                    "--work", os.path.dirname(prep["index"])]
@@ -333,6 +333,162 @@ async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: fl
             "error_kinds": errors, "qps": round(len(lat) / elapsed, 2) if elapsed > 0 else 0.0,
             "p50_ms": round(float(np.percentile(a, 50)) * 1000, 1), "p90_ms": round(float(np.percentile(a, 90)) * 1000, 1),
             "p99_ms": round(float(np.percentile(a, 99)) * 1000, 1), "mean_ms": round(float(a.mean()) * 1000, 1)}
+
+
+def _stats(lat: list[float]) -> dict:
+    a = np.array(lat) if lat else np.zeros(1)
+    return {"p50_ms": round(float(np.percentile(a, 50)) * 1000, 1), "p99_ms": round(float(np.percentile(a, 99)) * 1000, 1),
+            "max_ms": round(float(a.max()) * 1000, 1)}
+
+
+async def write_load(url: str, clients: int, seconds: float, warmup: float, tag: str, dup_every: int = 10) -> dict:
+    """``clients`` writers, each adding one new memory per request to its own user through the mem0-compatible
+    API (``POST /mem0/memories``), every ``dup_every``-th request re-sending an earlier one (expected: the
+    same memory, event NONE). Returns latencies, and per user the ids acknowledged as added."""
+    import aiohttp
+
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    acked: dict[str, set] = {}
+    resent = {"n": 0, "none": 0}
+    t_start = time.perf_counter()
+    t_measure, t_end = t_start + warmup, t_start + warmup + seconds
+    rng = random.Random(0)
+    words = "trip cat garden piano nurse Lisbon tea bike sister novel coffee museum train recipe".split()
+
+    async def client(i: int, session) -> None:
+        user = f"{tag}-{i}"
+        acked[user] = set()
+        sent: list[str] = []
+        n = 0
+        while time.perf_counter() < t_end:
+            n += 1
+            dup = bool(sent) and n % dup_every == 0
+            text = sent[rng.randrange(len(sent))] if dup else \
+                f"note {n} of client {i}: " + " ".join(rng.choice(words) for _ in range(12))
+            t0 = time.perf_counter()
+            try:
+                async with session.post(f"{url}/mem0/memories", json={"messages": [{"role": "user", "content": text}],
+                                                                       "user_id": user}) as r:
+                    body = json.loads(await r.read())
+                    ok = r.status == 200
+                    why = f"HTTP {r.status}"
+            except Exception as e:  # noqa: BLE001 - counted
+                ok, why, body = False, type(e).__name__, None
+            t1 = time.perf_counter()
+            if not ok:
+                errors[why] = errors.get(why, 0) + 1
+                continue
+            ev = body["results"][0]
+            if ev["event"] == "ADD":
+                acked[user].add(ev["id"])
+                sent.append(text)
+            if dup:
+                resent["n"] += 1
+                resent["none"] += ev["event"] == "NONE"
+            if t0 >= t_measure and t1 <= t_end:
+                lat.append(t1 - t0)
+
+    conn = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await asyncio.gather(*(client(i, session) for i in range(clients)))
+    return {"clients": clients, "seconds": seconds, "adds": len(lat), "errors": sum(errors.values()),
+            "error_kinds": errors, "adds_per_s": round(len(lat) / seconds, 1), **_stats(lat),
+            "resent": resent["n"], "resent_answered_as_the_same_memory": resent["none"],
+            "acked": {u: sorted(v) for u, v in acked.items()}}
+
+
+async def count_memories(url: str, acked: dict[str, list]) -> dict:
+    """Every user's memories listed: acknowledged adds missing (lost) and memories of the same text (duplicated)."""
+    import aiohttp
+
+    lost = dup = total = 0
+    async with aiohttp.ClientSession() as session:
+        for user, ids in acked.items():
+            async with session.get(f"{url}/mem0/memories", params={"user_id": user}) as r:
+                got = json.loads(await r.read())["results"]
+            have = {m["id"] for m in got}
+            texts = [m["memory"] for m in got]
+            lost += len(set(ids) - have)
+            dup += len(texts) - len(set(texts))
+            total += len(got)
+    return {"memories": total, "acked": sum(len(v) for v in acked.values()), "lost": lost, "duplicated": dup}
+
+
+def writes(prep: dict, items, clients: int, seconds: float, warmup: float, logdir: str) -> dict:
+    """Issue 46's write targets: adds alone at ``clients``, counted, counted again after a restart; then
+    searches at ``clients`` with ``clients // 4`` writers running; then the Search-R1-style baseline's
+    searches at ``clients`` (no writes: it has none), all on this machine in this run."""
+    out: dict = {}
+    server = Server("local", prep, free_port_(), logdir, write=True)
+    try:
+        server.wait_ready()
+        w = asyncio.run(write_load(server.url, clients, seconds, warmup, f"w{int(time.time())}"))
+        acked = w.pop("acked")
+        out["adds"] = w
+        out["count"] = asyncio.run(count_memories(server.url, acked))
+        log(f"adds at {clients} clients: {w['adds_per_s']} adds/s p50 {w['p50_ms']} ms p99 {w['p99_ms']} ms "
+            f"errors {w['errors']}; {out['count']}")
+    finally:
+        server.stop()
+    server = Server("local", prep, free_port_(), logdir, write=True)
+    try:
+        server.wait_ready()
+        out["count_after_restart"] = asyncio.run(count_memories(server.url, acked))
+        log(f"after a restart: {out['count_after_restart']}")
+
+        async def mixed() -> tuple[dict, dict]:
+            return await asyncio.gather(load(server.url, items, clients, seconds, warmup, 10**9),
+                                        write_load(server.url, max(1, clients // 4), seconds, warmup, "mixed"))
+        s, w2 = asyncio.run(mixed())
+        w2.pop("acked")
+        out["search_with_adds"], out["adds_during_search"] = s, w2
+        log(f"search at {clients} clients with {w2['clients']} writers: {s['qps']} q/s p99 {s['p99_ms']} ms "
+            f"errors {s['errors']}; adds p99 {w2['p99_ms']} ms")
+    finally:
+        server.stop()
+    server = Server("baseline", prep, free_port_(), logdir)
+    try:
+        server.wait_ready()
+        out["baseline_search"] = asyncio.run(load(server.url, items, clients, seconds, warmup, 10**9))
+        b = out["baseline_search"]
+        log(f"baseline search at {clients} clients: {b['qps']} q/s p99 {b['p99_ms']} ms")
+    finally:
+        server.stop()
+    out["search_qps_over_baseline"] = round(out["search_with_adds"]["qps"] / max(out["baseline_search"]["qps"], 1e-9), 2)
+    return out
+
+
+def free_port_() -> int:
+    from memsifter.service.local import free_port
+
+    return free_port()
+
+
+def writes_report(res: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "writes.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    w = res["writes"]
+    a, s, b, d = w["adds"], w["search_with_adds"], w["baseline_search"], w["adds_during_search"]
+    lines = [f"# memsifter serve: writes and searches under load ({res['date']}, {res['machine'].get('cores')} CPUs, "
+             f"load average at start {res['machine'].get('loadavg')})", "",
+             f"Command: `{res['command']}`", "",
+             "| measure | clients | per s | p50 ms | p99 ms | errors | target |", "|---|---|---|---|---|---|---|",
+             f"| adds (mem0 API, no LLM) | {a['clients']} | {a['adds_per_s']} | {a['p50_ms']} | {a['p99_ms']} | "
+             f"{a['errors']} | p99 <= 50 ms |",
+             f"| search, adds running | {s['clients']} | {s['qps']} | {s['p50_ms']} | {s['p99_ms']} | {s['errors']} | "
+             "p99 <= 250 ms |",
+             f"| adds during that search | {d['clients']} | {d['adds_per_s']} | {d['p50_ms']} | {d['p99_ms']} | "
+             f"{d['errors']} | |",
+             f"| baseline search (Search-R1-style) | {b['clients']} | {b['qps']} | {b['p50_ms']} | {b['p99_ms']} | "
+             f"{b['errors']} | |", "",
+             f"Search throughput over the baseline: {w['search_qps_over_baseline']}x (target >= 1.5x). "
+             f"Counted after the adds: {w['count']}; after a restart: {w['count_after_restart']}. "
+             f"Re-sent adds answered as the same memory: {a['resent_answered_as_the_same_memory']}/{a['resent']}."]
+    with open(os.path.join(out, "writes.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def run_levels(server: Server, items, levels, seconds, warmup, max_requests) -> list[dict]:
@@ -498,6 +654,10 @@ def main() -> int:
     p.add_argument("--skip-identity", action="store_true")
     p.add_argument("--soak-only", metavar="NOTE", help="only the soak, added to the --out results already there "
                    "(their soak, if any, kept under earlier_soaks with NOTE)")
+    p.add_argument("--writes", type=int, metavar="CLIENTS", help="the write benchmark (issue 46) at CLIENTS: adds, "
+                   "counts, a restart, searches with adds running, the baseline; written to --out/writes.{json,md}")
+    p.add_argument("--sample", type=int, metavar="N", help="data: the first N LongMemEval questions shipped with "
+                   "memsifter (as `memsifter serve` uses them) instead of shared/'s 348")
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -508,6 +668,19 @@ def main() -> int:
 
         app = baseline_app(os.path.join(work, "embed"), os.path.join(work, "data"), os.path.join(work, "state"))
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+        return 0
+    if args.writes:
+        if args.sample:
+            from memsifter.service.cli import prepare_demo
+
+            prepare_demo(work, args.sample, echo=log)
+        prep = {k: os.path.join(work, k2) for k, k2 in (("data", "data"), ("index", "embed"), ("state", "state"))}
+        logdir = os.path.join(work, "logs")
+        os.makedirs(logdir, exist_ok=True)
+        res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": {**machine(), "loadavg": os.getloadavg()[0]},
+               "command": "benchmarks/bench_serve.py " + " ".join(sys.argv[1:]), "args": vars(args)}
+        res["writes"] = writes(prep, workload(prep["data"]), args.writes, args.seconds, args.warmup, logdir)
+        writes_report(res, args.out)
         return 0
     source = os.path.join(SHARED, TRAIN)
     if not os.path.exists(source):

@@ -35,12 +35,11 @@ XDG_RUNTIME_DIR XDG_CONFIG_HOME XDG_DATA_HOME XDG_CACHE_HOME SSH_AUTH_SOCK HF_HO
 CONDA_PREFIX JAVA_HOME GOPATH CARGO_HOME""".split())
 # Routes without a key even when keys are set: the probes (status only, no detail without a key) and the
 # API's own description (no data). Everything else, unknown paths included, is 401 without a key.
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
-PUBLIC_PREFIXES = ("/docs/assets/",)
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
 
 
 def is_public(path: str) -> bool:
-    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+    return path in PUBLIC_PATHS
 
 
 def check_key(name: str, value: str | None) -> str:

@@ -267,9 +267,52 @@ server API: a Search-R1 or verl search-tool client works unchanged (point its UR
 default corpus or `/u/{corpus_id}/retrieve`). Keys: `Authorization: Bearer <key>` or `X-API-Key`."""
 
 
+# The API's description page, self-contained (no CDN: it works offline and in a closed cluster): it reads
+# /openapi.json and lists every route with its parameters, request body and answers.
+DOCS_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>memsifter retrieval service: API</title>
+<style>
+body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:980px;padding:0 1em;color:#222}
+h1{font-size:1.5em}.op{border:1px solid #ccc;border-radius:6px;margin:.8em 0;padding:.6em .9em}
+.m{display:inline-block;min-width:4.5em;font-weight:bold;font-family:monospace}.GET{color:#2a7}.POST{color:#27c}
+.PUT{color:#c80}.DELETE{color:#c33}code,pre{font-family:ui-monospace,monospace;background:#f6f6f6}
+pre{padding:.5em;overflow:auto;max-height:22em}summary{cursor:pointer}
+</style></head><body>
+<h1 id="title">memsifter retrieval service</h1><div id="desc"></div>
+<p>Keys: <code>Authorization: Bearer &lt;key&gt;</code> or <code>X-API-Key: &lt;key&gt;</code>.
+The machine-readable description: <a href="openapi.json">openapi.json</a>.</p>
+<div id="ops">loading openapi.json ...</div>
+<script>
+const base = location.pathname.replace(/\/docs\/?$/, "");
+function esc(s){return String(s).replace(/[&<>"]/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));}
+function resolve(spec, s, depth){
+  if(!s||depth>6) return s; if(s.$ref){return resolve(spec, spec.components.schemas[s.$ref.split("/").pop()], depth+1);}
+  const o = Array.isArray(s)?[]:{}; for(const k in s){o[k]=(typeof s[k]==="object")?resolve(spec,s[k],depth+1):s[k];} return o;}
+fetch(base + "/openapi.json").then(r=>r.json()).then(spec=>{
+  document.getElementById("title").textContent = spec.info.title + " " + spec.info.version;
+  document.getElementById("desc").textContent = spec.info.description || "";
+  let html = "";
+  for(const [path, ops] of Object.entries(spec.paths)){
+    for(const [method, op] of Object.entries(ops)){
+      const M = method.toUpperCase();
+      html += `<div class="op"><span class="m ${M}">${M}</span> <code>${esc(path)}</code> ${esc(op.summary||"")}`;
+      const params = (op.parameters||[]).filter(p=>p.in!=="header");
+      if(params.length){html += "<ul>"+params.map(p=>`<li><code>${esc(p.name)}</code> (${esc(p.in)}${p.required?", required":""})</li>`).join("")+"</ul>";}
+      const body = op.requestBody && op.requestBody.content && op.requestBody.content["application/json"];
+      if(body){html += `<details><summary>request body</summary><pre>${esc(JSON.stringify(resolve(spec, body.schema, 0), null, 2))}</pre></details>`;}
+      html += `<details><summary>answers</summary><pre>${esc(Object.keys(op.responses||{}).join(", "))}</pre></details></div>`;
+    }
+  }
+  document.getElementById("ops").innerHTML = html;
+}).catch(e=>{document.getElementById("ops").textContent = "could not read openapi.json: " + e;});
+</script></body></html>
+"""
+
+
 def make_app(service: RetrievalService) -> FastAPI:
     """The FastAPI app of ``service`` (wrapped in :class:`Guard`)."""
-    app = FastAPI(title="memsifter retrieval service", version=__version__, description=DESCRIPTION)
+    app = FastAPI(title="memsifter retrieval service", version=__version__, description=DESCRIPTION,
+                  docs_url=None, redoc_url=None)
     app.router.route_class = SafeRoute
     app.state.service = service
     app.add_middleware(Guard, service=service)
@@ -376,6 +419,12 @@ def make_app(service: RetrievalService) -> FastAPI:
     async def m0_reset(user_id: str | None = qid(), agent_id: str | None = qid(), run_id: str | None = qid(),
                        authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
         return await m0.reset(who(authorization, x_api_key), user_id, agent_id, run_id)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        from fastapi.responses import HTMLResponse
+
+        return HTMLResponse(DOCS_HTML)
 
     @app.get("/healthz", summary="liveness: status (ok, or loading until ready) and, with a key, what is loaded")
     async def healthz(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict:
