@@ -173,6 +173,45 @@ def table_agents_sft_paired() -> list[str]:
     return lines
 
 
+def stage_seconds(tarball: str, log: str) -> float:
+    """The ``seconds`` of the stats a stage printed last in ``log`` inside a committed ``logs.tar.gz``."""
+    import json
+    import tarfile
+
+    with tarfile.open(os.path.join(ROOT, tarball)) as t:
+        text = t.extractfile(log).read().decode()
+    start = text.rindex("\n{") + 1
+    return float(json.loads(text[start:text.index("\n}", start) + 2])["seconds"])
+
+
+def tokens(x: float) -> str:
+    """1,680,000 -> 1.68M, 540,000 -> 0.54M, 64,000 -> 64k, 187,000 -> 187k (as the throughput table writes them)."""
+    if x >= 5e5:
+        return f"{x / 1e6:.2f}M"
+    return f"{x / 1e3:.0f}k"
+
+
+def rate(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x >= 2e3 else f"{x / 1e3:.2f}k"
+
+
+def table_agents_throughput() -> list[str]:
+    """Agent episodes on vLLM: tokens from ``answers/agents-*.parquet`` (as the server counted them) over the
+    agents stage's wall time (its printed stats in the machines' ``logs.tar.gz``)."""
+    lines = ["| agents | episodes | wall s | prompt tokens (search / memory) | completion tokens (search / memory) | "
+             "tokens/s (prompt + completion) | completion tokens/s |", "|---|---:|---:|---|---|---:|---:|"]
+    for tag, f, machine in (("base", "agents-base", "machine2"), ("SFT", "agents-sft", "machine1")):
+        rs = rows_of(f"{AGENTS_SFT}/answers/{f}.parquet")
+        wall = stage_seconds(f"{AGENTS_SFT}/{machine}/logs.tar.gz", f"{f}.log")
+        p = {m: sum(r["prompt_tokens"] or 0 for r in rs if r["method"] == m) for m in ("agent:search", "agent:memory")}
+        c = {m: sum(r["completion_tokens"] or 0 for r in rs if r["method"] == m) for m in ("agent:search", "agent:memory")}
+        total = sum(p.values()) + sum(c.values())
+        lines.append(f"| {tag} | {len(rs)} | {wall:.0f} | {tokens(p['agent:search'])} / {tokens(p['agent:memory'])} | "
+                     f"{tokens(c['agent:search'])} / {tokens(c['agent:memory'])} | {rate(total / wall)} | "
+                     f"{rate(sum(c.values()) / wall)} |")
+    return lines
+
+
 AGENTS_RANKER = "benchmarks/gpu/results/2026-11-26-h100-agents-ranker"
 
 
@@ -211,6 +250,8 @@ TABLES = {
     "agents-sft-bench": (lambda: table_agents_sft("bench"), [f"{AGENTS_SFT}/answers/*.parquet"],
                          ["benchmarks/README.md"]),
     "agents-sft-readme": (table_agents_sft_readme, [f"{AGENTS_SFT}/answers/*.parquet"], ["README.md"]),
+    "agents-throughput": (table_agents_throughput, [f"{AGENTS_SFT}/answers/agents-*.parquet",
+                                                    f"{AGENTS_SFT}/machine*/logs.tar.gz"], [f"{AGENTS_SFT}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
 }
