@@ -54,7 +54,7 @@ def check_key(name: str, value: str | None) -> str:
     if len(value) < MIN_KEY_CHARS:
         raise ConfigError(f"serve: the key in {name} is shorter than {MIN_KEY_CHARS} characters")
     if not KEY_RE.match(value) or len(set(value)) < MIN_KEY_DISTINCT:
-        raise ConfigError(f"serve: auth.keys.{name}: the variable does not hold an API key (a key is one token "
+        raise ConfigError(f"serve: auth.keys.{name}: its value is not an API key (a key is one token "
                           f"of letters, digits and -._~+/=, at least {MIN_KEY_DISTINCT} different characters; "
                           "e.g. `openssl rand -hex 32`)")
     if PATH_RE.match(value) or os.path.exists(os.path.expanduser(value)):
