@@ -212,6 +212,63 @@ def table_agents_throughput() -> list[str]:
     return lines
 
 
+ONE_CALL = "benchmarks/results/agents-one-call-2026-11-26"
+
+
+def table_agents_one_call() -> list[str]:
+    """The one-call control's table: the GPU run's rows recomputed from its answers on the control's questions
+    (every other held-out question, in the chat rows' order, as ``bench_agents_one_call.py --every 2``); the
+    adapter's one-call rows from the control's own ``paired.json`` / ``report.json`` (its per-question answers were
+    not committed), and its paired differences from ``paired.json``."""
+    import json
+
+    from memsifter.retrieval.metrics import bootstrap_ci
+
+    a = answers(AGENTS_SFT)
+    ids = set(list(dict.fromkeys(r["question_id"] for r in rows_of(f"{AGENTS_SFT}/answers/chat-base.parquet")))[::2])
+    with open(os.path.join(ROOT, ONE_CALL, "paired.json")) as f:
+        pj = json.load(f)
+    with open(os.path.join(ROOT, ONE_CALL, "report.json")) as f:
+        cost = {k: v["cost"] for k, v in json.load(f)["side_by_side"]["methods"].items()}
+
+    def computed(key: str) -> tuple[str, list[dict]]:
+        rs = [r for r in ok(a[key]) if r["question_id"] in ids]
+        v = [float(r["f1"] or 0.0) for r in rs]
+        lo, hi = bootstrap_ci(v)
+        r4 = [round(x, 4) for x in (mean(v), lo, hi)]   # rounded as the control's paired.json rounds
+        return f"{r4[0]:.3f} [{r4[1]:.3f}, {r4[2]:.3f}]", rs
+
+    def stored(key: str) -> str:
+        m = pj["f1"][key]
+        return f"{m['f1']:.3f} [{m['ci'][0]:.3f}, {m['ci'][1]:.3f}]"
+
+    lines = ["| SmolLM2-135M-Instruct, n = 130 | F1 [95% CI] | LLM calls / q | prompt tokens / q |", "|---|---|---:|---:|"]
+    for label, key in (("base, chat, no memory", "no memory"), ("base, chat, first stage", "embed:bm25")):
+        f1, rs = computed(key)
+        lines.append(f"| {label} | {f1} | 1 | {mean([r['prompt_tokens'] for r in rs]):,.0f} |")
+    for label, key, method in (("**adapter, chat, no memory**", "chat none, sft", "no memory (chat-sft)"),
+                               ("**adapter, chat, first stage**", "chat first stage, sft", "embed:bm25 (chat-sft)")):
+        f1 = stored(key)
+        f1 = f"**{f1}**" if "first stage" in label else f1
+        lines.append(f"| {label} | {f1} | 1 | {cost[method]['prompt_tokens']['mean']:,.0f} |")
+    for label, key in (("adapter, agent:search (GPU run)", "agent:search, SFT"),
+                       ("adapter, agent:memory (GPU run)", "agent:memory, SFT")):
+        f1, rs = computed(key)
+        lines.append(f"| {label} | {f1} | {mean([r['llm_calls'] for r in rs]):.2f} | "
+                     f"{mean([r['prompt_tokens'] for r in rs]):,.0f} |")
+    lines += ["", "| difference | all (n 130) |", "|---|---|"]
+    names = {("chat first stage, sft", "chat first stage, base"): "adapter − base, one call from the first stage",
+             ("chat none, sft", "chat none, base"): "adapter − base, one call with no memory",
+             ("agent:search, sft", "chat first stage, sft"): "agent:search − adapter's one call from the first stage",
+             ("agent:memory, sft", "chat first stage, sft"): "agent:memory − adapter's one call from the first stage"}
+    for p in pj["paired"]:
+        label = names.get((p["a"], p["b"]))
+        if label:
+            sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
+            lines.append(f"| {label} | {sign(p['diff'])} [{sign(p['ci'][0])}, {sign(p['ci'][1])}] |")
+    return lines
+
+
 AGENTS_RANKER = "benchmarks/gpu/results/2026-11-26-h100-agents-ranker"
 
 
@@ -252,6 +309,8 @@ TABLES = {
     "agents-sft-readme": (table_agents_sft_readme, [f"{AGENTS_SFT}/answers/*.parquet"], ["README.md"]),
     "agents-throughput": (table_agents_throughput, [f"{AGENTS_SFT}/answers/agents-*.parquet",
                                                     f"{AGENTS_SFT}/machine*/logs.tar.gz"], [f"{AGENTS_SFT}/README.md"]),
+    "agents-one-call": (table_agents_one_call, [f"{AGENTS_SFT}/answers/*.parquet", f"{ONE_CALL}/paired.json",
+                                                f"{ONE_CALL}/report.json"], [f"{ONE_CALL}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
 }
