@@ -13,8 +13,9 @@ questions, and scores everything in ONE ``evaluate``:
 
 The held-out questions are the ones the GPU run answered (read from its chat rows); the first stage is rebuilt
 here with the same stage and flags, and the contexts are checked to be the same sessions as the base rows had.
-Paired differences (the same questions) come with 95% bootstrap intervals. Writes ``report.md`` (evaluate's),
-``paired.json`` and ``one_call.md`` into ``--out``. On 2 CPU cores vLLM reads about 270 prompt tokens/s at this length: the
+Paired differences (the same questions), overall and per dataset, come with 95% bootstrap intervals. Writes
+``report.md`` (evaluate's), ``paired.json``, ``one_call.md`` and the adapter's per-question answers
+(``chat-sft.parquet``: what recomputes every figure) into ``--out``. On 2 CPU cores vLLM reads about 270 prompt tokens/s at this length: the
 first stage's 6,000-token contexts of all 260 questions would take 1.6 hours, hence ``--every`` and ``--baselines``.
 
     python benchmarks/bench_agents_one_call.py --lme ../shared/data/longmemeval_s_train348.json.gz \\
@@ -64,7 +65,11 @@ def heldout(a, ids: list[str]) -> str:
         sh(ms("run", "import", "--format", fmt, "--source", src, "--output", dst, "--dataset-name", name, "-q"),
            f"{a.out}/import-{name}.log")
         parts.append(read_dataset(dst))
-    publish_questions(parts, ids, out, "the GPU run's held-out questions")
+    split = None
+    if getattr(a, "split", None):   # the GPU run's split.json: the questions must be its held-out split's
+        with open(a.split) as f:
+            split = json.load(f)
+    publish_questions(parts, ids, out, "the GPU run's held-out questions", split)
     bm25(a, out)  # the GPU driver's first stage: BM25 alone
     return out
 
@@ -86,6 +91,9 @@ def main() -> None:
     ap.add_argument("--answers", required=True, help="the GPU run's answers/ (chat-base, agents-base, agents-sft)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=None, help="scratch (default OUT/_work; a re-run skips what is published)")
+    ap.add_argument("--split", default=None, help="the GPU run's split.json (run_agents.py copies it to its --out): "
+                    "its held-out questions are checked against it (memsifter.data.splits); runs before split.json "
+                    "existed (2026-11-26) have none")
     ap.add_argument("--model", default=ADAPTER, help="the adapter (registry name or directory)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out questions (a quick look)")
@@ -182,11 +190,18 @@ def main() -> None:
         ("agent:search, sft", "chat none, sft"),
         ("agent:memory, sft", "chat none, sft"),
     ) if x in f1 and y in f1]
+    # per dataset too, from the per-question answers this run keeps beside its tables (chat-sft.parquet)
+    dataset_of = {r["question_id"]: r["dataset"] for r in gpu}
+    by_dataset = {d: [paired({k: {q: v for q, v in rows.items() if dataset_of.get(q) == d} for k, rows in f1.items()},
+                             p["a"], p["b"]) for p in pairs]
+                  for d in sorted(set(dataset_of.values()))}
+    storage.copy_file(storage.published_file(out, "answers.parquet"), f"{a.out}/chat-sft.parquet")
     from memsifter.retrieval.metrics import bootstrap_ci
 
     means = {k: {"n": len(v), "f1": round(sum(v.values()) / len(v), 4),
                  "ci": [round(x, 4) for x in bootstrap_ci(list(v.values()))]} for k, v in f1.items()}
-    result = {"questions": len(ids), "same_context_as_base": same, "times_s": times, "f1": means, "paired": pairs}
+    result = {"questions": len(ids), "same_context_as_base": same, "times_s": times, "f1": means, "paired": pairs,
+              "paired_by_dataset": by_dataset}
     with open(f"{a.out}/paired.json", "w") as f:
         json.dump(result, f, indent=1)
     lines = ["| rows | n | F1 [95% CI] |", "|---|---:|---|"]
@@ -194,6 +209,10 @@ def main() -> None:
     lines += ["", "| paired (same questions) | n | F1 difference [95% CI] |", "|---|---:|---|"]
     lines += [f"| {p['a']} − {p['b']} | {p['n']} | {p['diff']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] |"
               for p in pairs]
+    for d, ps in by_dataset.items():
+        lines += ["", f"| paired, {d} only | n | F1 difference [95% CI] |", "|---|---:|---|"]
+        lines += [f"| {p['a']} − {p['b']} | {p['n']} | {p['diff']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] |"
+                  for p in ps]
     lines += ["", "Contexts identical to the base rows' (rebuilt first stage): " +
               ", ".join(f"{m} {s[0]}/{s[1]}" for m, s in same.items()), "", f"Seconds: {json.dumps(times)}"]
     with open(f"{a.out}/one_call.md", "w") as f:

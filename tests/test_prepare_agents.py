@@ -136,12 +136,19 @@ def test_splits_are_disjoint_by_question_and_by_conversation(sources, prepared):
 def test_split_choice_takes_whole_conversations_and_strands_few():
     """Held-out by conversation: the smaller split takes the group that strands the fewest questions; a
     group is never in two splits; one-question groups (LongMemEval) give exact counts."""
-    from memsifter.data.model import Question
-    from memsifter.stages.prepare_agents import choose
+    from memsifter.data.model import Question, Session
+    from memsifter.data.splits import choose as choose_split
+
+    sessions: dict = {}
 
     def conv(name: str, n: int, ds: str = "locomo") -> list[Question]:
         hay = [f"{name}_session_{i}" for i in range(3)]
+        sessions.update({s: Session(s, [{"role": "user", "content": s}]) for s in hay})
         return [Question(f"{name}_q{i}", ds, f"q{i}?", "a", hay, hay[:1]) for i in range(n)]
+
+    def choose(qs, recipe, by_group, seed):
+        plan = choose_split(qs, sessions, recipe, seed, by_group=by_group)
+        return plan.chosen, plan.shortfall, plan.stranded
 
     qs = conv("conv-26", 152) + conv("conv-30", 81) + [q for i in range(40) for q in conv(f"lme{i}", 1, "lme")]
     chosen, short, stranded = choose(qs, {"train": {"locomo": 150, "lme": 30}, "test": {"locomo": 60, "lme": 10}},
@@ -159,9 +166,13 @@ def test_split_choice_takes_whole_conversations_and_strands_few():
     assert short == {"test": {"locomo": 19}, "train": {"locomo": 48}} and len(chosen["test"]) == 81
     ids = {s: {q.question_id.split("_q")[0] for q in v} for s, v in chosen.items()}
     assert not ids["train"] & ids["test"]
-    # without grouping: by question only
-    chosen, short, stranded = choose(qs, {"train": {"locomo": 200}, "test": {"locomo": 33}}, False, 0)
-    assert short == {} and stranded == 0 and len({q.question_id for v in chosen.values() for q in v}) == 233
+    # without grouping: by question, and still by session text (a question over a held-out text is not trained on)
+    from memsifter.data.splits import texts_of
+
+    plan = choose_split(qs, sessions, {"train": {"locomo": 200}, "test": {"locomo": 33}}, 0, by_group=False)
+    texts = {s: {h for q in v for h in texts_of(q, sessions)} for s, v in plan.chosen.items()}
+    assert len(plan.chosen["test"]) == 33 and plan.stranded == 0 and not texts["train"] & texts["test"]
+    assert plan.excluded_gold_shared["train"] > 0
 
 
 def test_same_config_same_files(sources, prepared):

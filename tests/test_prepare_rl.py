@@ -60,8 +60,13 @@ def test_prepare_rl_rows(store_root, synth_local, tiny_model_dir):
     train, test = read_rows(out, "train"), read_rows(out, "test")
     ids = [r["extra_info"]["question_id"] for r in train + test]
     assert len(set(ids)) == 11  # no question in two splits
+    held = {ds.sessions[s].content_hash for i in set(ids[len(train):]) for s in ds.question(i).haystack_session_ids}
     for r in train + test:
         q = ds.question(r["extra_info"]["question_id"])
+        if r in train:   # the held-out split's session texts are cut from the training haystacks (memsifter.data.splits)
+            keep = [i for i, s in enumerate(q.haystack_session_ids) if ds.sessions[s].content_hash not in held]
+            q.haystack_session_ids = [q.haystack_session_ids[i] for i in keep]
+            q.haystack_dates = [q.haystack_dates[i] for i in keep]
         ei = r["extra_info"]
         assert r["data_source"] == "memsifter_synth" and r["ability"] == "memory_ranking"
         assert r["reward_model"]["style"] == "rule"
@@ -99,7 +104,7 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
     pq.write_table(rankings.rankings_table(rows), sims)
     m = get_stage("prepare-rl").run({  # a 1-token budget: nothing but the gold sessions fits
         "output": str(tmp_path / "tiny"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
-        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": 1,
+        "recipe": {"train": {"synth": 5}}, "history_budget_tokens": 1,   # one split: no haystack is cut
         "similarities": [sims]})
     for r in read_rows(str(tmp_path / "tiny")):
         q = ds.question(r["extra_info"]["question_id"])
@@ -112,7 +117,7 @@ def test_budget_always_keeps_gold_then_similar_sessions(tmp_path, synth_local, t
     big = max(counter.count(render_session(s.turns)) for s in ds.sessions.values())
     m = get_stage("prepare-rl").run({
         "output": str(tmp_path / "two"), "datasets": [synth_local], "tokenizer": tiny_model_dir,
-        "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "history_budget_tokens": 2 * big + 40,
+        "recipe": {"train": {"synth": 5}}, "history_budget_tokens": 2 * big + 40,
         "similarities": [sims]})
     assert m["stats"]["order_source"] == {"similarity": 5}
     for r in read_rows(str(tmp_path / "two")):
@@ -145,7 +150,7 @@ def test_history_order_first_stage_never_lists_gold_first_by_construction(tmp_pa
     pq.write_table(rankings.rankings_table(rows), sims)
     out = str(tmp_path / "fs")
     get_stage("prepare-rl").run({"output": out, "datasets": [synth_local], "tokenizer": tiny_model_dir,
-                                 "recipe": {"train": {"synth": 4}, "test": {"synth": 1}}, "similarities": [sims],
+                                 "recipe": {"train": {"synth": 5}}, "similarities": [sims],   # no haystack cut
                                  "history_order": "first_stage"})
     for r in read_rows(out):
         ei = r["extra_info"]
@@ -195,7 +200,10 @@ def test_recipe_file_shortfall_and_errors(tmp_path, synth_local, tiny_model_dir)
     m = get_stage("prepare-rl").run({"output": str(tmp_path / "rl"), "datasets": [synth_local],
                                      "tokenizer": tiny_model_dir, "recipe": str(recipe)})
     assert m["config"]["recipe"] == {"train": {"synth": 10}, "test": {"synth": 5}}  # the manifest records it
-    assert m["stats"]["rows"] == {"train": 10, "test": 2} and m["stats"]["shortfall"] == {"test": {"synth": 3}}
+    # the smaller split (test) chooses first; train takes what is left whose gold session text test does not hold
+    st = m["stats"]
+    assert st["rows"]["test"] == 5 and st["rows"]["train"] == 12 - 5 - st["split"]["splits"]["train"]["excluded_gold_shared"]
+    assert st["shortfall"] == {"train": {"synth": 10 - st["rows"]["train"]}}
     with pytest.raises(InputError, match="no questions of dataset 'locomo'"):
         get_stage("prepare-rl").run({"output": str(tmp_path / "bad"), "datasets": [synth_local],
                                      "tokenizer": tiny_model_dir, "recipe": {"train": {"locomo": 1}}})

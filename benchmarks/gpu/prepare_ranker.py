@@ -4,11 +4,14 @@
 Everything through the platform's stages (`memsifter run ...`), on the real training data in
 ``../shared/data`` (LongMemEval_S training split, 348 questions; LoCoMo conv-26 and conv-30):
 
-- **held out** (never trained on, never tuned on): LoCoMo ``conv-30`` entirely (another conversation
-  than the one trained on) and ``--lme-heldout`` LongMemEval_S questions drawn with ``--seed``;
-- **train**: the other LongMemEval_S questions and LoCoMo ``conv-26``.
+- **held out** (never trained on, never tuned on): LoCoMo's smallest conversation entirely (``conv-30``
+  of the two) and ``--lme-heldout`` LongMemEval_S questions drawn with ``--seed``;
+- **train**: the other LongMemEval_S questions and the other LoCoMo conversation (``conv-26``), with every
+  session text of a held-out haystack cut from their haystacks (a training question whose gold session is
+  such a text is left out): the training stages' one split (``memsifter.data.splits``), written to
+  ``OUT/split.json``.
 
-Each part is imported under its own dataset name (``lme_train``, ``locomo_train``, ``lme_heldout``,
+Each part is published under its own dataset name (``lme_train``, ``locomo_train``, ``lme_heldout``,
 ``locomo_heldout``), ranked by the default first stage (``embed``: BM25 cascade with all-MiniLM-L6-v2),
 and ``prepare-rl`` builds the verl rows for the SmolLM2 ranker: the direct (ids-only) prompt, each
 session condensed to ``SESSION_TOKENS``, sessions listed in ``HISTORY_ORDER``, a ``HISTORY_TOKENS`` history budget (so a prompt is about
@@ -20,10 +23,9 @@ validation) from the held-out part.
 from __future__ import annotations
 
 import argparse
-import gzip
+import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -85,36 +87,54 @@ def add_test(spec: str, data_dir: str, run) -> str:
     return name
 
 
-def split_sources(out: str, n_heldout: int, seed: int) -> dict[str, tuple[str, str]]:
-    """name -> (format, source file) of the four parts."""
-    src = os.path.join(out, "sources")
-    os.makedirs(src, exist_ok=True)
-    with gzip.open(os.path.join(SHARED, "longmemeval_s_train348.json.gz"), "rt") as f:
-        lme = json.load(f)
-    idx = list(range(len(lme)))
-    random.Random(seed).shuffle(idx)
-    held = set(idx[:n_heldout])
-    with gzip.open(os.path.join(SHARED, "locomo_dev2.json.gz"), "rt") as f:
-        loc = json.load(f)
-    parts = {
-        "lme_train": ("longmemeval", [x for i, x in enumerate(lme) if i not in held]),
-        "lme_heldout": ("longmemeval", [x for i, x in enumerate(lme) if i in held]),
-        "locomo_train": ("locomo", [c for c in loc if c.get("sample_id") == "conv-26"]),
-        "locomo_heldout": ("locomo", [c for c in loc if c.get("sample_id") == "conv-30"]),
-    }
-    files = {}
-    for name, (fmt, items) in parts.items():
-        if not items:
-            raise SystemExit(f"split {name}: empty (data changed?)")
-        path = os.path.join(src, f"{name}.json.gz")
-        with gzip.open(path, "wt") as f:
-            json.dump(items, f)
-        files[name] = (fmt, path)
+PARTS = {"lme_train": ("train", "longmemeval_s"), "lme_heldout": ("heldout", "longmemeval_s"),
+         "locomo_train": ("train", "locomo"), "locomo_heldout": ("heldout", "locomo")}
+
+
+def split_sources(out: str, n_heldout: int, seed: int, shared: str = SHARED) -> dict[str, str]:
+    """name -> published dataset of the four parts, split by the training stages' one split
+    (:func:`memsifter.data.splits.choose`): ``n_heldout`` LongMemEval_S questions and LoCoMo's smallest conversation
+    held out whole; no session text of a held-out haystack in a training haystack (cut from it; a training question
+    whose gold session is such a text left out). ``OUT/split.json``: the split (question ids, conversations,
+    session hashes, seed) and its summary, checked (:func:`memsifter.data.splits.check`)."""
+    from memsifter.data import splits
+    from memsifter.data.importers import ImportConfig, load
+    from memsifter.data.model import Dataset
+    from memsifter.stage import code_version
+    from memsifter.store import storage
+
+    sessions, questions = {}, []
+    for fmt, name, f in (("longmemeval", "longmemeval_s", "longmemeval_s_train348.json.gz"),
+                         ("locomo", "locomo", "locomo_dev2.json.gz")):
+        ds, _ = load(ImportConfig(format=fmt, source=os.path.join(shared, f), dataset_name=name,
+                                  output=os.path.join(out, "data", name)))
+        sessions.update(ds.sessions)
+        questions += ds.questions
+    convs: dict[str, int] = {}
+    for q in questions:
+        if q.dataset == "locomo":
+            convs[splits.group_key(q, sessions)] = convs.get(splits.group_key(q, sessions), 0) + 1
+    recipe = {"heldout": {"longmemeval_s": n_heldout, "locomo": min(convs.values())},
+              "train": {"longmemeval_s": len(questions), "locomo": len(questions)}}
+    plan = splits.choose(questions, sessions, recipe, seed)
+    doc = plan.document()
+    splits.check(doc, os.path.join(out, "split.json"))
     with open(os.path.join(out, "split.json"), "w") as f:
-        json.dump({"seed": seed, "lme_heldout_question_ids": sorted(lme[i]["question_id"] for i in held),
-                   "locomo_train": "conv-26", "locomo_heldout": "conv-30",
-                   "counts": {k: len(v[1]) for k, v in parts.items()}}, f, indent=2)
-    return files
+        json.dump({**doc, "summary": {k: v for k, v in plan.summary().items()}}, f, indent=1)
+    data = {}
+    for name, (split, ds_name) in PARTS.items():
+        qs = [q for q in plan.chosen[split] if q.dataset == ds_name]
+        if not qs:
+            raise SystemExit(f"split {name}: empty (data changed?)")
+        qs = [dataclasses.replace(q, dataset=name) for q in qs]
+        used = {s for q in qs for s in q.haystack_session_ids}
+        uri = os.path.join(out, "data", name)
+        if not os.path.exists(os.path.join(uri, "_SUCCESS")):
+            pub = storage.Publication(uri, "import", {"derived": f"split {split} of {ds_name} (prepare_ranker)"},
+                                      name, code_version())
+            pub.publish(Dataset({k: v for k, v in sessions.items() if k in used}, qs).write(pub))
+        data[name] = uri
+    return data
 
 
 def main() -> int:
@@ -142,11 +162,9 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "prepare.log")
     files = split_sources(a.out, a.lme_heldout, a.seed)
-    for name, (fmt, path) in files.items():
-        d = os.path.join(a.out, "data", name)
-        cli(["run", "import", "--format", fmt, "--source", path, "--output", d, "--dataset-name", name], log)
+    for name, d in files.items():
         cli(["run", "embed", "--input", d, "--output", d + "-embed", "--model", "all-MiniLM-L6-v2", "-q"], log)
-    data = [os.path.join(a.out, "data", n) for n in files]
+    data = list(files.values())
     recipe = {"train": {"lme_train": 10_000, "locomo_train": 10_000},
               "test": {"lme_heldout": a.val_per_dataset, "locomo_heldout": a.val_per_dataset}}
     rl = os.path.join(a.out, rl_name(a.history_order))

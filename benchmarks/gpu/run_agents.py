@@ -81,25 +81,36 @@ def bm25(a, data: str) -> None:
 
 
 def heldout(a) -> list[str]:
-    """The held-out split's questions, published as their own dataset (every stage answers exactly these)."""
+    """The held-out split's questions (prepare-agents' ``split.json``, checked: no question, conversation or session
+    text shared with training), published as their own dataset (every stage answers exactly these); the split file
+    is copied to ``--out`` (the results keep the split they were measured on)."""
+    from memsifter.data import splits
     from memsifter.data.model import read_dataset
     from memsifter.store import storage
 
-    rows = storage.read_parquet(storage.join(f"{RUN}/prep", "test.parquet")).to_pylist()
-    ids = list(dict.fromkeys(json.loads(r["extra_info"])["question_id"] if isinstance(r["extra_info"], str)
-                             else r["extra_info"]["question_id"] for r in rows))
+    doc = splits.read_split(f"{RUN}/prep")
+    ids = doc["splits"]["test"]["question_ids"]
+    with open(os.path.join(a.out, "split.json"), "w") as f:
+        json.dump(doc, f)
     if not storage.exists(f"{RUN}/heldout/_SUCCESS"):
-        publish_questions([read_dataset(f"{RUN}/all")], ids, f"{RUN}/heldout", "prepare-agents test split")
+        publish_questions([read_dataset(f"{RUN}/all")], ids, f"{RUN}/heldout", "prepare-agents test split", doc)
         bm25(a, f"{RUN}/heldout")
     return ids
 
 
-def publish_questions(datasets: list, ids: list[str], out: str, note: str) -> None:
-    """Publish the questions ``ids`` of ``datasets`` (and the sessions their haystacks use) as one dataset."""
+def publish_questions(datasets: list, ids: list[str], out: str, note: str, split: dict | None = None,
+                      split_name: str = "test") -> None:
+    """Publish the questions ``ids`` of ``datasets`` (and the sessions their haystacks use) as one dataset. With
+    ``split`` (a prepare stage's ``split.json``): the split is checked (:func:`memsifter.data.splits.check`) and
+    every id must be a question of its ``split_name`` split, or nothing is published."""
+    from memsifter.data import splits
     from memsifter.data.model import Dataset
     from memsifter.stage import code_version
     from memsifter.store import storage
 
+    if split is not None:
+        splits.check(split, f"{out} (split)")
+        splits.check_rows(split, split_name, enumerate(ids), f"{out} (questions)", "question_id")
     sessions = {k: v for ds in datasets for k, v in ds.sessions.items()}
     keep = set(ids)
     qs = [q for ds in datasets for q in ds.questions if q.question_id in keep]

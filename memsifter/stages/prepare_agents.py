@@ -8,16 +8,12 @@ split, ``{dataset: count}``), ``agents`` (any of ``agent:search``, ``agent:memor
 
 Questions. Used: those with gold sessions, a non-empty answer, not abstention (LongMemEval ``_abs``), not
 adversarial (LoCoMo category 5) and not of ``skip_question_types`` (LongMemEval's
-``single-session-preference``, whose gold answer is a rubric, not an answer). Held-out disjointness:
-no question is in two splits, and with ``group_by_haystack`` (default) no *haystack* either: the
-questions of one haystack (a LoCoMo conversation: all its questions share it; a LongMemEval question
-has its own) all belong to the split that took the first of them. Per dataset, the split asking for
-the fewest questions picks first (the held-out one, in a usual recipe), so it takes whole
-conversations and leaves the others to train; with LoCoMo's two sample conversations that is one
-conversation held out, one trained on. A split takes the largest group that fits what it still
-wants; when none fits, an empty split takes the smallest group (part of it: the rest is stranded, it
-goes to no other split) and one with questions stops short (counted in ``shortfall``). Groups of one
-size, and the questions within a group, in a seeded order.
+``single-session-preference``, whose gold answer is a rubric, not an answer). Held-out disjointness: the one split of the training stages (:func:`memsifter.data.splits.choose`): no question
+in two splits; with ``group_by_haystack`` (default) no conversation either (questions over the same session texts,
+a LoCoMo conversation, go to one split; with LoCoMo's two sample conversations, one held out, one trained on); and
+no session text: a later split's haystacks lose the texts an earlier split holds, and a question whose gold
+session is such a text is left out. The split is published as ``split.json`` and summarised in the manifest's
+``split`` stats (seed, question ids, conversations, session hash counts); ``sft`` checks it.
 
 RL rows (verl parquet, ``train_00000.parquet`` ..., ``test.parquet`` and one file per other split):
 one row per (question, agent)::
@@ -64,13 +60,12 @@ is counted, not written (``skipped``). ``max_plain_chunks`` bounds the chunk rec
 episode whose section holds no evidence (the notes are copied unchanged): all evidence chunks and the
 answer are kept, plus that many plain ones (seeded choice); null keeps all.
 
-Manifest stats: rows and traces per split and method, skipped episodes by reason, chunk counts, gold in
+Manifest stats: the split (above), rows and traces per split and method, skipped episodes by reason, chunk counts, gold in
 the chunks, prompt and trace tokens (``tokenizer``), bytes, seconds.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -84,10 +79,11 @@ from pydantic import Field, field_validator
 from ..agents.verl_names import DATA_SOURCE, LOOPS
 from ..data.model import Dataset, Question
 from ..errors import ConfigError, InputError
-from ..retrieval import rankings
 from ..stage import StageConfig, stage, uri_field
 from ..store import storage
+from ..data import splits
 from ..data.recipe import load_datasets, load_recipe
+from ..data.splits import read_rows, shard_sizes  # noqa: F401 (read_rows: this output's rows, for callers)
 
 log = logging.getLogger(__name__)
 
@@ -164,30 +160,6 @@ class PrepareAgentsConfig(StageConfig):
 
 
 # --------------------------------------------------------------------------- inputs
-def _load_orders(uris: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """question_id -> (embed output, session ids best first)."""
-    out: dict[str, tuple[str, list[str]]] = {}
-    for uri in uris:
-        try:
-            rows = rankings.read_rankings(uri)
-        except (ValueError, FileNotFoundError) as e:
-            raise InputError(str(e).splitlines()[0] if str(e) else type(e).__name__, file=uri,
-                             field="embeddings") from None
-        for r in rows:
-            ids = list(r.get("ranked_session_ids") or [])
-            scores = r.get("scores")
-            if scores and len(scores) == len(ids):
-                ids = [s for _, s in sorted(zip(scores, ids), key=lambda x: -x[0])]
-            if ids:
-                out.setdefault(r["question_id"], (uri, ids))
-    return out
-
-
-def _tiebreak(seed: int, *parts: str) -> float:
-    h = hashlib.sha256(":".join([str(seed), *parts]).encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
-
-
 def usable(q: Question, skip_types: Sequence[str]) -> str | None:
     """Why a question gives no agent data (None: it does)."""
     if q.abstention:
@@ -203,63 +175,9 @@ def usable(q: Question, skip_types: Sequence[str]) -> str | None:
     return None
 
 
-def group_of(q: Question, by_haystack: bool) -> str:
-    if not by_haystack:
-        return q.question_id
-    return hashlib.sha256("\x00".join(q.haystack_session_ids).encode()).hexdigest()[:16]
-
-
-def shard_sizes(n: int, max_rows: int) -> list[int]:
-    if n == 0:
-        return []
-    k = math.ceil(n / max_rows)
-    base, extra = divmod(n, k)
-    return [base + (1 if i < extra else 0) for i in range(k)]
-
-
-def choose(questions: list[Question], recipe: dict[str, dict[str, int]], by_haystack: bool,
-           seed: int) -> tuple[dict[str, list[Question]], dict[str, dict[str, int]], int]:
-    """Questions per split (see the module doc): disjoint by question and, with ``by_haystack``, by
-    haystack. Returns the choice, the shortfall per split and dataset, and how many questions were left
-    unused inside groups a split took (they may go to no other split)."""
-    by_ds: dict[str, list[Question]] = {}
-    for q in questions:
-        by_ds.setdefault(q.dataset, []).append(q)
-    chosen: dict[str, list[Question]] = {split: [] for split in recipe}
-    shortfall: dict[str, dict[str, int]] = {}
-    owner: dict[str, str] = {}   # group -> split
-    stranded = 0
-    for name in sorted({d for entries in recipe.values() for d in entries}):
-        splits = [s for s in recipe if name in recipe[s]]
-        splits.sort(key=lambda s: (recipe[s][name], list(recipe).index(s)))   # the smallest first
-        groups: dict[str, list[Question]] = {}
-        for q in by_ds.get(name, []):
-            groups.setdefault(group_of(q, by_haystack), []).append(q)
-        for split in splits:
-            want = recipe[split][name]
-            free = [g for g in groups if g not in owner]
-            draw = {g: _tiebreak(seed, split, name, g) for g in free}
-            taken = 0
-            while taken < want and free:
-                # the largest group that fits what is still wanted, else (a split still empty) the smallest
-                # one: fewest questions stranded, and a split with some questions leaves the larger groups to
-                # the others; equal sizes (LongMemEval: one question a haystack) in the seeded order
-                fits = [g for g in free if len(groups[g]) <= want - taken]
-                if not fits and taken:
-                    break
-                g = (min(fits, key=lambda g: (-len(groups[g]), draw[g])) if fits
-                     else min(free, key=lambda g: (len(groups[g]), draw[g])))
-                free.remove(g)
-                members = sorted(groups[g], key=lambda q: _tiebreak(seed, split, q.question_id))
-                owner[g] = split
-                use = members[:want - taken]
-                chosen[split] += use
-                taken += len(use)
-                stranded += len(members) - len(use)
-            if taken < want:
-                shortfall.setdefault(split, {})[name] = want - taken
-                log.warning("prepare-agents: %s/%s: %d of %d questions available", split, name, taken, want)
-    return chosen, shortfall, stranded
+def group_of(q: Question, by_haystack: bool, sessions: dict) -> str:
+    """The question's group in the split (:func:`memsifter.data.splits.group_key`: its haystack's texts)."""
+    return splits.group_key(q, sessions) if by_haystack else q.question_id
 
 
 # --------------------------------------------------------------------------- search in process
@@ -399,7 +317,7 @@ class Builder:
                 "corpus_id": q.question_id, "sessions": info["sessions"],
                 "haystack_sessions": len(q.haystack_session_ids), "chunk_source": info["chunk_source"],
                 "gold_session_ids": list(q.gold_session_ids), "gold_in_chunks": info["gold_in_chunks"],
-                "group": group_of(q, self.config.group_by_haystack),
+                "group": group_of(q, self.config.group_by_haystack, self.ds.sessions),
                 "agent_options": json.dumps(self.config.agent_options.get(method, {}), sort_keys=True),
             },
         }
@@ -474,7 +392,7 @@ def _summary(values: list[int]) -> dict:
 def run(config: PrepareAgentsConfig, out: storage.Publication) -> dict:
     t0 = time.time()
     ds = load_datasets(config.datasets)
-    orders = _load_orders(config.embeddings)
+    orders = splits.load_orders(config.embeddings, "embeddings")
     known = sorted({q.dataset for q in ds.questions})
     for split, entries in config.recipe.items():
         for name in entries:
@@ -489,7 +407,8 @@ def run(config: PrepareAgentsConfig, out: storage.Publication) -> dict:
             skipped[why] = skipped.get(why, 0) + 1
         else:
             pool.append(q)
-    chosen, shortfall, stranded = choose(pool, config.recipe, config.group_by_haystack, config.seed)
+    plan = splits.choose(pool, ds.sessions, config.recipe, config.seed, by_group=config.group_by_haystack)
+    chosen, shortfall, stranded = plan.chosen, plan.shortfall, plan.stranded
     for split, qs in chosen.items():
         if not qs and sum(config.recipe[split].values()) > 0:
             raise InputError(f"recipe {split}: no usable question (skipped: {skipped}); a 0-row parquet is not "
@@ -561,9 +480,10 @@ def run(config: PrepareAgentsConfig, out: storage.Publication) -> dict:
             traces_n[split] = per
     traces_s = time.time() - t_traces
     out.write_json("questions.json", {split: [q.question_id for q in qs] for split, qs in chosen.items()})
-    groups = {split: len({group_of(q, config.group_by_haystack) for q in qs}) for split, qs in chosen.items()}
+    out.write_json(splits.SPLIT_FILE, plan.document())
+    groups = {s: len({group_of(q, config.group_by_haystack, ds.sessions) for q in qs}) for s, qs in chosen.items()}
     return {
-        "questions": {split: len(qs) for split, qs in chosen.items()}, "groups": groups,
+        "questions": {split: len(qs) for split, qs in chosen.items()}, "groups": groups, "split": plan.summary(),
         "rows": {split: sum(v.values()) for split, v in rows_n.items()}, "rows_by_method": rows_n, "files": files,
         "agent_names": {m: AGENT_NAMES[m] for m in config.agents},
         "shortfall": shortfall, "skipped_questions": skipped, "stranded_in_taken_groups": stranded,
@@ -574,15 +494,6 @@ def run(config: PrepareAgentsConfig, out: storage.Publication) -> dict:
                    "tokens": _summary(trace_tokens), "bytes": trace_bytes},
         "seconds": {"rows": round(rows_s, 1), "traces": round(traces_s, 1), "total": round(time.time() - t0, 1)},
     }
-
-
-def read_rows(uri: str, split: str = "train") -> list[dict]:
-    """All rows of one split of a published prepare-agents output."""
-    manifest = storage.read_manifest(uri)
-    rows: list[dict] = []
-    for n in manifest["stats"]["files"].get(split, []):
-        rows.extend(storage.read_parquet(storage.published_file(uri, n)).to_pylist())
-    return rows
 
 
 def read_traces(uri: str, split: str = "train") -> list[dict]:

@@ -4,8 +4,11 @@ Inputs: published datasets, a recipe (per split, ``{dataset: count}``; inline or
 URI), optionally previous rankings (a ``rank`` output of an earlier ranker) and similarities (an
 ``embed`` output). Both are read as ``rankings.parquet`` files (:mod:`memsifter.retrieval.rankings`).
 
-Sampling, per split in recipe order, per dataset (the questions' ``dataset`` column), without
-replacement across splits; questions without gold sessions and abstention questions are skipped:
+Sampling, per dataset (the questions' ``dataset`` column), by the one split of the training stages
+(:func:`memsifter.data.splits.choose`: the split asking for the fewest questions first; no question, no
+conversation and no session text in two splits; published as ``split.json`` and
+summarised in the manifest's ``split`` stats); questions without gold sessions and abstention questions are
+skipped; the order within a split:
 
 - *anchor curriculum* when previous rankings cover the dataset: priority ``1 - |DCG@10 - 0.2|``
   (DCG@10 of the previous ranking divided by |gold|, ``metrics.dcg_over_gold``): hard but learnable
@@ -44,7 +47,6 @@ per split and dataset.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
@@ -53,9 +55,10 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import Field, field_validator
 
-from ..retrieval import rankings
 from ..store import storage
+from ..data import splits
 from ..data.recipe import load_datasets, load_recipe
+from ..data.splits import read_rows, shard_sizes  # noqa: F401 (read_rows: this output's rows, for callers)
 from ..retrieval.context import HistoryOrder, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question
 from ..errors import InputError
@@ -147,29 +150,6 @@ class PrepareRLConfig(StageConfig):
 
 
 # --------------------------------------------------------------------------- inputs
-def _load_orders(uris: list[str]) -> dict[str, list[str]]:
-    """question_id -> session ids, most similar / relevant first."""
-    out: dict[str, list[str]] = {}
-    for uri in uris:
-        try:
-            rows = rankings.read_rankings(uri)
-        except ValueError as e:
-            raise InputError(str(e), file=uri) from e
-        for r in rows:
-            ids = list(r.get("ranked_session_ids") or [])
-            scores = r.get("scores")
-            if scores and len(scores) == len(ids):
-                ids = [s for _, s in sorted(zip(scores, ids), key=lambda x: -x[0])]
-            if ids:
-                out[r["question_id"]] = ids
-    return out
-
-
-def _tiebreak(seed: int, *parts: str) -> float:
-    h = hashlib.sha256(":".join([str(seed), *parts]).encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
-
-
 def anchor_priority(dcg10: float, target: float = ANCHOR_TARGET) -> float:
     return 1.0 - abs(dcg10 - target)
 
@@ -258,22 +238,13 @@ class Builder:
         }
 
 
-def shard_sizes(n: int, max_rows: int) -> list[int]:
-    """Split n rows into ceil(n / max_rows) files of near-equal size (no tiny trailing shard)."""
-    if n == 0:
-        return []
-    k = math.ceil(n / max_rows)
-    base, extra = divmod(n, k)
-    return [base + (1 if i < extra else 0) for i in range(k)]
-
-
 # --------------------------------------------------------------------------- the stage
 @stage("prepare-rl", PrepareRLConfig, family="train",
        help="verl RL data: recipe sampling (anchor curriculum), ranker prompts within the token budget")
 def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
     ds = load_datasets(config.datasets)
-    prev = _load_orders(config.previous_rankings)
-    sims = _load_orders(config.similarities)
+    prev = {q: ids for q, (_, ids) in splits.load_orders(config.previous_rankings, "previous_rankings").items()}
+    sims = {q: ids for q, (_, ids) in splits.load_orders(config.similarities, "similarities").items()}
     builder = Builder(config, ds, sims, prev)
 
     by_ds: dict[str, list[Question]] = {}
@@ -290,46 +261,41 @@ def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
                 raise InputError(f"recipe {split}: no questions of dataset '{name}' in the inputs "
                                  f"(datasets present: {', '.join(known)})")
 
-    used: set[str] = set()
-    chosen: dict[str, list[tuple[Question, list[int], str, int, float | None]]] = {}
-    stats_split: dict[str, dict[str, int]] = {}
-    strategy: dict[str, str] = {}
-    shortfall: dict[str, dict[str, int]] = {}
-    over_max = 0
-    for split, entries in config.recipe.items():
-        chosen[split] = []
-        stats_split[split] = {}
-        for name, count in entries.items():
-            pool = [q for q in by_ds.get(name, []) if q.question_id not in used]
-            ranked = [q for q in pool if q.question_id in prev]
-            dcgs = {q.question_id: dcg_over_gold(prev[q.question_id], q.gold_session_ids, 10) for q in ranked}
-            if ranked:
-                # Highest priority first; questions the previous ranker did not rank come last.
-                strategy[name] = "anchor"
+    pool = [q for qs in by_ds.values() for q in qs]
+    dcgs = {q.question_id: dcg_over_gold(prev[q.question_id], q.gold_session_ids, 10)
+            for q in pool if q.question_id in prev}
+    strategy: dict[str, str] = {name: "anchor" if any(q.question_id in dcgs for q in qs) else "random"
+                                for name, qs in by_ds.items()}
 
-                def key(q: Question, split: str = split, name: str = name) -> tuple[float, float]:
-                    d = dcgs.get(q.question_id)
-                    prio = anchor_priority(d, config.anchor_target) if d is not None else -math.inf
-                    return (-prio, _tiebreak(config.seed, split, name, q.question_id))
-                pool.sort(key=key)
-            else:
-                strategy.setdefault(name, "random")
-                random.Random(f"{config.seed}:{split}:{name}").shuffle(pool)
-            taken = 0
-            for q in pool:
-                if taken >= count:
-                    break
-                sel, source, tokens = builder.select(q)
-                if tokens > config.max_prompt_tokens:
-                    over_max += 1
-                    continue
-                used.add(q.question_id)
-                chosen[split].append((q, sel, source, tokens, dcgs.get(q.question_id)))
-                taken += 1
-            stats_split[split][name] = taken
-            if taken < count:
-                shortfall.setdefault(split, {})[name] = count - taken
-                log.warning("prepare-rl: %s/%s: %d of %d questions available", split, name, taken, count)
+    def priority(split: str, name: str, q: Question) -> tuple[float, float]:
+        """Anchor curriculum: the highest priority first, questions the previous ranker did not rank last;
+        else a seeded draw."""
+        d = dcgs.get(q.question_id)
+        if strategy.get(name) != "anchor":
+            return (0.0, splits.tiebreak(config.seed, split, name, q.question_id))
+        prio = anchor_priority(d, config.anchor_target) if d is not None else -math.inf
+        return (-prio, splits.tiebreak(config.seed, split, name, q.question_id))
+
+    selected: dict[str, tuple[list[int], str, int]] = {}
+
+    def accept(q: Question) -> bool:
+        """A question whose whole prompt fits max_prompt_tokens (else the next one is taken)."""
+        sel, source, tokens = builder.select(q)
+        if tokens > config.max_prompt_tokens:
+            return False
+        selected[q.question_id] = (sel, source, tokens)
+        return True
+
+    plan = splits.choose(pool, ds.sessions, config.recipe, config.seed, priority=priority, accept=accept)
+    over_max = sum(plan.refused.values())
+    shortfall = plan.shortfall
+    chosen: dict[str, list[tuple[Question, list[int], str, int, float | None]]] = {
+        split: [(q, *selected[q.question_id], dcgs.get(q.question_id)) for q in qs]
+        for split, qs in plan.chosen.items()}
+    stats_split: dict[str, dict[str, int]] = {
+        split: {name: sum(1 for q in plan.chosen[split] if q.dataset == name) for name in entries}
+        for split, entries in config.recipe.items()}
+    strategy = {name: strategy[name] for name in sorted({d for e in config.recipe.values() for d in e})}
 
     for split, items in chosen.items():
         if not items and sum(config.recipe.get(split, {}).values()) > 0:
@@ -361,9 +327,10 @@ def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
             out.write_table(name, pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
             start += size
     out.write_json("questions.json", {split: [q.question_id for q, *_ in items] for split, items in chosen.items()})
+    out.write_json(splits.SPLIT_FILE, plan.document())
     n_rows = {split: len(items) for split, items in chosen.items()}
     return {
-        "rows": n_rows, "rows_by_dataset": stats_split, "files": files, "sampling": strategy,
+        "rows": n_rows, "rows_by_dataset": stats_split, "files": files, "sampling": strategy, "split": plan.summary(),
         "shortfall": shortfall, "skipped_no_gold_or_abstention": skipped_no_gold,
         "skipped_over_max_prompt": over_max, "order_source": order_sources,
         "sessions_kept_mean": round(sum(kept) / len(kept), 2) if kept else 0,
@@ -371,16 +338,6 @@ def run(config: PrepareRLConfig, out: storage.Publication) -> dict:
         "prompt_tokens_max": max(prompt_tokens, default=0),
         "token_cache": {"hits": builder.counter.hits, "misses": builder.counter.misses},
     }
-
-
-def read_rows(uri: str, split: str = "train") -> list[dict]:
-    """All rows of one split of a published prepare-rl output (for tests and inspection)."""
-    manifest = storage.read_manifest(uri)
-    names = manifest["stats"]["files"].get(split, [])
-    rows: list[dict] = []
-    for n in names:
-        rows.extend(storage.read_parquet(storage.published_file(uri, n)).to_pylist())
-    return rows
 
 
 def ground_truth(row: dict) -> tuple[list[int], int]:

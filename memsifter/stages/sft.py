@@ -6,6 +6,11 @@ Why: a small instruct model (SmolLM2-135M-Instruct) asked for a ranking writes a
 GRPO's group advantages are 0: RL cannot start. A few hundred supervised examples teach the format and
 put the ranker near the first stage, so RL starts from there instead of below random.
 
+Held-out split: before anything is loaded, the prepare stage's ``split.json`` is checked
+(:func:`memsifter.data.splits.check`: no question, conversation or session text in two splits) and every
+train and eval row must belong to its own split; one line naming the file, row and field otherwise. The
+manifest's ``split`` stats record it (seed, questions, conversations and session hashes per split).
+
 Data: the ``prepare-rl`` output (the same rows, prompts and local ids DAPO trains on). Target of a
 row (``target``):
 
@@ -61,6 +66,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from ..data import splits
+from ..data.splits import read_rows
 from ..store import storage
 from ..errors import InputError
 from ..retrieval.metrics import ndcg
@@ -114,16 +121,19 @@ class SFTConfig(StageConfig):
 
 
 # --------------------------------------------------------------------------- data
-def split_rows(uri: str, split: str) -> list[dict]:
-    manifest = storage.read_manifest(uri)
-    names = (manifest.get("stats") or {}).get("files", {}).get(split)
-    if names is None:
-        names = sorted(f for f in manifest.get("files", {}) if f == f"{split}.parquet"
-                       or (split == "train" and f.startswith("train_") and f.endswith(".parquet")))
-    rows: list[dict] = []
-    for n in names:
-        rows.extend(storage.read_parquet(storage.published_file(uri, n)).to_pylist())
-    return rows
+def checked_split(uri: str, train_rows: list[dict], eval_rows: list[dict], eval_split: str, traces: bool) -> dict:
+    """The prepare stage's published split, checked (:func:`memsifter.data.splits.check`: no question,
+    conversation or session text in two splits) with every train and eval row in its own split; the manifest's
+    ``split`` stats of this output (seed, questions and conversations per split)."""
+    doc = splits.read_split(uri)
+    field = "question_id" if traces else "extra_info.question_id"
+    for split, rows in (("train", train_rows), (eval_split, eval_rows)):
+        if rows:
+            qids = [(n, r["question_id"] if traces else r["extra_info"]["question_id"]) for n, r in enumerate(rows)]
+            splits.check_rows(doc, split, qids, storage.join(uri, f"{split} rows"), field)
+    return {"seed": doc.get("seed"), "source": storage.join(uri, splits.SPLIT_FILE),
+            "splits": {s: {"questions": len(e["question_ids"]), "conversations": e["conversations"],
+                           "session_hashes": len(e["session_hashes"])} for s, e in doc["splits"].items()}}
 
 
 def target_ids(row: dict, target: str, top_k: int, where: str = "") -> list[int]:
@@ -476,7 +486,7 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
             raise InputError("no train trace records (is this a prepare-agents output with traces: true?)",
                              file=config.traces, field="traces")
     else:
-        train_rows = split_rows(config.data, "train")
+        train_rows = read_rows(config.data, "train")
         if not train_rows:
             raise InputError("no train rows (is this a prepare-rl output?)", file=config.data, field="data")
     if config.max_rows:
@@ -484,7 +494,8 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
     if config.traces:
         eval_rows = trace_records(config.traces, config.eval_split) if config.eval_split else []
     else:
-        eval_rows = split_rows(config.data, config.eval_split) if config.eval_split else []
+        eval_rows = read_rows(config.data, config.eval_split) if config.eval_split else []
+    split = checked_split(source, train_rows, eval_rows, config.eval_split, bool(config.traces))
     model, tok, path = load_base(config.model, device)
     if config.traces:
         eot = end_of_turn_ids(tok, path)
@@ -592,4 +603,4 @@ def run(config: SFTConfig, out: storage.Publication) -> dict:
     return {"rows": len(examples), "eval_rows": len(eval_rows), "steps": step, "epochs": config.epochs,
             "trainable_params": n_train, "artifact": folder, "artifact_bytes": size, "train_s": round(train_s, 1),
             "tokens_per_s": round(tokens / max(train_s, 1e-9), 1), "device": device,
-            "before": {k: first.get(k) for k in keys}, "after": {k: last.get(k) for k in keys}}
+            "before": {k: first.get(k) for k in keys}, "after": {k: last.get(k) for k in keys}, "split": split}
