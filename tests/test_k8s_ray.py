@@ -323,3 +323,22 @@ def test_verl_placement_groups_fit_one_chart_worker(ray_cluster):
         ray.util.remove_placement_group(too_big)
     finally:
         ray.shutdown()
+
+
+def test_pod_env_reads_the_stage_configmaps_s3_settings(ray_cluster):
+    """`memsifter k8s drive --ray-address` (pod_env): a container's S3 settings come from the stage's ConfigMap
+    (configMapKeyRef), resolved from the plan's run.settings, not from this process's environment."""
+    values = {"run": {"id": "pe"}, "s3": {"bucket": "memsifter-ci", "endpoint": "http://s3.example.svc:8333",
+                                          "region": "eu-west-3"},
+              "stages": {"synth": {"enabled": True}}}
+    (plan_doc,) = [d for d in chart.render_docs([], values=values, show_only="templates/driver.yaml")
+                   if d["kind"] == "ConfigMap"]
+    plan = Plan.from_dict(json.loads(plan_doc["data"]["plan.json"]))
+    assert plan.run["settings"] == {"MEMSIFTER_S3_ENDPOINT": "http://s3.example.svc:8333", "AWS_REGION": "eu-west-3"}
+    (st,) = plan.stages
+    head = st.rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e["valueFrom"]["configMapKeyRef"]["key"] for e in head["env"]
+            if "configMapKeyRef" in e.get("valueFrom", {})} == {"MEMSIFTER_S3_ENDPOINT": "MEMSIFTER_S3_ENDPOINT",
+                                                                "AWS_REGION": "AWS_REGION"}
+    env = RayBackend(ray_cluster, pod_env=True, settings=plan.run["settings"]).runtime_env(st.rayjob)["env_vars"]
+    assert (env["MEMSIFTER_S3_ENDPOINT"], env["AWS_REGION"]) == ("http://s3.example.svc:8333", "eu-west-3")
