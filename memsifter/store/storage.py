@@ -989,7 +989,8 @@ class Publication:
 
     def write_bytes(self, name: str, data: bytes, rows: int | None = None) -> None:
         """Stage a file: UTF-8 text is redacted first (:func:`memsifter.security.secretscan.scrub_text`),
-        then the bytes are scanned (a gzip or parquet file opened)."""
+        then the bytes are scanned (a gzip or parquet file opened; a file larger than the scanner's limit,
+        for the run's credentials only)."""
         from ..security import secretscan
         from ..security.redact import known_secrets
 
@@ -1004,7 +1005,8 @@ class Publication:
             if text is not None:
                 clean = secretscan.scrub_text(text, known)
                 data = clean.encode("utf-8") if clean != text else data
-            self.findings += secretscan.scan_bytes(data, name, known)
+            # past the scanner's size limit (weights): the run's credentials only, block by block
+            self.findings += secretscan.scan_stream(lambda: io.BytesIO(data), len(data), name, known)
         self._stage(name, data, rows)
 
     def write_text(self, name: str, text: str) -> None:
