@@ -226,3 +226,23 @@ def test_prepare_ranker_split_holds_out_a_conversation_and_its_texts(shared_dir,
     assert len(read_dataset(parts["lme_heldout"]).questions) == 60
     summary = doc["summary"]["splits"]["train"]
     assert summary["haystack_sessions_removed"] > 0 and summary["questions"] > 250
+
+
+def test_the_held_out_split_keeps_its_haystacks_whatever_its_datasets_are_called():
+    """Held-out and training questions imported as separate datasets (prepare_ranker's parts): the smaller split
+    owns the shared texts even when its dataset sorts after the training one; only training haystacks are cut."""
+    from memsifter.data.splits import choose
+
+    shared = _session("filler", "shared filler")
+    sessions = {"filler": shared}
+    questions = []
+    for ds, prefix in (("a_train", "t"), ("z_heldout", "h")):
+        for i in range(4):
+            own = _session(f"{prefix}{i}_gold", f"{prefix} gold {i}")
+            copy = _session(f"{prefix}{i}_filler", "shared filler")   # the same text under another id
+            sessions.update({own.session_id: own, copy.session_id: copy})
+            questions.append(Question(f"{prefix}{i}", ds, "?", "a", [copy.session_id, own.session_id], [own.session_id]))
+    plan = choose(questions, sessions, {"train": {"a_train": 4}, "test": {"z_heldout": 2}}, 0)
+    assert all(len(q.haystack_session_ids) == 2 for q in plan.chosen["test"])
+    assert all(q.haystack_session_ids == [f"{q.question_id}_gold"] for q in plan.chosen["train"])
+    assert len(plan.chosen["train"]) == 4 and plan.haystack_sessions_removed["train"] == 4

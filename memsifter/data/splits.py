@@ -11,13 +11,14 @@ What a split separates:
   content hash of the haystack's sessions (:func:`memsifter.data.model.content_hash` of their turns), not their
   ids, so a conversation imported twice under other ids is still one group;
 - **by session text**: a session whose text is in a question of one split is in no haystack of another split.
-  Splits choose in order, the one asking for the fewest questions of a dataset first (the held-out one in a usual
-  recipe): it owns the texts of its haystacks. A later split leaves out a question whose gold session's text is
+  Splits choose in order, the one asking for the fewest questions first (the held-out one in a usual recipe): it
+  owns the texts of its haystacks. A later split leaves out a question whose gold session's text is
   owned by an earlier split (``excluded_gold_shared``), and removes the other owned texts from the haystacks of
   the questions it takes (``haystack_sessions_removed``: LongMemEval_S haystacks share filler sessions, so
   leaving out every question that shares one would leave nearly no training question).
 
-Within a dataset a split takes the largest group that fits what it still wants; when none fits, an empty split
+Splits choose in the order of the questions they ask for in all (the fewest first), whatever their datasets are
+called. Within a dataset a split takes the largest group that fits what it still wants; when none fits, an empty split
 takes the smallest group (part of it: the rest is stranded, it goes to no other split) and one with questions
 stops short (``shortfall``). Groups of one size in a seeded order, or in ``priority`` order when given
 (prepare-rl's anchor curriculum); ``accept`` may refuse a question (prepare-rl: a prompt over its limit), and the
@@ -184,13 +185,16 @@ def choose(questions: list[Question], sessions: dict[str, Session], recipe: dict
     out = Split(seed, {split: [] for split in recipe})
     owner: dict[str, str] = {}         # group -> split
     text_owner: dict[str, str] = {}    # session text -> split
+    groups_of: dict[str, dict[str, list[Question]]] = {}
     for name in sorted({d for entries in recipe.values() for d in entries}):
-        splits = [s for s in recipe if name in recipe[s]]
-        splits.sort(key=lambda s: (recipe[s][name], list(recipe).index(s)))   # the smallest first
-        groups: dict[str, list[Question]] = {}
+        groups_of[name] = {}
         for q in by_ds.get(name, []):
-            groups.setdefault(group_key(q, sessions) if by_group else q.question_id, []).append(q)
-        for split in splits:
+            groups_of[name].setdefault(group_key(q, sessions) if by_group else q.question_id, []).append(q)
+    # the split asking for the fewest questions first (the held-out one, in a usual recipe), whatever its datasets
+    # are called: it owns its haystacks' texts before any other split chooses
+    for split in sorted(recipe, key=lambda s: (sum(recipe[s].values()), list(recipe).index(s))):
+        for name in sorted(recipe[split]):
+            groups = groups_of[name]
             want = recipe[split][name]
 
             def rank(q: Question, split: str = split) -> Any:
