@@ -410,6 +410,7 @@ def test_default_serve_release_would_answer(crd):
         if m:
             defined.add(m.group(1))
     assert {"KEY", "URL"} <= defined and any("curl" in ln and "$KEY" in ln for ln in notes)
+    assert not any("RayJobs" in ln for ln in notes), "no stage is enabled: nothing about RayJobs"
     assert any(f"jsonpath='{{.data.{DEFAULT_KEY['secretKey']}}}'" in ln for ln in notes)
 
 
