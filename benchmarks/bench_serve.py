@@ -160,6 +160,7 @@ def baseline_app(index: str, data: str, state: str):  # noqa: ANN201
     idx = PublishedIndex.load(ServeConfig(index=index, dataset=data, state=state), lexical=False)
     idx.vectors.load()
     enc = Encoder(idx.settings.spec)
+    enc.encode(["warm-up"], urgent=True)   # ready = warm, as the service's /readyz
     units = Units(idx.vectors, enc, idx.settings.turn_words)
     flat = {}
     for cid, c in idx.corpora.items():
@@ -173,7 +174,7 @@ def baseline_app(index: str, data: str, state: str):  # noqa: ANN201
         body = await request.json()
         k = body.get("topk") or 3
         mat, starts, c = flat[cid]
-        qv = (await asyncio.to_thread(enc.encode, body["queries"]))
+        qv = (await asyncio.to_thread(enc.encode, body["queries"], 64, True))
         result = []
         for v in qv:
             best = np.maximum.reduceat(mat @ v, starts)

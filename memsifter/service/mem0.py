@@ -261,6 +261,17 @@ class Mem0API:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
+    async def _held(self, kind: str, oid: str) -> Owner:
+        """The owner's memories for a write (the caller holds its lock): the cached ones when read within
+        ``memory_refresh_s``, else the log re-read. A stale cache cannot lose or duplicate a write: events
+        are only ever added, and the replay drops an ADD whose content is already there."""
+        cur = self._owners.get((kind, oid))
+        if cur is not None and time.time() - cur.checked_at < self.svc.cfg.memory_refresh_s:
+            return cur
+        new = await asyncio.to_thread(read_log, self._state(), cur or Owner(kind, oid))
+        self._owners[(kind, oid)] = new
+        return new
+
     async def owner(self, kind: str, oid: str, fresh: bool = False) -> Owner:
         """The owner's memories, re-read from the store when older than ``memory_refresh_s`` (other
         replicas' writes)."""
@@ -287,7 +298,7 @@ class Mem0API:
                   run_id: str | None, metadata: dict | None) -> dict:
         kind, oid = owner_of(user_id, agent_id, run_id)
         p.require("write", oid)
-        state = self._state()
+        self._state()   # 503 without a state store
         lim = self.svc.cfg.limits
         if len(messages) > lim.max_sessions_per_append:
             raise Mem0Error(413, f"messages: {len(messages)} in one request, at most {lim.max_sessions_per_append} "
@@ -297,7 +308,7 @@ class Mem0API:
                 raise Mem0Error(413, f"messages[{i}].content: {len(msg['content'])} characters, at most "
                                 f"{lim.max_turn_chars} (limits.max_turn_chars)")
         async with self._lock((kind, oid)):
-            owner = await asyncio.to_thread(read_log, state, self._owners.get((kind, oid)) or Owner(kind, oid))
+            owner = await self._held(kind, oid)
             if len(owner.memories) + len(messages) > lim.max_user_sessions:
                 raise Mem0Error(413, f"{kind} '{oid}' would hold more than {lim.max_user_sessions} memories "
                                 "(limits.max_user_sessions)")
@@ -318,7 +329,6 @@ class Mem0API:
                 trial.apply(ev)
                 events.append(ev)
                 results.append({"id": ev["id"], "memory": text, "event": "ADD"})
-            self._owners[(kind, oid)] = owner
             if events:
                 await self._write(owner, events)
         return {"results": results}
@@ -359,8 +369,7 @@ class Mem0API:
         if len(text) > self.svc.cfg.limits.max_turn_chars:
             raise Mem0Error(413, f"text: {len(text)} characters, at most {self.svc.cfg.limits.max_turn_chars}")
         async with self._lock((kind, oid)):
-            owner = await asyncio.to_thread(read_log, self._state(), self._owners.get((kind, oid)) or Owner(kind, oid))
-            self._owners[(kind, oid)] = owner
+            owner = await self._held(kind, oid)
             m = owner.memories.get(memory_id)
             if m is None:
                 raise Mem0Error(404, f"no memory '{memory_id[:80]}'")
@@ -374,8 +383,7 @@ class Mem0API:
         kind, oid = owner_of_memory(memory_id)
         p.require("write", oid)
         async with self._lock((kind, oid)):
-            owner = await asyncio.to_thread(read_log, self._state(), self._owners.get((kind, oid)) or Owner(kind, oid))
-            self._owners[(kind, oid)] = owner
+            owner = await self._held(kind, oid)
             m = owner.memories.get(memory_id)
             if m is None:
                 raise Mem0Error(404, f"no memory '{memory_id[:80]}'")
@@ -388,8 +396,7 @@ class Mem0API:
         p.require("write", oid)
         scope = {k: v for k, v in (("agent_id", agent_id), ("run_id", run_id), ("user_id", user_id)) if v}
         async with self._lock((kind, oid)):
-            owner = await asyncio.to_thread(read_log, self._state(), self._owners.get((kind, oid)) or Owner(kind, oid))
-            self._owners[(kind, oid)] = owner
+            owner = await self._held(kind, oid)
             at = now()
             events = [{"event": "DELETE", "id": m["id"], "old_memory": m["memory"], "role": m.get("role"), "at": at}
                       for m in owner.memories.values() if matches(m, scope)]
