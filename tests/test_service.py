@@ -269,7 +269,8 @@ def test_security_table(lme, monkeypatch, caplog, tmp_path):
         r = requests.post(f"{url}/u/{qid}/retrieve", data=iter([b'{"queries": ["', b"a" * 5000, b'"]}']),
                           headers={**A, "Content-Type": "application/json"}, timeout=60)
         assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["detail"], r.text
-        metrics = requests.get(f"{url}/metrics", timeout=30).text
+        assert requests.get(f"{url}/metrics", timeout=30).status_code == 401   # keys set: metrics need one too
+        metrics = requests.get(f"{url}/metrics", headers=A, timeout=30).text
         assert 'memsifter_serve_requests_total{code="401",route="/u/{corpus_id}/retrieve"}' in metrics
         assert 'memsifter_serve_errors_total{kind="client",route="/u/{corpus_id}/retrieve"}' in metrics
     logged = "\n".join(r.getMessage() for r in caplog.records)

@@ -190,8 +190,20 @@ class Guard:
     """Outermost ASGI middleware: body-size bounds (413 before or while the body is read), per-route
     metrics, and a last catch so that nothing escapes as a traceback."""
 
-    def __init__(self, app: Any, service: RetrievalService):
-        self.app, self.service = app, service
+    def __init__(self, app: Any, service: RetrievalService, routes: list | None = None):
+        self.app, self.service, self.routes = app, service, routes or []
+
+    def route_name(self, scope: dict) -> str:
+        """The route template of a request answered before routing (a 401, a 413): the metrics' label."""
+        from starlette.routing import Match
+
+        for r in self.routes:
+            try:
+                if r.matches(scope)[0] == Match.FULL:
+                    return getattr(r, "path", "other")
+            except Exception:  # noqa: BLE001 - a route that cannot say: not this one
+                continue
+        return "other"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -253,7 +265,7 @@ class Guard:
                 await reply(500, f"internal error (id {rid}); the server's log has the details")
         finally:
             route = scope.get("route")
-            name = getattr(route, "path", None) or "other"
+            name = getattr(route, "path", None) or self.route_name(scope)
             code = started["code"]
             svc.metrics.requests.labels(name, str(code)).inc()
             svc.metrics.latency.labels(name).observe(time.perf_counter() - t0)
@@ -315,7 +327,7 @@ def make_app(service: RetrievalService) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.router.route_class = SafeRoute
     app.state.service = service
-    app.add_middleware(Guard, service=service)
+    app.add_middleware(Guard, service=service, routes=app.router.routes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
