@@ -2,8 +2,8 @@
 """First-stage candidates against the default (``zsum`` k = 15), cross-validated across datasets (issue 42 item 5).
 
     nice -n 19 .venv/bin/python benchmarks/first_stage_cv.py --lme 120 --out runs/first-stage-cv \\
-        --results benchmarks/results/first-stage-2026-11-27
-    .venv/bin/python benchmarks/first_stage_cv.py --table benchmarks/results/first-stage-2026-11-27  # table only
+        --results benchmarks/results/first-stage-2026-11-26
+    .venv/bin/python benchmarks/first_stage_cv.py --table benchmarks/results/first-stage-2026-11-26  # table only
 
 Data: ``../shared/data`` (LoCoMo conv-26 + conv-30, LongMemEval_S train348 without abstention), imported with
 the platform. Every candidate is computed with the embed stage's functions (``Lexical``, ``cascade_candidates``,
@@ -88,32 +88,36 @@ def table(results: str) -> None:
     for f in sorted(os.listdir(results)):
         if f.endswith(".jsonl"):
             ds, cand = f[:-6].split(".", 1)
-            data.setdefault(ds, {})[cand] = {r["question_id"]: r for r in map(json.loads, open(os.path.join(results, f)))}
+            with open(os.path.join(results, f)) as fh:
+                data.setdefault(ds, {})[cand] = {r["question_id"]: r for r in map(json.loads, fh)}
     default = meta["default"]
     crit = lambda r: (r["recall_any@5"] + r["ndcg@10"]) / 2  # noqa: E731
     print(f"Default: {default}. Cells: recall_any@5 / recall_all@5 / NDCG@10 (fold A | fold B); "
-          f"Δ = paired difference to the default of (recall_any@5 + NDCG@10) / 2 over both folds, 95% bootstrap.\n")
+          f"Δ = mean paired difference to the default of (recall_any@5 + NDCG@10) / 2 [95% bootstrap interval].\n")
     for ds in ("lme", "locomo"):
         rows = data[ds][default]
         print(f"### {meta['titles'][ds]}: fold A {sum(r['fold'] == 'A' for r in rows.values())} q, "
               f"fold B {sum(r['fold'] == 'B' for r in rows.values())} q\n")
         extra = " | LME recall_all@5 / ndcg_any@10 (own metric)" if ds == "lme" else ""
-        print(f"| candidate | fold A | fold B | all{extra} | Δ vs default [95%] |")
-        print("|---|---:|---:|---:|" + ("---:|" if ds == "lme" else "") + "---:|")
+        print(f"| candidate | fold A | fold B | all{extra} | Δ fold A | Δ fold B | Δ all |")
+        print("|---|---:|---:|---:|" + ("---:|" if ds == "lme" else "") + "---:|---:|---:|")
         for cand in meta["candidates"]:
             r = data[ds][cand]
 
             def cell(fold: str | None) -> str:
                 v = [x for x in r.values() if fold is None or x["fold"] == fold]
-                return " / ".join(f"{np.mean([x[m] for x in v]):.3f}" for m in ("recall_any@5", "recall_all@5", "ndcg@10"))
+                return " / ".join(f"{np.mean([x[m] for x in v]):.3f}"
+                                  for m in ("recall_any@5", "recall_all@5", "ndcg@10"))
             line = f"| {cand} | {cell('A')} | {cell('B')} | {cell(None)}"
             if ds == "lme":
                 v = [x for x in r.values() if "lme_recall_all@5" in x]
                 line += f" | {np.mean([x['lme_recall_all@5'] for x in v]):.3f} / " \
                         f"{np.mean([x['lme_ndcg_any@10'] for x in v]):.3f} ({len(v)} q)"
-            d = [crit(r[q]) - crit(rows[q]) for q in rows]
-            lo, hi = bootstrap_ci(d) if cand != default else (0.0, 0.0)
-            print(f"{line} | {np.mean(d):+.4f} [{lo:+.4f}, {hi:+.4f}] |")
+            for fold in ("A", "B", None):
+                d = [crit(r[q]) - crit(rows[q]) for q in rows if fold is None or rows[q]["fold"] == fold]
+                lo, hi = bootstrap_ci(d)
+                line += f" | {np.mean(d):+.4f} [{lo:+.4f}, {hi:+.4f}]"
+            print(line + " |")
         print()
     print("### Cross-validation (rule: a candidate is chosen on a fold only if its mean paired Δ > 0 on both "
           "datasets of that fold; the best mean Δ of those; read on the other fold)\n")
@@ -128,6 +132,11 @@ def table(results: str) -> None:
             for c in meta["candidates"] if c != default) + f"); read on fold {read}: " + "; ".join(
             f"{ds} Δ {delta(best, read, ds):+.4f}" for ds in ("lme", "locomo")))
     print("\n" + "\n".join(f"- {c}: {w}" for c, w in meta["candidates"].items()))
+    print("\nTime windows (time-aware): " + "; ".join(
+        f"{ds}: {w['scored_with_window']} of the {w['scored']} scored questions state one, {w['scored_with_leg']} have "
+        f"sessions dated in it; of all {w['all']} questions {w['all_with_window']} state one, "
+        f"{w['all_gold_outside']} with a gold session dated outside it"
+        for ds, w in sorted(meta["time_windows"].items())))
 
 
 def main() -> None:
@@ -135,7 +144,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "first-stage-cv"))
     ap.add_argument("--data", default=SHARED)
     ap.add_argument("--lme", type=int, default=120, help="LongMemEval questions (first N in id order)")
-    ap.add_argument("--minutes", type=float, default=1e9, help="stop embedding after this many minutes")
+    ap.add_argument("--minutes", type=float, default=1e9, 
+                    help="embed nothing more after this many minutes (0: score the questions already embedded)")
     ap.add_argument("--results", help="write per-question files and meta.json here")
     ap.add_argument("--table", metavar="RESULTS", help="only print the table of a results folder")
     a = ap.parse_args()
@@ -179,6 +189,7 @@ def main() -> None:
         return vcache[h]
 
     all_rows: dict = {}
+    windows: dict = {}
     started = time.time()
     for name, (fmt, src) in srcs.items():
         path = os.path.join(a.out, name)
@@ -204,7 +215,7 @@ def main() -> None:
                 pickle.dump(lex, f)
             os.replace(lex_file + ".tmp", lex_file)
         # every text any candidate embeds, a few questions at a time (the store keeps them for the next run);
-        # past --minutes, the questions not embedded yet are left out (their number is in the table)
+        # past --minutes, the questions whose texts are not all embedded yet are left out (the table counts them)
         def texts_of(q) -> set[str]:
             need = {q.question}
             for view in V.LEXICAL:
@@ -213,9 +224,10 @@ def main() -> None:
             return need
         done = []
         for i in range(0, len(qs), 4):
-            if time.time() - started > a.minutes * 60:
+            texts = set().union(*(texts_of(q) for q in qs[i:i + 4]))
+            if time.time() - started > a.minutes * 60 and any(embedding.text_hash(t) not in store for t in texts):
                 break
-            ensure(sorted(set().union(*(texts_of(q) for q in qs[i:i + 4]))))
+            ensure(sorted(texts))
             done += qs[i:i + 4]
             print(f"{name}: {len(done)}/{len(qs)} questions embedded, {time.time() - started:.0f} s", file=sys.stderr,
                   flush=True)
@@ -237,6 +249,8 @@ def main() -> None:
             if i % 20 == 19:
                 print(f"{name}: {i + 1}/{len(qs)} questions, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
         all_rows[name] = (qs, ds, fold, rows)
+        every = [q for q in ds.questions if q.question_type != "adversarial" and rankings.eligible(q)]
+        windows[name] = V.time_stats(every, qs, ds)
     if a.results:
         os.makedirs(a.results, exist_ok=True)
         for name, (qs, ds, fold, rows) in all_rows.items():
@@ -247,8 +261,9 @@ def main() -> None:
                         f.write(json.dumps({**r, "fold": fold[r["question_id"]], **pq[r["question_id"]]},
                                            sort_keys=True) + "\n")
         with open(os.path.join(a.results, "meta.json"), "w") as f:
-            json.dump({"default": V.DEFAULT, "candidates": V.DESCRIPTIONS,
-                       "titles": {"lme": f"LongMemEval_S train348 (first {a.lme} scored questions in id order)",
+            json.dump({"default": V.DEFAULT, "candidates": V.DESCRIPTIONS, "time_windows": windows,
+                       "titles": {"lme": f"LongMemEval_S train348 (the first {len(all_rows['lme'][0])} scored "
+                                         "questions in id order)",
                                   "locomo": "LoCoMo (fold A = conv-26, fold B = conv-30)"}}, f, indent=1)
         table(a.results)
 

@@ -111,6 +111,21 @@ def time_leg(q, ds) -> np.ndarray | None:
     return leg if 0 < leg.sum() < len(leg) else None
 
 
+def time_stats(every: list, scored: list, ds) -> dict:
+    """How many questions state a time window, get a leg, have a gold session dated outside their window."""
+    def window(q):
+        return time_window(q.question, parse_date(q.question_date))
+    outside = 0
+    for q in every:
+        w = window(q)
+        if w is not None:
+            d = [parse_date(q.date_of(s, ds.sessions)) for s in q.gold_session_ids]
+            outside += any(x is None or not w[0] <= x <= w[1] for x in d)
+    return {"scored": len(scored), "scored_with_window": sum(window(q) is not None for q in scored),
+            "scored_with_leg": sum(time_leg(q, ds) is not None for q in scored), "all": len(every),
+            "all_with_window": sum(window(q) is not None for q in every), "all_gold_outside": outside}
+
+
 # ---------------------------------------------------------------- candidates
 def _zsum(lex: dict, q, ds, unit_sims, *, subject_dense: bool = False, time: str = "", family: bool = False,
           top2: bool = False) -> np.ndarray:

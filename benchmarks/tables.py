@@ -298,6 +298,22 @@ def table_agents_base_episodes() -> list[str]:
     return lines
 
 
+FIRST_STAGE = "benchmarks/results/first-stage-2026-11-26"
+
+
+def table_first_stage_cv() -> list[str]:
+    """Issue 42 item 5: first-stage candidates against the default, by fold (``first_stage_cv.py --table``)."""
+    import contextlib
+    import io
+
+    import first_stage_cv
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        first_stage_cv.table(os.path.join(ROOT, FIRST_STAGE))
+    return out.getvalue().splitlines()
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -311,6 +327,8 @@ TABLES = {
                                                     f"{AGENTS_SFT}/machine*/logs.tar.gz"], [f"{AGENTS_SFT}/README.md"]),
     "agents-one-call": (table_agents_one_call, [f"{AGENTS_SFT}/answers/*.parquet", f"{ONE_CALL}/paired.json",
                                                 f"{ONE_CALL}/report.json"], [f"{ONE_CALL}/README.md"]),
+    "first-stage-cv": (table_first_stage_cv, [f"{FIRST_STAGE}/*.jsonl", f"{FIRST_STAGE}/meta.json"],
+                       [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
 }
