@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """First-stage candidates against the default (``zsum`` k = 15), cross-validated across datasets (issue 42 item 5).
 
-    nice -n 19 .venv/bin/python benchmarks/first_stage_cv.py --lme 120 --out runs/first-stage-cv \\
+    nice -n 19 .venv/bin/python benchmarks/first_stage_cv.py --lme 200 --out runs/first-stage-cv \\
         --results benchmarks/results/first-stage-2026-11-26
     .venv/bin/python benchmarks/first_stage_cv.py --table benchmarks/results/first-stage-2026-11-26  # table only
 
@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "first-stage-cv"))
     ap.add_argument("--data", default=SHARED)
-    ap.add_argument("--lme", type=int, default=120, help="LongMemEval questions (first N in id order)")
+    ap.add_argument("--lme", type=int, default=200, help="LongMemEval questions (first N in id order)")
     ap.add_argument("--minutes", type=float, default=1e9, 
                     help="embed nothing more after this many minutes (0: score the questions already embedded)")
     ap.add_argument("--results", help="write per-question files and meta.json here")
