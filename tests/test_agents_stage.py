@@ -498,8 +498,9 @@ def test_chart_wires_the_memory_service_url_into_the_agents_stage():
 
     def rendered(v: dict) -> tuple[dict, list[dict]]:
         docs = chart.render_docs([], values=v, namespace="mem")
-        cms = {d["metadata"]["labels"]["memsifter.io/stage"]: yaml.safe_load(next(iter(d["data"].values())))
-               for d in docs if d.get("kind") == "ConfigMap" and "memsifter.io/stage" in d["metadata"]["labels"]}
+        # a stage's ConfigMap holds its config document as `<stage>.yaml` beside the run's S3 settings
+        cms = {st: yaml.safe_load(d["data"][f"{st}.yaml"]) for d in docs
+               if d.get("kind") == "ConfigMap" and (st := d["metadata"]["labels"].get("memsifter.io/stage"))}
         return cms, docs
 
     local = dict(pipeline.wire({"run": "s3://bkt/runs/r1", "stages": {
