@@ -468,12 +468,15 @@ def first_stage_table(results: dict[str, dict], first_stage: bool = True, ranker
 REFERENCE_ROWS = ("no memory", "constant answer", "random sessions")
 
 
-def _context_order(label: str) -> int:
+def _context_order(label: str) -> tuple[int, int, str]:
     """Answer methods in the screen's order: the references (no memory, the constant answer, random sessions),
-    dense, the first stage, rankers, the oracle, agents."""
-    return (0 if label.startswith(REFERENCE_ROWS) else 1 if label.endswith(":dense") else
-            2 if label.startswith("embed:") else 3 if label.startswith("rank:") else
-            5 if label.startswith("agent:") else 4)
+    dense, the first stage, rankers, the oracle, agents; within a group by name (agents: in the order they ran),
+    so that a re-run, which reads the stats back from the manifests, prints the rows in the same order."""
+    ref = next((i for i, r in enumerate(REFERENCE_ROWS) if label.startswith(r)), None)
+    group = (0 if ref is not None else 1 if label.endswith(":dense") else
+             2 if label.startswith("embed:") else 3 if label.startswith("rank:") else
+             5 if label.startswith("agent:") else 4)
+    return group, ref or 0, "" if group == 5 else label
 
 
 def answers_table(results: dict[str, dict], width: int | None = None) -> list[str]:

@@ -275,3 +275,18 @@ def test_cost_figure_shows_every_method_and_readable_ticks(span):
     assert len(boxes) >= 3
     assert all(a.x1 + 2 <= b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
     assert all(re.fullmatch(r"\d+(\.\d+)?k?", t.get_text()) for t in labels), [t.get_text() for t in labels]
+
+
+def test_answer_rows_keep_one_order_whatever_order_the_stats_come_in():
+    """A re-run reads the answers' stats back from the manifests, in another key order than the run that
+    computed them: the screen's rows must come out in the same order (the references in their fixed order,
+    then by group and name; the agents in the order they ran)."""
+    import itertools
+
+    labels = ["random sessions", "no memory", "constant answer", "embed:zsum", "embed:dense", "embed:bm25",
+              "rank:b", "rank:a", "oracle (gold sessions)"]
+    orders = {tuple(sorted(p, key=demo._context_order)) for p in itertools.permutations(labels[:4])}
+    assert orders == {("no memory", "constant answer", "random sessions", "embed:zsum")}
+    assert sorted(reversed(labels), key=demo._context_order) == sorted(labels, key=demo._context_order)
+    agents = ["agent:search", "agent:memory", "agent:search (agents-trained)", "agent:memory (agents-trained)"]
+    assert sorted(agents, key=demo._context_order) == agents
