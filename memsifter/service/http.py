@@ -281,7 +281,7 @@ default corpus or `/u/{corpus_id}/retrieve`). Keys: `Authorization: Bearer <key>
 
 # The API's description page, self-contained (no CDN: it works offline and in a closed cluster): it reads
 # /openapi.json and lists every route with its parameters, request body and answers.
-DOCS_HTML = """<!doctype html>
+DOCS_HTML = r"""<!doctype html>
 <html><head><meta charset="utf-8"><title>memsifter retrieval service: API</title>
 <style>
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:980px;padding:0 1em;color:#222}
