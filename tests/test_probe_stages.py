@@ -353,7 +353,7 @@ def test_evaluate_reports_n_and_bootstrap_intervals(tmp_path):
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "0.00" in texts and "1.00" in texts
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels == ["m (n=6)"]
+    assert labels == ["constant answer (n=6)", "m (n=6)"]   # the reference row is drawn beside the method
 
 
 def test_evaluate_flags_methods_scored_on_different_question_sets(tmp_path):
