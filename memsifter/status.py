@@ -141,8 +141,10 @@ def progress(out: str, holder: dict | None, now: float) -> dict | None:
             or not (total is None or (isinstance(total, int) and not isinstance(total, bool))):
         return None
     done, started, updated = nums
-    rate = done / (updated - started) if updated > started and done > 0 else None
-    eta = (total - done) / rate if rate and total is not None and total >= done else None
+    # a count finished within the clock's resolution still had a rate; a finished count has nothing left
+    rate = done / max(updated - started, 1e-3) if updated >= started and done > 0 else None
+    eta = (0.0 if total is not None and done >= total else
+           (total - done) / rate if rate and total is not None else None)
     return {"desc": str(rec.get("desc") or ""), "unit": str(rec.get("unit") or "item"), "done": int(done),
             "total": total, "per_second": None if rate is None else round(rate, 3),
             "eta_seconds": None if eta is None else round(eta), "age_seconds": round(max(0.0, now - updated))}
