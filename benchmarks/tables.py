@@ -314,6 +314,186 @@ def table_first_stage_cv() -> list[str]:
     return out.getvalue().splitlines()
 
 
+
+# Speed tables: each number read from the run's committed JSON or log (a speed figure is backed when its timings are
+# committed and the builder reads it from them; quality figures need per-question files, above).
+
+GPU = "benchmarks/gpu/results"
+README_BENCH = "benchmarks/README.md"
+
+
+def load_json(path: str):
+    import json
+
+    with open(os.path.join(ROOT, path)) as f:
+        return json.load(f)
+
+
+def bold(cell: str, on: bool = True) -> str:
+    return f"**{cell}**" if on else cell
+
+
+def span(d: dict, f: str = "{:.1f}", dash: str = "–") -> str:
+    """``median (min–max)`` of a spread record (``n``, ``median``, ``min``, ``max``); one value alone."""
+    if d["n"] == 1:
+        return f.format(d["median"])
+    return f"{f.format(d['median'])} ({f.format(d['min'])}{dash}{f.format(d['max'])})"
+
+
+def row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table_embed_gpu_2026_11_22() -> list[str]:
+    """bench_embed_gpu.py on one H100 (2026-11-22), from its committed printout: texts, tokens and seconds from
+    the timing lines; tokens/s, peak memory and speed-up from the table it printed (computed there from unrounded
+    seconds), each checked against the timing lines."""
+    with open(os.path.join(ROOT, "benchmarks/results/bench_embed_gpu_h100.txt")) as f:
+        text = f.read().splitlines()
+    timed = {(c[0], c[1]): (c[2], c[4], float(c[6])) for c in (ln.split() for ln in text)
+             if len(c) == 8 and c[-1] == "s" and c[3] == "texts"}
+    printed = {(c[0], c[1]): c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in text
+                                          if ln.startswith("| ") and ln.split("|")[1].strip() in ("float32", "float16", "bfloat16"))}
+    base = timed[("float32", "naive")][2]
+    lines = ["| precision | strategy | texts | tokens | seconds | tokens/s | peak GPU GiB | speed-up vs naive fp32 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for key, (texts, tok, secs) in timed.items():
+        tps, peak, speed = printed[key][5], printed[key][6], printed[key][7]
+        assert abs(float(tps.replace(",", "")) * secs / int(tok) - 1) < 0.005, key
+        assert abs(float(speed.rstrip("x")) - base / secs) < 0.011, key
+        lines.append(row(*key, texts, tok, f"{secs:.2f}", tps, peak, speed))
+    return lines
+
+
+def table_embed_gpu_2026_11_23() -> list[str]:
+    """The embed stage against plain bf16 on one H100 (2026-11-23, ``call6-embed.json``)."""
+    rs = {r["name"]: r for r in load_json(f"{GPU}/2026-11-23-h100-c/call6-embed.json")["results"]}
+    plain = rs["plain-bf16 (HF, sorted, SDPA)"]["texts_s"]
+    lines = ["| row | sessions/s | tokens/s | MFU | peak GiB | vs plain bf16 |", "|---|---:|---:|---:|---:|---:|"]
+    for label, name, strong in (
+            ("plain bf16 (HF, sorted, SDPA, padded budget 65,536; Rust tokenizer pool on)", "plain-bf16 (HF, sorted, SDPA)", False),
+            ("stage, packed, 65,536 real tokens per batch (8 tokenizer threads)", "stage (budget 65536)", False),
+            ("stage, packed, 131,072", "stage (budget 131072)", False),
+            ("**stage, packed, 131,072 + `torch.compile`** (the stage's GPU default since this run)",
+             "stage+compile (budget 131072)", True),
+            ("GPU share only: packed forward on ids tokenized beforehand (131,072)",
+             "gpu-only: packed forward, ids tokenized beforehand (budget 131072)", False),
+            ("the stage's Ray Data path (`embed_missing`, plan 65,536 / 1,024, no compile), incl. actor start + model load",
+             "pipeline: embed_missing (Ray Data actor, default plan, incl. model load)", False)):
+        r = rs[name]
+        peak = "-" if r["peak_gib"] != r["peak_gib"] else f"{r['peak_gib']:.1f}"  # NaN: not measured
+        lines.append(row(label, bold(f"{r['texts_s']:.1f}", strong), f"{r['tokens_s']:,.0f}",
+                         bold(f"{100 * r['mfu']:.1f}%", strong), peak, bold(f"{r['texts_s'] / plain:.2f}x", strong)))
+    return lines
+
+
+def table_embed_gpu_scale() -> list[str]:
+    """Embed at scale on one H100 (2026-11-24, machine 4, ``embed.json``): median (min–max) of the repeats."""
+    rs = {r["name"]: r for r in load_json(f"{GPU}/2026-11-24-h100-m4/embed.json")["results"]}
+    plain = rs["plain-bf16 (HF, sorted, SDPA)"]["texts_s"]
+    lines = ["| row | texts | repeats | texts/s | MFU (measured peak) | MFU (datasheet) | vs plain |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, name in (
+            ("plain bf16 (HF, sorted, SDPA, padded 65,536)", "plain-bf16 (HF, sorted, SDPA)"),
+            ("stage in-process, packed 131,072 + compile", "stage+compile (budget 131072)"),
+            ("packed forward alone (ids tokenized beforehand)",
+             "gpu-only (compiled): packed forward, ids tokenized beforehand (budget 131072)"),
+            ("**the stage's Ray Data path** (actor start, model load, compile included)",
+             "pipeline: embed_missing (Ray Data actor, default plan, incl. actor start + model load)")):
+        r = rs[name]
+        pipeline, alone = name.startswith("pipeline"), name.startswith("gpu-only")
+        t = r["texts_s_spread"]
+        med = bold(f"{t['median']:.1f}", pipeline)
+        texts_s = f"{med} ({t['min']:.1f}–{t['max']:.1f})"
+        lines.append(row(label, f"{r['texts']:,}", r["repeats"], texts_s, bold(f"{100 * r['mfu']:.1f}%", alone),
+                         f"{100 * r['mfu_datasheet']:.1f}%", bold(f"{r['texts_s'] / plain:.2f}x", pipeline)))
+    return lines
+
+
+
+def rank_runs(path: str) -> tuple[dict, dict | None, dict]:
+    """A ``run_rank.py`` rank.json: its runs summarised by run name as the driver summarises them, its HF
+    baseline, its measured peak."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    import run_rank
+
+    d = load_json(path)
+    return run_rank.summarize(d["results"]), d.get("hf"), d.get("peak")
+
+
+def table_rank_gpu_2026_11_23() -> list[str]:
+    """The rank stage against the original's engine settings, two 130k-token prompts (``call16-rank.json``)."""
+    runs, _, _ = rank_runs(f"{GPU}/2026-11-23-h100-c/call16-rank.json")
+    lines = ["| run | prompts | engine busy s | pipeline s (incl. engine start) | prompts/s (busy) | "
+             "prompt tok/s (vLLM log) | peak GPU MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, name in (("original settings (batch 1, `max_num_seqs=1`, `max_num_batched_tokens=133120`)", "original"),
+                        ("ours (batch 2, vLLM defaults)", "ours")):
+        r = runs[name]
+        lines.append(row(label, r["prompts"], f"{r['busy']['median']:.2f}", f"{r['pipeline']['median']:.1f}",
+                         f"{r['prompts_s']:.4f}", f"{r['vllm_log']['prompt_tok_s_max']:,.0f}", f"{r['gpu_mib']:,}"))
+    return lines
+
+
+def rank_rows(runs: dict, hf: dict | None, labels: dict, hf_label: str | None, hf_runs: str | None = None) -> list[str]:
+    """Rows of the many-prompt rank tables: engine busy and start s (median (min–max)), prompts/s, and the ratio to
+    the original's settings; the HF ``generate`` baseline last."""
+    lines = ["| run | prompts | runs | engine busy s | engine start s | prompts/s (busy) | vs original |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    original = runs["original"]["prompts_s"]
+    for name, (label, strong) in labels.items():
+        r = runs[name]
+        lines.append(row(label, r["prompts"], r["runs"], span(r["busy"]), span(r["start"]),
+                         bold(f"{r['prompts_s']:.3f}", strong and name != "original"),
+                         bold(f"{r['prompts_s'] / original:.2f}x", strong)))
+    if hf_label:
+        sp = hf.get("full_s_spread") or {"n": 1, "median": hf["full_s"]}
+        rate = hf["prompts"] / hf["full_s"]
+        lines.append(row(hf_label, hf["prompts"], hf_runs or sp["n"], span(sp), "-", f"{rate:.3f}",
+                         f"{rate / original:.2f}x"))
+    return lines
+
+
+def table_rank_gpu_locomo() -> list[str]:
+    """256 LoCoMo-length prompts (2026-11-24): vLLM runs of machine 5, HF ``generate`` of machine 7."""
+    runs, _, _ = rank_runs(f"{GPU}/2026-11-24-h100-m5/rank.json")
+    _, hf, _ = rank_runs(f"{GPU}/2026-11-24-h100-m7/rank.json")
+    return rank_rows(runs, hf, {"original": ("original settings (batch 1, `max_num_seqs=1`)", False),
+                                "ours": ("**ours** (the stage's defaults)", True)},
+                     "HF `generate` (batch 8, left-padded)")
+
+
+def table_rank_gpu_lme() -> list[str]:
+    """64 LongMemEval-length prompts (2026-11-25): machines 13 and 14 pooled by ``run_rank.py --combine``."""
+    runs, hf, _ = rank_runs(f"{GPU}/2026-11-25-h100-lme/rank.json")
+    lines = rank_rows(runs, hf, {
+        "original": ("original settings (batch 1, `max_num_seqs=1`, 133,120-token prefill)", False),
+        "ours": ("ours (the stage's defaults: vLLM's 2,048-token prefill chunks, all prompts in flight)", False)},
+        "HF `generate` (batch 1)", f"{hf['full_s_spread']['n']} (one per machine)")
+    return [ln.replace(" | 0.99x |", " | **0.99x** |") if ln.startswith("| ours") else ln for ln in lines]
+
+
+def table_rank_prefill_chunk() -> list[str]:
+    """Larger prefill chunks at LongMemEval length (2026-11-25, ``2026-11-25-prefill-chunk/rank.json``): the share
+    of the prefill roofline at the matmul peak measured in the same run (``run_rank.roofline``)."""
+    import run_rank  # noqa: F401 - on the path once rank_runs ran
+
+    from memsifter.models.tiny import QWEN3_4B
+
+    runs, _, peak = rank_runs(f"{GPU}/2026-11-25-prefill-chunk/rank.json")
+    ceiling = run_rank.roofline(dict(QWEN3_4B), runs["ours"]["prompt_lengths"], peak["peak"])["prefill_ceiling_prompts_s"]
+    lines = ["| setting (`vllm.max_num_batched_tokens`) | prompts | runs | engine busy s | prompts/s (busy) | "
+             "% of prefill roofline | vs default |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, name in (("unset = vLLM's 2,048-token chunk (`ours`, today's default)", "ours"),
+                        ("16,384", "ours-chunk16384"), ("32,768", "ours-chunk32768")):
+        r = runs[name]
+        best = name == "ours-chunk16384"
+        share = {k: 100 * v / ceiling for k, v in r["prompts_s_spread"].items() if k != "n"}
+        roof = bold(f"{share['median']:.1f}%", best) + (f" ({share['min']:.1f}–{share['max']:.1f})" if r["runs"] > 1 else "")
+        lines.append(row(label, r["prompts"], r["runs"], span(r["busy"]), bold(f"{r['prompts_s']:.3f}", best), roof,
+                         bold(f"{r['prompts_s'] / runs['ours']['prompts_s']:.2f}x", best)))
+    return lines
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -331,6 +511,14 @@ TABLES = {
                        [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
+    "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"], [README_BENCH]),
+    "embed-gpu-2026-11-23": (table_embed_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call6-embed.json"], [README_BENCH]),
+    "embed-gpu-scale": (table_embed_gpu_scale, [f"{GPU}/2026-11-24-h100-m4/embed.json"], [README_BENCH]),
+    "rank-gpu-2026-11-23": (table_rank_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call16-rank.json"], [README_BENCH]),
+    "rank-gpu-locomo": (table_rank_gpu_locomo, [f"{GPU}/2026-11-24-h100-m5/rank.json", f"{GPU}/2026-11-24-h100-m7/rank.json"],
+                        [README_BENCH]),
+    "rank-gpu-lme": (table_rank_gpu_lme, [f"{GPU}/2026-11-25-h100-lme/rank.json"], [README_BENCH]),
+    "rank-prefill-chunk": (table_rank_prefill_chunk, [f"{GPU}/2026-11-25-prefill-chunk/rank.json"], [README_BENCH]),
 }
 
 
