@@ -494,6 +494,145 @@ def table_rank_prefill_chunk() -> list[str]:
     return lines
 
 
+
+def verl_steps(log: str) -> list[dict]:
+    """verl's per-step metrics from a committed train-stage log (its ``step:N - key:value - ...`` lines)."""
+    steps: dict[int, dict] = {}
+    with open(os.path.join(ROOT, log), errors="replace") as f:
+        for line in f:
+            at = line.find("step:")
+            if at < 0 or " - " not in line[at:]:
+                continue
+            fields = dict(kv.split(":", 1) for kv in line[at:].strip().split(" - ") if ":" in kv)
+            if not fields.get("step", "").isdigit():
+                continue
+            m = steps.setdefault(int(fields.pop("step")), {})
+            for k, v in fields.items():
+                try:
+                    m[k] = float(v)
+                except ValueError:   # a non-numeric metric (verl logs a few): not a table's
+                    pass
+    return [dict(step=n, **m) for n, m in sorted(steps.items())]
+
+
+def table_train_gpu_2026_11_23() -> list[str]:
+    """The train stage fresh and resumed from S3 (2026-11-23, machine c): verl's step metrics from the stage logs,
+    each command's exit and wall time from its driver log; rollout tok/s = response tokens (mean length x 8 prompts
+    x 4 samples) / generation s."""
+    import re
+
+    lines = ["| run | step | score mean | step s | gen s | update actor s | save ckpt s | rollout tok/s | grad norm |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for call, log, label in (("call7", "call7-train1.log", "fresh"),
+                             ("call8", "call8-train2.log", "resumed from S3 on an empty local dir")):
+        with open(os.path.join(ROOT, GPU, "2026-11-23-h100-c", f"{call}.log")) as f:
+            rc, wall = re.findall(r"-> exit (\d+) in ([0-9.]+)s", f.read())[-1]
+        for i, m in enumerate(verl_steps(f"{GPU}/2026-11-23-h100-c/{log}")):
+            name = f"{label} (exit {rc}, {float(wall):.0f} s)" if i == 0 else label
+            save = f"{m['timing_s/save_checkpoint']:.2f}" if "timing_s/save_checkpoint" in m else "-"
+            rollout = m["response_length/mean"] * 8 * 4 / m["timing_s/gen"]
+            lines.append(row(name, m["step"], f"{m['critic/score/mean']:.3f}", f"{m['timing_s/step']:.1f}",
+                             f"{m['timing_s/gen']:.2f}", f"{m['timing_s/update_actor']:.2f}", save,
+                             f"{rollout:,.0f}", f"{m['actor/grad_norm']:.3g}"))
+    return lines
+
+
+def table_dapo_ab() -> list[str]:
+    """verl's row-by-row log-probs against the blocks (2026-11-24, machine 9): median (min–max) over each run's
+    steps of its ``train_dcg_*_metrics.jsonl`` (``dapo_ab.py``'s reading)."""
+    import statistics
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    import dapo_ab
+
+    slow, fast = (dapo_ab.steps(os.path.join(ROOT, GPU, "2026-11-24-h100-m9", f"train_dcg_{k}_metrics.jsonl"))
+                  for k in ("slow", "fast"))
+
+    def med(rs, key):
+        return statistics.median([r[key] for r in rs])
+
+    keys = ("timing_s/step", "timing_s/old_log_prob", "timing_s/update_actor", "perf/throughput", "perf/mfu/actor",
+            "actor/perf/max_memory_allocated_gb")
+    lines = ["| run | step s | old log-probs s | actor update s | tokens/s | actor MFU (verl) | max GPU GB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, rs, strong in (("verl's row loop (`fast_logprobs=false`)", slow, False), ("**blocks (default)**", fast, True)):
+        st = [r["timing_s/step"] for r in rs]
+        lines.append(row(label, f"{bold(f'{med(rs, keys[0]):.1f}', strong)} ({min(st):.1f}–{max(st):.1f})",
+                         f"{med(rs, keys[1]):.1f}", f"{med(rs, keys[2]):.1f}", f"{med(rs, keys[3]):,.0f}",
+                         f"{100 * med(rs, keys[4]):.2f}%", f"{med(rs, keys[5]):.1f}"))
+    ratio = [med(slow, k) / med(fast, k) for k in keys[:3]] + [med(fast, k) / med(slow, k) for k in keys[3:]]
+    lines.append(row("ratio", f"**{ratio[0]:.2f}x faster**", *(f"{x:.2f}x" for x in ratio[1:])))
+    return lines
+
+
+def table_entropy_memory() -> list[str]:
+    """The entropy term's memory (machine 12, 2026-11-24, ``entropy_memory.json``): peak allocated and saved for
+    backward, median of 3."""
+    d = load_json(f"{GPU}/2026-11-24-h100-m12/entropy_memory.json")
+    rs = {r["mode"]: r for r in d["rows"]}
+    gib = 2 ** 30
+    lines = ["| run | peak memory allocated | vs verl as is | saved for backward | fw+bw s |", "|---|---:|---:|---:|---:|"]
+    for label, mode in (("no entropy in the loss", "none"),
+                        ("entropy in the loss (verl's `entropy_from_logits` formula)", "plain"),
+                        ("the same, checkpointed (verl's `entropy_checkpointing`)", "ckpt")):
+        r = rs[mode]
+        lines.append(row(label, f"{r['peak_bytes'] / gib:.2f} GiB", f"{r['peak_bytes'] / rs['plain']['peak_bytes']:.2f}x",
+                         f"{r['saved_bytes'] / gib:.2f} GiB", f"{r['seconds']:.3f}"))
+    return lines
+
+
+def table_entropy_microbatch() -> list[str]:
+    """Peak allocated by micro-batch size (machine 14, 2026-11-25, ``entropy_memory_b19/b9.json``)."""
+    lines = ["| micro-batch | no entropy | entropy in the loss | checkpointed |", "|---|---:|---:|---:|"]
+    for b, budget in ((19, "32k"), (9, "16k")):   # the micro-batch token budgets run_ranker.py sets
+        d = load_json(f"{GPU}/2026-11-25-h100-m14/entropy_memory_b{b}.json")
+        rs = {r["mode"]: r["peak_bytes"] / 2 ** 30 for r in d["rows"]}
+        plain = bold(f"{rs['plain']:.2f} GiB", b == 9)
+        lines.append(row(f"{d['args']['batch']} × {d['args']['length']:,} tokens ({budget})",
+                         f"{rs['none']:.2f} GiB", plain, f"{rs['ckpt']:.2f} GiB"))
+    return lines
+
+
+
+def table_tokenizer() -> list[str]:
+    """bench_tokenizer.py on this machine's 2 cores (2026-11-24, ``tokenizer.json``): median (min–max) of 3."""
+    d = load_json("benchmarks/results/2026-11-24-tokenizer/tokenizer.json")
+    gpu = d["args"]["gpu_texts_s"]
+    base = {r["threads"]: r["texts_s"] for r in d["rows"] if r["name"] == "bpe-8k"}
+    one = {r["name"]: r["texts_s"] for r in d["rows"] if r["threads"] == 1}
+    names = {"bpe-8k": ("bpe-8k (the GPU runs')", "bpe-8k"), "unigram-xlmr": ("unigram, XLM-R recipe",) * 2,
+             "wordpiece-30k": ("WordPiece (all-MiniLM-L6-v2)", "WordPiece")}
+    lines = [f"| tokenizer | vocab | threads | tokens/text | texts/s | vs bpe-8k | threads to feed {gpu:g} texts/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        first = r["threads"] == 1
+        lines.append(row(names[r["name"]][0 if first else 1], f"{r['vocab']:,}", r["threads"], f"{r['tokens_per_text']:,.0f}",
+                         f"{r['texts_s']:.1f} ({r['min_texts_s']:.1f}–{r['max_texts_s']:.1f})",
+                         f"{r['texts_s'] / base[r['threads']]:.2f}x", f"{gpu / one[r['name']]:.1f}" if first else "-"))
+    return lines
+
+
+SERVE = "benchmarks/results/serve-2026-11-26"
+
+
+def table_serve() -> list[str]:
+    """bench_serve.py (2026-11-26, ``serve.json``): each level's queries/s and latencies, and the soak."""
+    d = load_json(f"{SERVE}/serve.json")
+    base = {r["clients"]: r["qps"] for r in d["levels"]["baseline"]}
+    lines = ["| server | clients | queries/s | p50 ms | p90 ms | p99 ms | errors | ratio to baseline q/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for kind, rs in d["levels"].items():
+        for r in rs:
+            lines.append(row(kind, r["clients"], f"{r['qps']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}",
+                             f"{r['p99_ms']:.1f}", r["errors"], f"{r['qps'] / base[r['clients']]:.2f}"))
+    s = d["soak"]
+    lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min, run {s['date']}): {s['requests']} requests, "
+              f"{s['errors']} errors, {s['qps']:.1f} q/s, p99 {s['p99_ms']:.1f} ms; index re-published at "
+              f"{s['reload_at_s']} s, reloads seen {s['reloads_seen']}; RSS {s['rss_first_mb']} -> {s['rss_last_mb']} MB "
+              f"(max {s['rss_max_mb']}), growth {100 * s['rss_growth']:.1f}%. Note: {s['note']}."]
+    return lines
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -519,6 +658,12 @@ TABLES = {
                         [README_BENCH]),
     "rank-gpu-lme": (table_rank_gpu_lme, [f"{GPU}/2026-11-25-h100-lme/rank.json"], [README_BENCH]),
     "rank-prefill-chunk": (table_rank_prefill_chunk, [f"{GPU}/2026-11-25-prefill-chunk/rank.json"], [README_BENCH]),
+    "train-gpu-2026-11-23": (table_train_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call{{7,8}}*.log"], [README_BENCH]),
+    "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_{{slow,fast}}_metrics.jsonl"], [README_BENCH]),
+    "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
+    "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"], [README_BENCH]),
+    "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
+    "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
 
 

@@ -24,13 +24,11 @@ def test_published_table_is_what_the_committed_files_give(name):
         assert tables.main([name]) == 0
     printed = [line for line in out.getvalue().splitlines() if line.strip()]
     assert len(printed) >= 2
-    docs = tables.TABLES[name][2]
-    published = set()
-    for d in docs:
-        with open(os.path.join(REPO, d), encoding="utf-8") as f:
-            published |= {line.rstrip("\n") for line in f}
-    missing = [line for line in printed if line not in published]
-    assert not missing, f"{name}: lines of the recomputed table that {', '.join(docs)} do not publish: {missing}"
+    for doc in tables.TABLES[name][2]:   # every document that publishes the table publishes all of it
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            published = {line.rstrip("\n") for line in f}
+        missing = [line for line in printed if line not in published]
+        assert not missing, f"{name}: lines of the recomputed table that {doc} does not publish: {missing}"
 
 
 def test_tables_cli_lists_every_table_with_its_files_and_docs():
