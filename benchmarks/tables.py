@@ -633,6 +633,44 @@ def table_serve() -> list[str]:
     return lines
 
 
+
+COLLAPSE = f"{GPU}/2026-11-25-collapse/collapse.json"
+
+
+def table_collapse() -> list[str]:
+    """DAPO's collapse and the guard, one run per setting (machines 11, 16, 17): each run's verl metrics
+    (``collapse.json`` names the files), read by ``collapse_compare.read_run`` (the guard's stop as the train stage
+    decides it); step s the median over the steps, peak GPU memory the largest ``max_memory_allocated_gb`` of a step,
+    validation the greedy NDCG@10 over the shown sessions (LME / LoCoMo) at each validation."""
+    import statistics
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    import collapse_compare
+
+    from memsifter.stages.train import EVICTED_KEY
+
+    runs = [collapse_compare.read_run(f"{e['label']}={os.path.join(ROOT, e['metrics'])}") for e in load_json(COLLAPSE)]
+    labels = ("lr 2e-4 (machine 11, 2026-11-24)", "lr 5e-5, the shipped recipe (machine 16)",
+              "lr 5e-5, entropy_coeff 0.05, 16k micro-batches (machine 17)")
+    lines = ["| setting | guard stop at step | discarded groups / token entropy at step 16 | step s (median) | "
+             "peak GPU memory | held-out validation |", "|---|---:|---|---:|---:|---|"]
+    shipped = None
+    for label, r in zip(labels, runs):
+        steps = [m for n, m in sorted(r["steps"].items()) if n > 0]
+        secs = statistics.median([m["timing_s/step"] for m in steps if "timing_s/step" in m])
+        shipped = shipped or (secs if "shipped" in label else None)
+        at16 = r["steps"].get(16, {})
+        s16 = f"{at16[EVICTED_KEY]:.0f} / {at16['actor/entropy']:.3f}" if EVICTED_KEY in at16 else "-"
+        mem = max(m.get("actor/perf/max_memory_allocated_gb", 0) for m in steps)
+        val = [(n, collapse_compare._validation(m)) for n, m in sorted(r["steps"].items()) if collapse_compare._validation(m)]
+        moved = [(n, v) for (n, v), (_, prev) in zip(val[1:], val) if v != prev]
+        val_cell = "unchanged" if not moved else (f"{val[0][1]} at step {val[0][0]}, "
+                                                  + ", ".join(f"{v} at step {n}" for n, v in moved) + ", then unchanged")
+        ratio = f" ({secs / shipped:.2f}x)" if shipped and "entropy" in label else ""
+        lines.append(row(label, r["stop"][0], s16, f"{secs:.1f}{ratio}", f"{mem:.1f} GB", val_cell))
+    return lines
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -662,6 +700,7 @@ TABLES = {
     "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_{{slow,fast}}_metrics.jsonl"], [README_BENCH]),
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
     "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"], [README_BENCH]),
+    "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1{{1,6,7}}/train_dcg_*_metrics.jsonl"], [README_BENCH]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
