@@ -671,6 +671,164 @@ def table_collapse() -> list[str]:
     return lines
 
 
+
+# Ranker tables: the GPU drivers' held-out aggregates (``table.json``: evaluate's means per ranker). The runs did not
+# commit their per-question rankings, so these check the documents against the committed aggregates only; each
+# document says so beside its table.
+
+RANKER_CARD = "memsifter/adapters/smollm2-135m-ranker-dapo/MODEL_CARD.md"
+SHUFFLED = f"{GPU}/2026-11-26-h100-agents-ranker"
+
+
+def ranker_json(path: str) -> dict:
+    """``table.json`` of ``run_ranker.py``: {held-out part: {ranker: aggregates}} (answers left out)."""
+    return {part: {k: v for k, v in t.items() if not k.startswith("_")} for part, t in load_json(path).items()}
+
+
+def f3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def table_ranker_2026_11_24() -> list[str]:
+    """The first real ranker (machine 1): chronological lists; random valid rankings from ``random_baseline.json``
+    (``gpu/random_baseline.py``, 50 draws on the CPU)."""
+    t = ranker_json(f"{GPU}/2026-11-24-h100-m1/table.json")
+    rnd = load_json(f"{GPU}/2026-11-24-h100-m1/random_baseline.json")
+    lme, loc = t["lme_heldout"], t["locomo_heldout"]
+    nd = lambda part, k: f3(part[k]["ndcg@10"])  # noqa: E731
+    return ["| ranker | valid format, free generation | LME NDCG@10 | LoCoMo NDCG@10 |", "|---|---:|---:|---:|",
+            row("base, free", f"{lme['base-free']['valid_format']:.0%} (falls back to the first stage)",
+                f"({nd(lme, 'base-free')})", f"({nd(loc, 'base-free')})"),
+            row("base, structured outputs", "100% (forced)", nd(lme, "base-structured"), nd(loc, "base-structured")),
+            row("SFT adapter (chronological lists; shipped until the DAPO adapter of machine 8 replaced it)",
+                f"**{lme['sft']['valid_format']:.0%}**", nd(lme, "sft"), nd(loc, "sft")),
+            row("random valid ranking of the same shown sessions", "-", f3(rnd["lme_heldout"]["random_valid"]["ndcg@10"]),
+                f3(rnd["locomo_heldout"]["random_valid"]["ndcg@10"])),
+            row("first stage", "-", nd(lme, "first-stage"), nd(loc, "first-stage"))]
+
+
+def table_ranker_first_stage_lists() -> list[str]:
+    """Rankers given first-stage lists (machines 3–4, ``m4/table.json``)."""
+    t = ranker_json(f"{GPU}/2026-11-24-h100-m4/table.json")
+
+    def cells(k: str, paren: bool = False) -> list[str]:
+        out = []
+        for part in ("lme_heldout", "locomo_heldout"):
+            for m in ("ndcg@10", "recall_any@5"):
+                out.append(f"({f3(t[part][k][m])})" if paren else f3(t[part][k][m]))
+        return out
+
+    fmt = lambda k: f"{t['lme_heldout'][k]['valid_format']:.0%}"  # noqa: E731
+    return ["| ranker | valid format, free | LME NDCG@10 | LME R@5 | LoCoMo NDCG@10 | LoCoMo R@5 |",
+            "|---|---:|---:|---:|---:|---:|",
+            row("base, free", f"{fmt('base-free')} (falls back)", *cells("base-free", True)),
+            row("base, structured outputs", f"{fmt('base-structured')} (forced)", *cells("base-structured")),
+            row("SFT adapter (gold-first targets)", f"**{fmt('sft')}**", *cells("sft")),
+            row("DAPO dcg, 8 steps (LoRA r16, merged sync)", f"**{fmt('dcg')}**", *cells("dcg")),
+            row("random valid ranking of the same shown sessions", fmt("random-valid"), *cells("random-valid")),
+            row("first stage", "-", *cells("first-stage"))]
+
+
+def table_ranker_card() -> list[str]:
+    """The shipped ranker adapter's held-out table (machine 8, ``m8/table.json``)."""
+    t = ranker_json(f"{GPU}/2026-11-24-h100-m8/table.json")
+    lme, loc = t["lme_heldout"], t["locomo_heldout"]
+
+    def same(k: str, long: bool) -> list[str]:
+        out = []
+        for part in (lme, loc):
+            for m in ("ndcg@10", "recall_any@5"):
+                v = f3(part[k][m])
+                assert v == f3(part["first-stage"][m]), (k, m)   # "(=)": equal to the first stage's
+                out.append(f"{v} (= first stage)" if long and m == "ndcg@10" else f"{v} (=)")
+        return out
+
+    first = [f3(p["first-stage"][m]) for p in (lme, loc) for m in ("ndcg@10", "recall_any@5")]
+    structured = [f3(p["base-structured"][m]) for p in (lme, loc) for m in ("ndcg@10", "recall_any@5")]
+    below = [p["first-stage"]["ndcg@10"] - p["base-structured"]["ndcg@10"] for p in (lme, loc)]
+    return ["| ranker | valid format (no constraints) | LME NDCG@10 (n 57) | LME recall_any@5 | LoCoMo NDCG@10 (n 105) "
+            "| LoCoMo recall_any@5 | order changed vs input |", "|---|---:|---:|---:|---:|---:|---|",
+            row("first stage (embed, default): **the input of every ranker below**", "-", *first, "-"),
+            row("**this adapter**, free generation: returns its input order", f"{lme['dcg']['valid_format']:.0%}",
+                *same("dcg", True), "none seen: answers `0, 1, 2, …`, its rankings equal the first stage's; 0 of 96 on "
+                "unseen LoCoMo (above)"),
+            row("the sft adapter it continued", f"{lme['sft']['valid_format']:.0%}", *same("sft", False),
+                "as above (every rank metric equals the first stage's)"),
+            row("base, free generation", f"{lme['base-free']['valid_format']:.0%} (every answer falls back to the first "
+                "stage)", *(f"({x})" for x in first), "none: fallbacks are the input order"),
+            row("base, structured outputs", f"{lme['base-structured']['valid_format']:.0%} (forced by regex)", *structured,
+                f"changed (NDCG {below[0]:.2f} / {below[1]:.2f} below its input)")]
+
+
+def shuffled_rows() -> dict:
+    """The shuffled-listing rankers (2026-11-26): the driver's ``ranker/table.json`` and, for the SFT adapter, the
+    CPU re-rank's ``ranker-sft-shuf/table-cpu-rerank.json`` (its own random-valid draw)."""
+    gpu = ranker_json(f"{SHUFFLED}/ranker/table.json")
+    cpu = ranker_json(f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json")
+    return {part: {**gpu[part], "sft-shuf": cpu[part]["sft-shuf"], "random-valid (cpu)": cpu[part]["random-valid"]}
+            for part in gpu}
+
+
+def minus(x: float, digits: int = 3) -> str:
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def table_ranker_shuffled() -> list[str]:
+    """benchmarks/README's shuffled-listing table: NDCG@10 [95% CI], paired Δ vs the first stage, order changed."""
+    t = shuffled_rows()
+
+    def nd(r: dict) -> str:
+        ci = r.get("ndcg@10_ci")
+        return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
+
+    def gain(r: dict) -> str:
+        g, ci = r["ndcg@10_gain_vs_first_stage"], r["ndcg@10_gain_ci"]
+        return f"{minus(g)} [{minus(ci['ci_low'])}, {minus(ci['ci_high'])}]"
+
+    def changed(r: dict) -> str:
+        o = r["input_order"]
+        return f"{o['changed_share']:.0%} (τ {minus(o['tau_mean'], 2).lstrip('+')})"
+
+    lines = ["| ranker (SmolLM2-135M-Instruct) | listing | LME NDCG@10 | LME Δ vs first stage | LME changed | "
+             "LoCoMo NDCG@10 | LoCoMo Δ | LoCoMo changed |", "|---|---|---|---|---:|---|---|---:|"]
+    lme, loc = t["lme_heldout"], t["locomo_heldout"]
+    lines.append(row("first stage (zsum)", "–", nd(lme["first-stage"]), "–", "–", nd(loc["first-stage"]), "–", "–"))
+    lines.append(row("random valid order of the same shown sessions", "–", nd(lme["random-valid"]), "–", "–",
+                     nd(loc["random-valid"]), "–", "–"))
+    for label, listing, k in (("base, structured outputs", "first stage", "base-structured"),
+                              ("base, structured outputs", "shuffled", "base-structured-shuf"),
+                              ("**SFT** (2 epochs on the shuffled rows, LoRA r16)", "shuffled", "sft-shuf")):
+        lines.append(row(label, listing, nd(lme[k]), gain(lme[k]), changed(lme[k]), nd(loc[k]), gain(loc[k]),
+                         changed(loc[k])))
+    free = [lme[k]["input_order"]["changed"] + loc[k]["input_order"]["changed"] for k in ("base-free", "base-free-shuf")]
+    assert free == [0, 0] and lme["base-free"]["valid_format"] == 0 == loc["base-free-shuf"]["valid_format"]
+    lines.insert(6, row("base, free generation", "either", "= first stage: 0% valid, every answer falls back to the input "
+                        "order", "0", "0%", "= first stage", "0", "0%"))
+    return lines
+
+
+def table_ranker_shuffled_card() -> list[str]:
+    """The model card's form of the shuffled-listing table (the SFT row with the CPU re-rank's random draw)."""
+    t = shuffled_rows()
+    lme, loc = t["lme_heldout"], t["locomo_heldout"]
+
+    def nd(r: dict) -> str:
+        ci = r.get("ndcg@10_ci")
+        return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
+
+    share = lambda k: f"{lme[k]['input_order']['changed_share']:.0%} / {loc[k]['input_order']['changed_share']:.0%}"  # noqa: E731
+    tau = [lme["sft-shuf"]["input_order"]["tau_mean"], loc["sft-shuf"]["input_order"]["tau_mean"]]
+    return ["| ranker (shuffled listing) | LME NDCG@10 (n 57) | LoCoMo NDCG@10 (n 105) | order changed vs first stage | "
+            "valid format |", "|---|---|---|---|---:|",
+            row("first stage (its input, not shown in order)", nd(lme["first-stage"]), nd(loc["first-stage"]), "–", "–"),
+            row("random valid order of the same shown sessions", nd(lme["random-valid (cpu)"]),
+                nd(loc["random-valid (cpu)"]), "–", f"{lme['random-valid (cpu)']['valid_format']:.0%}"),
+            row("base, structured outputs", nd(lme["base-structured-shuf"]), nd(loc["base-structured-shuf"]),
+                share("base-structured-shuf"), f"{lme['base-structured-shuf']['valid_format']:.0%}"),
+            row("SFT on the shuffled rows (same recipe as above)", nd(lme["sft-shuf"]), nd(loc["sft-shuf"]),
+                f"{share('sft-shuf')} (τ ≈ {minus(sum(tau) / 2, 2).lstrip('+')})", f"{lme['sft-shuf']['valid_format']:.0%}")]
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -701,6 +859,14 @@ TABLES = {
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
     "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"], [README_BENCH]),
     "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1{{1,6,7}}/train_dcg_*_metrics.jsonl"], [README_BENCH]),
+    "ranker-2026-11-24": (table_ranker_2026_11_24, [f"{GPU}/2026-11-24-h100-m1/table.json",
+                                                     f"{GPU}/2026-11-24-h100-m1/random_baseline.json"], [README_BENCH]),
+    "ranker-first-stage-lists": (table_ranker_first_stage_lists, [f"{GPU}/2026-11-24-h100-m4/table.json"], [README_BENCH]),
+    "ranker-card": (table_ranker_card, [f"{GPU}/2026-11-24-h100-m8/table.json"], [RANKER_CARD]),
+    "ranker-shuffled": (table_ranker_shuffled, [f"{SHUFFLED}/ranker/table.json",
+                                                f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [README_BENCH]),
+    "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
+                                                          f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [RANKER_CARD]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
