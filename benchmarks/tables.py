@@ -829,6 +829,51 @@ def table_ranker_shuffled_card() -> list[str]:
                 f"{share('sft-shuf')} (τ ≈ {minus(sum(tau) / 2, 2).lstrip('+')})", f"{lme['sft-shuf']['valid_format']:.0%}")]
 
 
+
+FIRST_STAGE_0 = "benchmarks/results/first-stage-2026-11-25/bench_first_stage.json"
+
+
+def table_first_stage_2026_11_25() -> list[str]:
+    """bench_first_stage.py of 2026-11-25 (issue 34): quality per half and cost, from its committed JSON (means per
+    candidate and half; the per-question rankings were not committed). Cells are R@5 / NDCG@10 / MRR; LME test
+    minutes extrapolated from this run's texts/s, calibrated by the JSON's factor."""
+    d = load_json(FIRST_STAGE_0)
+    cal = d["calibration"]
+
+    def cell(h: dict) -> str:
+        return f"{h['recall_any@5']:.3f} / {h['ndcg@10']:.3f} / {h['mrr']:.3f}"
+
+    def lme_row(label: str, key: str) -> str:
+        r = d["tables"]["lme"][key]
+        c, strong = r["cost"], "new default" in label
+        secs = "-" if not c["texts"] else f"{c['texts_per_s']:.1f}"
+        return row(label, bold(cell(r["dev"]), strong), bold(cell(r["held-out"]), strong), f"{c['texts']:,}", secs,
+                   f"{c['test_min']:.1f}", bold(f"{c['test_min'] * cal:.1f}", strong))
+
+    lines = ["| candidate | dev (even) | held-out (odd) | texts embedded | texts/s | LME test min here | calibrated |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, key in (("bm25", "bm25"), ("lexical = RRF(bm25_dated, bm25_window)", "lexical"),
+                       ("cascade k=5 (old default)",) * 2, ("cascade k=10",) * 2, ("cascade k=20",) * 2,
+                       ("user max-sim (every session)", "user max-sim"), ("cascade all",) * 2, ("family all",) * 2,
+                       ("zsum k=10",) * 2, ("**zsum k=15 (new default)**", "zsum k=15"), ("zsum k=20",) * 2,
+                       ("zsum all",) * 2):
+        lines.append(lme_row(label, key))
+    lines += ["", "| candidate | dev (conv-26) | held-out (conv-30) |", "|---|---:|---:|"]
+    for label, table, key in (("bm25", "locomo", "bm25"), ("lexical", "locomo", "lexical"),
+                              ("cascade k=5 (old default)", "locomo", "cascade k=5 (old default)"),
+                              ("cascade k=10", "locomo", "cascade k=10"), ("cascade k=20 = all", "locomo", "cascade k=20"),
+                              ("user max-sim (all units here)", "locomo", "user max-sim"),
+                              ("family all", "locomo", "family all"), ("zsum k=10", "locomo", "zsum k=10"),
+                              ("**zsum k=15 (new default)**", "locomo", "zsum k=15"),
+                              ("zsum k=20 = all", "locomo", "zsum k=20"),
+                              ("chunked (windows of 4 turns)", "locomo costly", "chunked"),
+                              ("hybrid = RRF(bm25, chunked)", "locomo costly", "hybrid")):
+        r = d["tables"][table][key]
+        strong = "new default" in label
+        lines.append(row(label, bold(cell(r["dev"]), strong), bold(cell(r["held-out"]), strong)))
+    return lines
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -867,6 +912,7 @@ TABLES = {
                                                 f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [README_BENCH]),
     "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
                                                           f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [RANKER_CARD]),
+    "first-stage-2026-11-25": (table_first_stage_2026_11_25, [FIRST_STAGE_0], [README_BENCH]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
