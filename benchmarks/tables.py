@@ -50,14 +50,6 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def f1_ci(rs: list[dict], digits: int = 2) -> str:
-    from memsifter.retrieval.metrics import bootstrap_ci
-
-    v = [float(r["f1"] or 0.0) for r in ok(rs)]
-    lo, hi = bootstrap_ci(v)
-    return f"{mean(v):.3f} [{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
 def share(n: int, d: int) -> str:
     x = 100 * n / d
     return f"{x:.0f}%" if abs(x - round(x)) < 1e-9 else f"{x:.1f}%"
@@ -67,24 +59,43 @@ def seconds(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def agent_stats(rs: list[dict]) -> dict:
+    """What every agents-table row shows, from per-question rows (answers or episodes): the answered rows' F1 with
+    its 95% interval (1,000 resamples) and EM; over all rows the well-formed and searched counts, LLM calls, prompt
+    tokens and seconds per question. EM from ``exact_match`` when the rows carry it, else scored from answer and
+    gold as evaluate scores it."""
+    from memsifter.retrieval.metrics import bootstrap_ci, exact_match
+
+    done = [r for r in rs if r.get("status", "ok") == "ok"]
+    f1 = [float(r["f1"] or 0.0) for r in done]
+    em = [float(r["exact_match"] or 0) if "exact_match" in r else exact_match(r["answer"] or "", r["gold"]) for r in done]
+    chat = rs[0].get("llm_calls") is None   # a chat row: one call, no format or search
+    per = rs if not chat else done
+    return {"n": len(rs), "f1": mean(f1), "ci": bootstrap_ci(f1), "em": mean(em), "chat": chat,
+            "format": None if chat else sum(bool(r["format_ok"]) for r in rs),
+            "searched": None if chat else sum((r["searches"] or 0) >= 1 for r in rs),
+            "calls": 1 if chat else mean([r["llm_calls"] for r in rs]),
+            "tokens": mean([r["prompt_tokens"] for r in per]),
+            "seconds": None if chat else mean([r["seconds"] for r in rs])}
+
+
 def agents_row(label: str, rs: list[dict], variant: str) -> str:
     """One row of the held-out table. ``variant``: ``results`` (the results README: EM and seconds), ``card`` (the
     model card: EM, no seconds), ``bench`` (benchmarks/README: n, no EM, seconds)."""
-    rs_ok = ok(rs)
-    bold = label.startswith("**") or label.endswith(", SFT")
-    f1 = f"**{f1_ci(rs)}**" if bold else f1_ci(rs)
-    em = f"{round(mean([float(r['exact_match'] or 0) for r in rs_ok]), 4):.3f}"  # rounded as evaluate rounds
-    if rs[0].get("llm_calls") is None:   # a chat row: one call
+    st = agent_stats(rs)
+    bold_row = label.startswith("**") or label.endswith(", SFT")
+    f1 = f"{st['f1']:.3f} [{st['ci'][0]:.2f}, {st['ci'][1]:.2f}]"
+    f1 = f"**{f1}**" if bold_row else f1
+    em = f"{round(st['em'], 4):.3f}"  # rounded as evaluate rounds
+    tokens = f"{st['tokens']:,.0f}"
+    if st["chat"]:
         fmt, searched, calls, secs = "–", "–", "1", "–"
-        tokens = f"{mean([r['prompt_tokens'] for r in rs_ok]):,.0f}"
     else:
-        fmt = share(sum(bool(r["format_ok"]) for r in rs), len(rs))
-        searched = share(sum((r["searches"] or 0) >= 1 for r in rs), len(rs)) if "search" in label else "–"
-        calls = f"{mean([r['llm_calls'] for r in rs]):.2f}"
-        tokens = f"{mean([r['prompt_tokens'] for r in rs]):,.0f}"
-        secs = seconds(mean([r["seconds"] for r in rs]))
+        fmt = share(st["format"], st["n"])
+        searched = share(st["searched"], st["n"]) if "search" in label else "–"
+        calls, secs = f"{st['calls']:.2f}", seconds(st["seconds"])
     cells = {"results": [f1, em, fmt, searched, calls, tokens, secs], "card": [f1, em, fmt, searched, calls, tokens],
-             "bench": [str(len(rs)), f1, fmt, searched, calls, tokens, secs]}[variant]
+             "bench": [str(st["n"]), f1, fmt, searched, calls, tokens, secs]}[variant]
     return "| " + " | ".join([label, *cells]) + " |"
 
 
@@ -120,20 +131,19 @@ def table_agents_sft(variant: str = "results") -> list[str]:
 def table_agents_sft_readme() -> list[str]:
     """README's form of the held-out table: untrained and adapter agents side by side in one row."""
     a = answers(AGENTS_SFT)
+    ci = lambda st: f"{st['f1']:.3f} [{st['ci'][0]:.2f}, {st['ci'][1]:.2f}]"  # noqa: E731
     lines = ["| SmolLM2-135M-Instruct as | F1 [95% CI] | well-formed | LLM calls / q | prompt tokens / q |",
              "|---|---|---:|---:|---:|"]
     for label, key in (("chat, no memory", "no memory"), ("chat, first stage's top sessions", "embed:bm25"),
                        ("chat, gold sessions", "oracle (gold sessions)")):
-        rs = ok(a[key])
-        lines.append(f"| {label} | {f1_ci(rs)} | – | 1 | {mean([r['prompt_tokens'] for r in rs]):,.0f} |")
+        st = agent_stats(a[key])
+        lines.append(f"| {label} | {ci(st)} | – | 1 | {st['tokens']:,.0f} |")
     for agent in ("agent:search", "agent:memory"):
-        base, sft = a[f"{agent}, base"], a[f"{agent}, SFT"]
-        f1_base = f1_ci(base) if any(r["f1"] for r in ok(base)) else f"{mean([float(r['f1'] or 0) for r in ok(base)]):.3f}"
-        fmt = [f"{100 * sum(bool(r['format_ok']) for r in rs) / len(rs):.0f}%" for rs in (base, sft)]
-        calls = [f"{mean([r['llm_calls'] for r in rs]):.2f}" for rs in (base, sft)]
-        tokens = [f"{mean([r['prompt_tokens'] for r in rs]):,.0f}" for rs in (base, sft)]
-        lines.append(f"| {agent}, untrained / **adapter** | {f1_base} / **{f1_ci(sft)}** | {fmt[0]} / {fmt[1]} | "
-                     f"{calls[0]} / {calls[1]} | {tokens[0]} / {tokens[1]} |")
+        base, sft = agent_stats(a[f"{agent}, base"]), agent_stats(a[f"{agent}, SFT"])
+        f1_base = ci(base) if base["f1"] else f"{base['f1']:.3f}"   # no interval for an all-zero row
+        fmt = [f"{100 * st['format'] / st['n']:.0f}%" for st in (base, sft)]
+        lines.append(f"| {agent}, untrained / **adapter** | {f1_base} / **{ci(sft)}** | {fmt[0]} / {fmt[1]} | "
+                     f"{base['calls']:.2f} / {sft['calls']:.2f} | {base['tokens']:,.0f} / {sft['tokens']:,.0f} |")
     return lines
 
 
@@ -278,23 +288,17 @@ def table_agents_base_episodes() -> list[str]:
     aggregates (``agents/report.md``), not per-question files, and are not printed here."""
     import json
 
-    from memsifter.retrieval.metrics import bootstrap_ci, exact_match
-
     with open(os.path.join(ROOT, AGENTS_RANKER, "agents", "base-agents-episodes.jsonl")) as f:
         eps = [json.loads(line) for line in f if line.strip()]
     n_questions = len({e["question_id"] for e in eps})
     lines = []
     for method in ("agent:search", "agent:memory"):
-        rs = [e for e in eps if e["method"] == method]
-        v = [float(e["f1"] or 0.0) for e in rs]
-        lo, hi = bootstrap_ci(v)
-        em = mean([exact_match(e["answer"] or "", e["gold"]) for e in rs])
-        n = f"{len(rs)}" if len(rs) == n_questions else f"{len(rs)} of {n_questions}"
-        fmt = f"{sum(bool(e['format_ok']) for e in rs)} / {len(rs)}"
-        searched = f"{sum((e['searches'] or 0) >= 1 for e in rs)} / {len(rs)}" if method == "agent:search" else "–"
-        lines.append(f"| {method} | {n} | {mean(v):.3f} [{lo:.3f}, {hi:.3f}] | {em:.3f} | {fmt} | {searched} | "
-                     f"{mean([e['llm_calls'] for e in rs]):.3g} | {mean([e['prompt_tokens'] for e in rs]):,.0f} | "
-                     f"{mean([e['seconds'] for e in rs]):.1f} |")
+        st = agent_stats([e for e in eps if e["method"] == method])
+        n = f"{st['n']}" if st["n"] == n_questions else f"{st['n']} of {n_questions}"
+        searched = f"{st['searched']} / {st['n']}" if method == "agent:search" else "–"
+        lines.append(f"| {method} | {n} | {st['f1']:.3f} [{st['ci'][0]:.3f}, {st['ci'][1]:.3f}] | {st['em']:.3f} | "
+                     f"{st['format']} / {st['n']} | {searched} | {st['calls']:.3g} | {st['tokens']:,.0f} | "
+                     f"{st['seconds']:.1f} |")
     return lines
 
 
