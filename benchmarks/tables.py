@@ -14,6 +14,7 @@ finds every printed line in the documents that publish it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -30,6 +31,7 @@ def rows_of(path: str) -> list[dict]:
     return pq.read_table(os.path.join(ROOT, path)).to_pylist()
 
 
+@functools.lru_cache(maxsize=None)
 def answers(run: str) -> dict[str, list[dict]]:
     """(label -> rows) of the agents run's answers: chat methods of the base, and the agents as ``METHOD, base`` /
     ``METHOD, SFT``."""
@@ -225,58 +227,77 @@ def table_agents_throughput() -> list[str]:
 ONE_CALL = "benchmarks/results/agents-one-call-2026-11-26"
 
 
-def table_agents_one_call() -> list[str]:
-    """The one-call control's table: the GPU run's rows recomputed from its answers on the control's questions
-    (every other held-out question, in the chat rows' order, as ``bench_agents_one_call.py --every 2``); the
-    adapter's one-call rows from the control's own ``paired.json`` / ``report.json`` (its per-question answers were
-    not committed), and its paired differences from ``paired.json``."""
-    import json
-
+@functools.lru_cache(maxsize=None)
+def one_call() -> dict:
+    """The one-call control's figures (label -> (F1 [95% CI], LLM calls / q, prompt tokens / q)) and its paired
+    differences ((a, b) -> difference [95% CI]): the GPU run's rows recomputed from its answers on the control's
+    questions (every other held-out question, in the chat rows' order, as ``bench_agents_one_call.py --every 2``);
+    the adapter's one-call rows from the control's own ``paired.json`` / ``report.json`` (its per-question answers
+    were not committed), and its paired differences from ``paired.json``."""
     from memsifter.retrieval.metrics import bootstrap_ci
 
     a = answers(AGENTS_SFT)
     ids = set(list(dict.fromkeys(r["question_id"] for r in rows_of(f"{AGENTS_SFT}/answers/chat-base.parquet")))[::2])
-    with open(os.path.join(ROOT, ONE_CALL, "paired.json")) as f:
-        pj = json.load(f)
-    with open(os.path.join(ROOT, ONE_CALL, "report.json")) as f:
-        cost = {k: v["cost"] for k, v in json.load(f)["side_by_side"]["methods"].items()}
-
-    def computed(key: str) -> tuple[str, list[dict]]:
+    pj = load_json(f"{ONE_CALL}/paired.json")
+    cost = {k: v["cost"] for k, v in load_json(f"{ONE_CALL}/report.json")["side_by_side"]["methods"].items()}
+    out = {}
+    for key in ("no memory", "embed:bm25", "agent:search, SFT", "agent:memory, SFT"):
         rs = [r for r in ok(a[key]) if r["question_id"] in ids]
         v = [float(r["f1"] or 0.0) for r in rs]
-        lo, hi = bootstrap_ci(v)
-        r4 = [round(x, 4) for x in (mean(v), lo, hi)]   # rounded as the control's paired.json rounds
-        return f"{r4[0]:.3f} [{r4[1]:.3f}, {r4[2]:.3f}]", rs
-
-    def stored(key: str) -> str:
+        r4 = [round(x, 4) for x in (mean(v), *bootstrap_ci(v))]   # rounded as the control's paired.json rounds
+        calls = "1" if "agent" not in key else f"{mean([r['llm_calls'] for r in rs]):.2f}"
+        out[key] = (f"{r4[0]:.3f} [{r4[1]:.3f}, {r4[2]:.3f}]", calls, f"{mean([r['prompt_tokens'] for r in rs]):,.0f}")
+    for key, method in (("chat none, sft", "no memory (chat-sft)"), ("chat first stage, sft", "embed:bm25 (chat-sft)")):
         m = pj["f1"][key]
-        return f"{m['f1']:.3f} [{m['ci'][0]:.3f}, {m['ci'][1]:.3f}]"
+        out[key] = (f"{m['f1']:.3f} [{m['ci'][0]:.3f}, {m['ci'][1]:.3f}]", "1",
+                    f"{cost[method]['prompt_tokens']['mean']:,.0f}")
+    sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
+    out["paired"] = {(p["a"], p["b"]): f"{sign(p['diff'])} [{sign(p['ci'][0])}, {sign(p['ci'][1])}]" for p in pj["paired"]}
+    return out
 
+
+SEARCH_VS_ONE_CALL = ("agent:search, sft", "chat first stage, sft")
+MEMORY_VS_ONE_CALL = ("agent:memory, sft", "chat first stage, sft")
+
+
+def table_agents_one_call() -> list[str]:
+    """The one-call control's README tables (:func:`one_call`)."""
+    v = one_call()
     lines = ["| SmolLM2-135M-Instruct, n = 130 | F1 [95% CI] | LLM calls / q | prompt tokens / q |", "|---|---|---:|---:|"]
-    for label, key in (("base, chat, no memory", "no memory"), ("base, chat, first stage", "embed:bm25")):
-        f1, rs = computed(key)
-        lines.append(f"| {label} | {f1} | 1 | {mean([r['prompt_tokens'] for r in rs]):,.0f} |")
-    for label, key, method in (("**adapter, chat, no memory**", "chat none, sft", "no memory (chat-sft)"),
-                               ("**adapter, chat, first stage**", "chat first stage, sft", "embed:bm25 (chat-sft)")):
-        f1 = stored(key)
-        f1 = f"**{f1}**" if "first stage" in label else f1
-        lines.append(f"| {label} | {f1} | 1 | {cost[method]['prompt_tokens']['mean']:,.0f} |")
-    for label, key in (("adapter, agent:search (GPU run)", "agent:search, SFT"),
+    for label, key in (("base, chat, no memory", "no memory"), ("base, chat, first stage", "embed:bm25"),
+                       ("**adapter, chat, no memory**", "chat none, sft"),
+                       ("**adapter, chat, first stage**", "chat first stage, sft"),
+                       ("adapter, agent:search (GPU run)", "agent:search, SFT"),
                        ("adapter, agent:memory (GPU run)", "agent:memory, SFT")):
-        f1, rs = computed(key)
-        lines.append(f"| {label} | {f1} | {mean([r['llm_calls'] for r in rs]):.2f} | "
-                     f"{mean([r['prompt_tokens'] for r in rs]):,.0f} |")
+        f1, calls, tokens = v[key]
+        lines.append(row(label, bold(f1, key == "chat first stage, sft"), calls, tokens))
     lines += ["", "| difference | all (n 130) |", "|---|---|"]
-    names = {("chat first stage, sft", "chat first stage, base"): "adapter − base, one call from the first stage",
-             ("chat none, sft", "chat none, base"): "adapter − base, one call with no memory",
-             ("agent:search, sft", "chat first stage, sft"): "agent:search − adapter's one call from the first stage",
-             ("agent:memory, sft", "chat first stage, sft"): "agent:memory − adapter's one call from the first stage"}
-    for p in pj["paired"]:
-        label = names.get((p["a"], p["b"]))
-        if label:
-            sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
-            lines.append(f"| {label} | {sign(p['diff'])} [{sign(p['ci'][0])}, {sign(p['ci'][1])}] |")
+    for label, pair in (("adapter − base, one call from the first stage", ("chat first stage, sft", "chat first stage, base")),
+                        ("adapter − base, one call with no memory", ("chat none, sft", "chat none, base")),
+                        ("agent:search − adapter's one call from the first stage", SEARCH_VS_ONE_CALL),
+                        ("agent:memory − adapter's one call from the first stage", MEMORY_VS_ONE_CALL)):
+        lines.append(row(label, v["paired"][pair]))
     return lines
+
+
+def table_agents_one_call_card() -> list[str]:
+    """The agents adapter's model card: the one-call control's rows (:func:`one_call`)."""
+    v = one_call()
+    lines = ["| n = 130 | F1 [95% CI] |", "|---|---|"]
+    for label, key in (("base, one call, first stage", "embed:bm25"), ("this adapter, one call, no memory", "chat none, sft"),
+                       ("this adapter, one call, first stage", "chat first stage, sft"),
+                       ("this adapter, agent:search", "agent:search, SFT"),
+                       ("this adapter, agent:memory", "agent:memory, SFT")):
+        lines.append(row(label, v[key][0]))
+    return lines
+
+
+def table_agents_one_call_bench() -> list[str]:
+    """benchmarks/README's paired differences of the one-call control (:func:`one_call`)."""
+    v = one_call()["paired"]
+    return ["| paired F1 difference | all (130) |", "|---|---|",
+            row("agent:search − adapter, one call from the first stage", v[SEARCH_VS_ONE_CALL]),
+            row("agent:memory − adapter, one call from the first stage", v[MEMORY_VS_ONE_CALL])]
 
 
 AGENTS_RANKER = "benchmarks/gpu/results/2026-11-26-h100-agents-ranker"
@@ -891,6 +912,9 @@ TABLES = {
                                                     f"{AGENTS_SFT}/machine*/logs.tar.gz"], [f"{AGENTS_SFT}/README.md"]),
     "agents-one-call": (table_agents_one_call, [f"{AGENTS_SFT}/answers/*.parquet", f"{ONE_CALL}/paired.json",
                                                 f"{ONE_CALL}/report.json"], [f"{ONE_CALL}/README.md"]),
+    "agents-one-call-card": (table_agents_one_call_card, [f"{AGENTS_SFT}/answers/*.parquet", f"{ONE_CALL}/paired.json",
+                                                          f"{ONE_CALL}/report.json"], [CARD]),
+    "agents-one-call-bench": (table_agents_one_call_bench, [f"{ONE_CALL}/paired.json"], [README_BENCH]),
     "first-stage-cv": (table_first_stage_cv, [f"{FIRST_STAGE}/*.jsonl", f"{FIRST_STAGE}/meta.json"],
                        [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
