@@ -38,7 +38,7 @@ DROPPED_ANNOTATIONS = ("memsifter.io/output", "memsifter.io/needs", "checksum/pl
 
 
 def _render(values: list[Path], sets: list[str]) -> list[dict]:
-    from memsifter.k8s.dev.tools import helm
+    from memsifter_dev.k8s.tools import helm
 
     args = ["template", "memsifter", str(CHART), "--namespace", "memsifter"]
     for v in values:

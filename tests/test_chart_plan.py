@@ -1,7 +1,7 @@
 """One plan: the Helm chart wires a stage's inputs exactly as ``memsifter pipeline`` does (issue 30).
 
 For every ``charts/memsifter/ci/*.yaml`` scenario and a table of extra stage combinations, the chart is
-rendered with the real helm binary (:func:`memsifter.k8s.dev.chart.render_docs`) and each enabled stage's
+rendered with the real helm binary (:func:`memsifter_dev.k8s.chart.render_docs`) and each enabled stage's
 config document (its ConfigMap) is compared with what :func:`memsifter.pipeline.wire` gives for the same
 enabled stages, stage configs and run root: equal for all, output and wired input URIs included. A
 combination the local pipeline refuses (two alternative producers of one input, or a required input that
@@ -21,8 +21,8 @@ import yaml
 
 from memsifter import pipeline, status
 from memsifter.errors import ConfigError
-from memsifter.k8s.dev import chart
-from memsifter.k8s.dev.tools import ToolError
+from memsifter_dev.k8s import chart
+from memsifter_dev.k8s.tools import ToolError
 
 CHART = chart.CHART_DIR
 SCENARIOS = sorted((CHART / "ci").glob("*.yaml"))

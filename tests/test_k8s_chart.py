@@ -25,8 +25,9 @@ import yaml
 
 from memsifter import stage as stg
 from memsifter.k8s import registry
-from memsifter.k8s.dev import chart, scenarios, validate
-from memsifter.k8s.dev.tools import ToolError, helm
+from memsifter.k8s import validate
+from memsifter_dev.k8s import chart, scenarios
+from memsifter_dev.k8s.tools import ToolError, helm
 
 CHART = chart.CHART_DIR
 SCENARIOS = sorted((CHART / "ci").glob("*.yaml"))

@@ -31,7 +31,8 @@ import pytest
 from memsifter import stage as stg
 from memsifter.store import storage
 from memsifter.k8s import registry
-from memsifter.k8s.dev import chart, validate
+from memsifter.k8s import validate
+from memsifter_dev.k8s import chart
 from memsifter.k8s.driver import Driver, Plan, RayBackend
 from memsifter.testing.servers import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
 

@@ -1,10 +1,11 @@
 """Repository tooling is separate from what runs in a stage or driver image (issue 18, item 7).
 
-``memsifter.k8s.dev`` (chart/jobs generation, RayJob validation, the checkov policy, the helm/checkov
-binaries) is never imported on a runtime path: ``memsifter run <stage> --config FILE`` (every registered
+``memsifter_dev`` (chart/jobs generation, the checkov policy, the helm/checkov binaries: a package of its
+own, which the images do not install) is never imported on a runtime path: ``memsifter run <stage> --config FILE`` (every registered
 stage's module is imported, the synth stage runs end to end), ``memsifter k8s drive`` and ``memsifter k8s
 await-capacity``. Checked twice: the modules a real process has loaded after those paths, and the import
-statements of the package (only ``memsifter.k8s.cli`` reaches ``.dev``, inside the tooling commands).
+statements of the package (only ``memsifter.k8s.cli`` reaches it, inside the tooling commands), and the
+images copy ``memsifter/`` alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import memsifter
 
 PKG = Path(memsifter.__file__).resolve().parent
-TOOLING = "memsifter.k8s.dev"
+TOOLING = "memsifter_dev"
 
 RUNTIME_PATHS = r"""
 import contextlib, io, json, sys, tempfile
@@ -76,11 +77,19 @@ def test_only_the_k8s_cli_reaches_tooling():
     offenders = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG.parent).as_posix()
-        if rel.startswith("memsifter/k8s/dev/"):
-            continue
         for name, line, top in _imports(path):
             if name == TOOLING or name.startswith(TOOLING + "."):
                 if rel == "memsifter/k8s/cli.py" and not top:
                     continue  # gen-chart / gen-jobs / validate import it when called
                 offenders.append(f"{rel}:{line} imports {name}")
     assert offenders == []
+
+
+def test_images_install_the_runtime_package_only():
+    """The tooling is a package beside ``memsifter/``, not inside it: an image that copies ``memsifter/``
+    (every family image builds on images/base/Dockerfile) cannot install it."""
+    assert not (PKG / "k8s" / "dev").exists()
+    assert (PKG.parent / "memsifter_dev" / "k8s" / "chart.py").is_file()
+    base = (PKG.parent / "images" / "base" / "Dockerfile").read_text()
+    copied = [line.split()[1] for line in base.splitlines() if line.startswith("COPY ")]
+    assert "memsifter" in copied and not any(c.startswith("memsifter_dev") or c == "." for c in copied), copied

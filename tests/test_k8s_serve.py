@@ -25,9 +25,10 @@ import pytest
 import yaml
 
 from memsifter import pipeline
-from memsifter.k8s.dev import chart, validate
-from memsifter.k8s.dev.serve import DEFAULT_KEY, READINESS_PATH, STATE_PREFIX
-from memsifter.k8s.dev.tools import ToolError, helm
+from memsifter.k8s import validate
+from memsifter_dev.k8s import chart
+from memsifter_dev.k8s.serve import DEFAULT_KEY, READINESS_PATH, STATE_PREFIX
+from memsifter_dev.k8s.tools import ToolError, helm
 
 CHART = chart.CHART_DIR
 SCENARIO = CHART / "ci" / "serve.yaml"

@@ -1,4 +1,4 @@
-"""The offline RayJob checks themselves: each rule catches what it is for (memsifter.k8s.dev.validate)."""
+"""The offline RayJob checks themselves: each rule catches what it is for (memsifter.k8s.validate)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import copy
 import pytest
 import yaml
 
-from memsifter.k8s.dev import chart, validate
+from memsifter.k8s import validate
+from memsifter_dev.k8s import chart
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ import pytest
 
 from memsifter import stage as stg
 from memsifter.k8s import capacity, registry
-from memsifter.k8s.dev import chart, validate
+from memsifter.k8s import validate
+from memsifter_dev.k8s import chart
 from memsifter.stages import train
 from memsifter.stages.train import TrainConfig, placement_request, verl_overrides
 from memsifter.testing.servers import RAY_ENV, env_vars

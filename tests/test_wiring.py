@@ -47,7 +47,7 @@ def test_needs_order_and_chart_wiring_follow_the_declaration(probe):
     (info,) = [i for i in registry.stage_infos() if i.name == "aa-probe"]
     assert info.needs == ["import", "synth", "embed"]
     assert info.inputs == {"dataset": "import", "sims": "embed"} and info.unwired == []
-    from memsifter.k8s.dev.values import stage_facts
+    from memsifter_dev.k8s.values import stage_facts
 
     facts = stage_facts(registry.stage_infos())["aa-probe"]
     assert facts["needs"] == ["import", "synth", "embed"] and facts["inputs"] == {"dataset": "import", "sims": "embed"}

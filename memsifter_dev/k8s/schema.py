@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..registry import StageInfo
+from memsifter.k8s.registry import StageInfo
 from .values import (ENV_NAME_SCHEMA, IMAGE_REPO_PATTERN, IMAGE_TAG, NAME, SECRET_KEY_SCHEMA, STAGE_KEYS, Group, Value,
                      global_tree, image_families)
 
@@ -111,7 +111,7 @@ def config_schema(info: StageInfo, defs: dict) -> dict:
 def serve_config_schema(defs: dict) -> dict:
     """``serve.config``: the service's :class:`~memsifter.service.config.ServeConfig` (``index`` not required:
     the chart wires it from the embed stage, or fails naming it)."""
-    from ...service.config import ServeConfig
+    from memsifter.service.config import ServeConfig
 
     sch = model_schema(ServeConfig, "serve__", defs)
     sch["description"] = ("Config of the memory service (memsifter.service.config.ServeConfig): only what differs "

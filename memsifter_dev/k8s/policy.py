@@ -10,14 +10,14 @@ What is scanned (one checkov run, frameworks ``kubernetes`` and ``dockerfile``):
 
 checkov does not look inside custom resources, so the pods KubeRay creates from each RayJob (head with its
 autoscaler sidecar, workers, the submitter Job) are added as core kinds
-(:func:`memsifter.k8s.dev.validate.workload_manifests`). checkov's helm framework would render the chart with its
+(:func:`memsifter.k8s.validate.workload_manifests`). checkov's helm framework would render the chart with its
 default values only (no stage enabled, so no pod at all): rendering every scenario here covers more.
 
 Every failed check must be fixed or justified in ``k8s/policy/checkov-skips.yaml`` (check id, the resources and
 files it applies to, the reason; mirrored in ``k8s/SECURITY.md``). Offline, checkov reports no severities, so
 every failed check counts. A skip that no longer matches any finding is reported as stale.
 
-``python -m memsifter.k8s.dev.policy`` prints the report and exits 1 on an unexplained finding or a stale skip.
+``python -m memsifter_dev.k8s.policy`` prints the report and exits 1 on an unexplained finding or a stale skip.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import yaml
 
-from . import chart, validate
+from memsifter.k8s import validate
+
+from . import chart
 from .tools import ToolError, checkov_binary
 
 SKIPS_FILE = chart.REPO / "k8s" / "policy" / "checkov-skips.yaml"

@@ -46,10 +46,10 @@ def index_wiring() -> dict:
     filled from :data:`INDEX_STAGE`'s output, whether or not that stage is enabled in this release (the
     RayService's head waits for its ``_SUCCESS``: the service starts once this run's embed stage publishes). The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
     rule the templates apply (``memsifter.stageOutput``: ``<run root>/<stage>`` unless its config sets one)."""
-    from ... import pipeline
-    from ...store import storage
-    from ... import stage as stg
-    from ..registry import WIRE_ROOT, _stand_in
+    from memsifter import pipeline
+    from memsifter.store import storage
+    from memsifter import stage as stg
+    from memsifter.k8s.registry import WIRE_ROOT, _stand_in
 
     st = stg.get_stage(INDEX_STAGE)
     own = f"{WIRE_ROOT}/elsewhere"
@@ -67,8 +67,8 @@ def index_wiring() -> dict:
 
 def serve_facts() -> dict:
     """files/serve.json: what the RayService template knows about the service (code, not settings)."""
-    from ...service import app
-    from ...service.config import RankerSettings, ServeConfig
+    from memsifter.service import app
+    from memsifter.service.config import RankerSettings, ServeConfig
 
     def defaults(cls: Any, names: tuple[str, ...]) -> dict:
         return {n: cls.model_fields[n].get_default(call_default_factory=True) for n in names}

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from ... import __version__
-from ..registry import StageInfo
+from memsifter import __version__
+from memsifter.k8s.registry import StageInfo
 
 RAY_VERSION = "2.59.0"
 IMAGE_REPOSITORY = "ghcr.io/memsifter/memsifter-{family}"
@@ -452,7 +452,7 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
         out.append(f"\n### {i.name}\n\n{_cell(i.help)}\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
         for name, default, desc in _config_rows(i.config):
             out.append(f"| `{name}` | {default} | {desc} |\n")
-    from ...service.config import ServeConfig
+    from memsifter.service.config import ServeConfig
 
     from .serve import DEFAULT_KEY, INDEX_STAGE, READINESS_PATH, STATE_PREFIX
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..registry import StageInfo, preferred
+from memsifter.k8s.registry import StageInfo, preferred
 from .serve import INDEX_STAGE, jobs_serve, scenario_serve
 from .values import resources
 
