@@ -899,6 +899,25 @@ def table_first_stage_2026_11_25() -> list[str]:
     return lines
 
 
+
+WRITES = "benchmarks/results/serve-writes-2026-11-26"
+
+
+def table_serve_writes() -> list[str]:
+    """bench_serve.py --writes (2026-11-26): its own report (``bench_serve.writes_report``) re-written from the
+    committed ``writes.json`` into a scratch folder."""
+    import contextlib
+    import io
+    import tempfile
+
+    import bench_serve
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        bench_serve.writes_report(load_json(f"{WRITES}/writes.json"), tmp)
+        with open(os.path.join(tmp, "writes.md")) as f:
+            return f.read().splitlines()
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -941,6 +960,7 @@ TABLES = {
     "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
                                                           f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [RANKER_CARD]),
     "first-stage-2026-11-25": (table_first_stage_2026_11_25, [FIRST_STAGE_0], [README_BENCH]),
+    "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
