@@ -918,6 +918,42 @@ def table_serve_writes() -> list[str]:
             return f.read().splitlines()
 
 
+
+REFERENCE_ROWS = "benchmarks/results/reference-rows-2026-11-26"
+SHARED_LME = os.path.join(os.path.dirname(ROOT), "shared", "data", "longmemeval_s_train348.json.gz")
+
+
+def table_reference_rows() -> list[str]:
+    """The agents' held-out answers with the reference rows and both F1s: ``reference_rows.py`` (one ``evaluate`` of
+    the committed answers, no LLM) into a scratch folder. Its LongMemEval questions come from the shared
+    ``longmemeval_s_train348.json.gz`` beside the repository (not committed: LongMemEval's own file)."""
+    import contextlib
+    import io
+    import tempfile
+
+    import reference_rows
+
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
+        assert reference_rows.main(["--lme", SHARED_LME, "--locomo", os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
+                                    "--answers", os.path.join(ROOT, AGENTS_SFT, "answers"), "--out", tmp]) == 0
+    return [ln for ln in out.getvalue().splitlines() if not ln.startswith("report:")]
+
+
+
+DAPO_4B = f"{GPU}/2026-11-26-h100-4b-dapo"
+
+
+def table_dapo_4b() -> list[str]:
+    """The 4B-shaped DAPO steps on one H100 (issue 43): ``dapo_4b_table.py``'s table from the committed
+    ``runs.jsonl`` and ``steps.jsonl``."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    import dapo_4b_table
+
+    text, _ = dapo_4b_table.table(*dapo_4b_table.load(os.path.join(ROOT, DAPO_4B)))
+    return [ln for ln in text.splitlines() if ln.startswith("|")]
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -947,6 +983,8 @@ TABLES = {
     "rank-gpu-lme": (table_rank_gpu_lme, [f"{GPU}/2026-11-25-h100-lme/rank.json"], [README_BENCH]),
     "rank-prefill-chunk": (table_rank_prefill_chunk, [f"{GPU}/2026-11-25-prefill-chunk/rank.json"], [README_BENCH]),
     "train-gpu-2026-11-23": (table_train_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call{{7,8}}*.log"], [README_BENCH]),
+    "dapo-4b": (table_dapo_4b, [f"{DAPO_4B}/runs.jsonl", f"{DAPO_4B}/steps.jsonl"], [f"{DAPO_4B}/README.md",
+                                                                                  f"{DAPO_4B}/table.md"]),
     "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_{{slow,fast}}_metrics.jsonl"], [README_BENCH]),
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
     "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"], [README_BENCH]),
@@ -960,10 +998,17 @@ TABLES = {
     "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
                                                           f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [RANKER_CARD]),
     "first-stage-2026-11-25": (table_first_stage_2026_11_25, [FIRST_STAGE_0], [README_BENCH]),
+    "reference-rows": (table_reference_rows, [f"{AGENTS_SFT}/answers/*.parquet", "../shared/data/longmemeval_s_train348.json.gz",
+                                              "memsifter/samples/locomo_dev2.json.gz"], [f"{REFERENCE_ROWS}/answers_table.txt"]),
     "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
+
+
+# Tables whose command runs a stage over a large shared file (a minute or more on 2 cores): test_tables checks them
+# only with --heavy, and where the shared file is present.
+HEAVY = {"reference-rows": SHARED_LME}
 
 
 def main(argv: list[str] | None = None) -> int:
