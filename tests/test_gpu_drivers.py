@@ -457,7 +457,8 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
 
     run_agents = importlib.import_module("run_agents")
     monkeypatch.setattr(run_agents, "RUN", str(tmp_path / "run"))
-    a = argparse.Namespace(serve_port=8100, work=str(tmp_path), batch=16, n=4, lr=5e-5, steps=8, save_freq=0)
+    a = argparse.Namespace(serve_port=8100, work=str(tmp_path), batch=16, n=4, lr=5e-5, steps=8, save_freq=0,
+                           mini_batch=0, max_prompt=6144, max_response=2048, test_freq=-1)
     cfg = run_agents.grpo_config(a)
     assert "init_adapter" not in cfg and cfg["verl"]["trainer"]["save_freq"] == 4
     storage.write_bytes(str(tmp_path / "run" / "sft" / "_SUCCESS"), b"")
@@ -470,6 +471,33 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     rows = v["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] // (
         v["data"]["max_prompt_length"] + v["data"]["max_response_length"])
     assert rows <= 2 and v["actor_rollout_ref"]["model"]["enable_gradient_checkpointing"] is True
+
+
+def test_agents_driver_grpo_search_only_sizes_rows_and_validates_on_the_held_out_rows(tmp_path, monkeypatch):
+    """run_agents.py: GRPO of the search agent alone pads rows to its short first prompt (--max-prompt), can take
+    several optimizer updates a step (--mini-batch) and validates on the held-out rows before training and every
+    --test-freq steps (the held-out reward curve); the composed config is still a valid train config. verl fills an
+    update micro-batch by real tokens, so a micro-batch of short episodes holds several padded rows: at 3,072-token
+    rows that is at most 16,384 / 3,072 rows' worth of score matrices per layer even if every row were full."""
+    import argparse
+
+    from memsifter.stages.train import TrainConfig
+
+    run_agents = importlib.import_module("run_agents")
+    monkeypatch.setattr(run_agents, "RUN", str(tmp_path / "run"))
+    p = run_agents.build_parser()
+    a = p.parse_args(["start", "--agents", "agent:search", "--max-prompt", "1024", "--mini-batch", "8",
+                      "--test-freq", "2", "--n", "5", "--lr", "1e-4", "--steps", "4", "--save-freq", "1"])
+    a.work = str(tmp_path)
+    v = run_agents.grpo_config(a)["verl"]
+    assert v["data"]["max_prompt_length"] + v["data"]["max_response_length"] == 3072
+    assert v["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 8 and v["actor_rollout_ref"]["rollout"]["n"] == 5
+    assert v["trainer"]["test_freq"] == 2 and v["trainer"]["val_before_train"] is True
+    assert v["trainer"]["save_freq"] == 1 and v["trainer"]["total_training_steps"] == 4
+    TrainConfig(**run_agents.grpo_config(a))
+    d = run_agents.grpo_config(argparse.Namespace(**{**vars(p.parse_args(["start"])), "work": str(tmp_path)}))["verl"]
+    assert d["data"]["max_prompt_length"] == 6144 and d["trainer"]["test_freq"] == -1
+    assert d["trainer"]["val_before_train"] is False and d["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 16
 
 
 def test_agents_driver_refuses_an_unknown_phase():

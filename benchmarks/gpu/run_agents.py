@@ -251,9 +251,12 @@ def grpo_config(a) -> dict:
     from memsifter.store import storage
 
     tokens = 32768  # the no-grad log-prob passes
-    # the update: rows are padded to 8,192 tokens (no flash-attn: no padding removal) and SDPA's math kernel keeps
-    # an 8k x 8k score matrix per head and row: 4 rows per micro-batch without checkpointing took 75 GiB and ran
-    # out of memory at the first update (2026-11-26); 2 rows and per-layer recomputation fit
+    # the update: rows are padded to prompt + response length (no flash-attn: no padding removal) and SDPA's math
+    # kernel keeps a score matrix of that side per head and row: 32,768 tokens per micro-batch without checkpointing
+    # took 75 GiB at 8,192-token rows and ran out of memory at the first update (2026-11-26). verl fills a
+    # micro-batch by *real* tokens (attention_mask sums), not padded ones, so a micro-batch holds
+    # update_tokens / (shortest real row) padded rows: per-layer recomputation, a smaller budget, and for the search
+    # agent alone (short first prompts) --max-prompt 1024 (rows of 3,072 instead of 8,192 tokens)
     update_tokens = 16384
     return {
         "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
@@ -263,20 +266,22 @@ def grpo_config(a) -> dict:
         "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
         "local_dir": f"{a.work}/pod", "keep_local_checkpoints": 1,
         "verl": {
-            "data": {"max_prompt_length": 6144, "max_response_length": 2048,
+            "data": {"max_prompt_length": a.max_prompt, "max_response_length": a.max_response,
                      "train_batch_size": a.batch, "gen_batch_size": a.batch},
             "algorithm": {"filter_groups": {"enable": False}},
             "actor_rollout_ref": {
                 "model": {"lora_rank": 16, "lora_alpha": 32, "enable_gradient_checkpointing": True},
-                "actor": {"ppo_mini_batch_size": a.batch, "ulysses_sequence_parallel_size": 1,
+                "actor": {"ppo_mini_batch_size": a.mini_batch or a.batch, "ulysses_sequence_parallel_size": 1,
                           "ppo_max_token_len_per_gpu": update_tokens,
                           "fsdp_config": {"param_offload": False, "optimizer_offload": False},
                           "optim": {"lr": a.lr, "lr_warmup_steps": 0, "weight_decay": 0.0}},
                 "ref": {"log_prob_max_token_len_per_gpu": tokens},
                 "rollout": {"n": a.n, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.4,
                             "enforce_eager": True, "log_prob_max_token_len_per_gpu": tokens}},
-            "trainer": {"save_freq": a.save_freq or max(1, a.steps // 2), "test_freq": -1,
-                        "total_training_steps": a.steps, "val_before_train": False}},
+            # validation (test_freq > 0): verl's own episodes on the held-out rows (prepare-agents' test split),
+            # the held-out reward curve; the paired comparison is the agents stage's answers (sft-/grpo-answers)
+            "trainer": {"save_freq": a.save_freq or max(1, a.steps // 2), "test_freq": a.test_freq,
+                        "total_training_steps": a.steps, "val_before_train": a.test_freq > 0}},
     }
 
 
@@ -547,7 +552,7 @@ def wait(det: str, out: str, seconds: float) -> None:
     print(open(log, errors="replace").read()[-4000:] if os.path.exists(log) else "no driver.log yet")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["start", "run", "wait"])
     ap.add_argument("--lme", help="a LongMemEval_S-format file (.json or .json.gz)")
@@ -569,6 +574,14 @@ def main() -> None:
                     help="stop GRPO at the latest this many seconds after the run started (a machine's lease)")
     ap.add_argument("--lr", type=float, default=5e-5, help="GRPO's LoRA learning rate")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--mini-batch", type=int, default=0,
+                    help="GRPO's prompts per optimizer update (default: --batch, one update a step)")
+    ap.add_argument("--max-prompt", type=int, default=6144, help="GRPO's max_prompt_length (an episode's first "
+                    "prompt; rows are padded to it: 1024 fits the search agent's, the memory agent's need 6144)")
+    ap.add_argument("--max-response", type=int, default=2048,
+                    help="GRPO's max_response_length (an episode's replies and observations)")
+    ap.add_argument("--test-freq", type=int, default=-1, help="GRPO: verl validation on the held-out rows every N "
+                    "steps and before the first (the held-out reward curve); -1: none")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--serve-port", type=int, default=8100)
@@ -577,6 +590,11 @@ def main() -> None:
     ap.add_argument("--published", help="a folder with the pub.NN parts another machine's run returned (its answers "
                     "and adapters): restored, their phases skipped, evaluated with the rest")
     ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
     a.phases = [x for x in a.phases.split(",") if x]
