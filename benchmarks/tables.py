@@ -954,6 +954,31 @@ def table_dapo_4b() -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("|")]
 
 
+
+MULTI_GPU = f"{GPU}/2026-11-26-h100x2-multigpu"
+
+
+def table_multigpu() -> list[str]:
+    """The train stage on 1 and 2 GPUs and the rank stage with TP 2 (issue 35): ``multigpu.json``'s steps and
+    ``rank-tp2.json``'s runs (summarised as ``run_rank.py`` does)."""
+    steps = load_json(f"{MULTI_GPU}/multigpu.json")["steps"]
+    labels = {"1gpu-full-tp1": "1 GPU, rollout TP 1", "2gpu-full-tp1 (killed)": "2 GPUs (FSDP over 2 ranks), rollout TP 1",
+              "2gpu-full-tp1 (resumed, rollout TP 2)": "2 GPUs, resumed from S3, rollout TP 2"}
+    lines = ["| run | step | step s | gen s | update s | rollout tok/s |", "|---|---|---|---|---|---|"]
+    for st in steps:
+        lines.append(row(labels[st["run"]], st["step"], f"{st['step_s']:.1f}", f"{st['gen_s']:.1f}", f"{st['update_s']:.1f}",
+                         f"{round(st['rollout_tok_s'], -1):,.0f}"))
+    runs, _, _ = rank_runs(f"{MULTI_GPU}/rank-tp2.json")
+    one = runs["ours"]["prompts_s"]
+    lines += ["", "| run | engine busy s | prompts/s (busy) | vs 1 GPU | pipeline s incl. engine start |", "|---|---|---|---|---|"]
+    for label, name in (("1 engine, 1 GPU", "ours"), ("1 engine, tensor parallel 2", "ours-tp2"),
+                        ("2 engines (replicas) of 1 GPU", "ours-rep2")):
+        r = runs[name]
+        lines.append(row(label, f"{r['busy']['median']:.1f}", f"{r['prompts_s']:.2f}",
+                         bold(f"{r['prompts_s'] / one:.2f}×", name == "ours-tp2"), f"{r['pipeline']['median']:.1f}"))
+    return lines
+
+
 TABLES = {
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
@@ -977,6 +1002,7 @@ TABLES = {
     "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"], [README_BENCH]),
     "embed-gpu-2026-11-23": (table_embed_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call6-embed.json"], [README_BENCH]),
     "embed-gpu-scale": (table_embed_gpu_scale, [f"{GPU}/2026-11-24-h100-m4/embed.json"], [README_BENCH]),
+    "multigpu": (table_multigpu, [f"{MULTI_GPU}/multigpu.json", f"{MULTI_GPU}/rank-tp2.json"], [f"{MULTI_GPU}/README.md"]),
     "rank-gpu-2026-11-23": (table_rank_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call16-rank.json"], [README_BENCH]),
     "rank-gpu-locomo": (table_rank_gpu_locomo, [f"{GPU}/2026-11-24-h100-m5/rank.json", f"{GPU}/2026-11-24-h100-m7/rank.json"],
                         [README_BENCH]),
