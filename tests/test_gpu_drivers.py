@@ -500,6 +500,37 @@ def test_agents_driver_grpo_search_only_sizes_rows_and_validates_on_the_held_out
     assert d["trainer"]["val_before_train"] is False and d["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 16
 
 
+def test_snapshot_freezes_the_commit_whatever_the_working_tree_holds(tmp_path):
+    """snapshot.py: the host's copy of the checkout is the commit's content (edited files put back, deleted ones
+    restored, files added since the commit removed, untracked ones kept), checked file by file against git's blob
+    ids; a file that still differs is named."""
+    snapshot = importlib.import_module("snapshot")
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("A = 1\n")
+    (src / "pkg" / "b.py").write_text("B = 1\n")
+    (src / "c.txt").write_text("c\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(["git", *cmd], cwd=src, check=True, env=env)
+    (src / "pkg" / "a.py").write_text("A = 'half-done edit'\n")
+    (src / "c.txt").unlink()
+    (src / "pkg" / "new.py").write_text("N = 1\n")
+    subprocess.run(["git", "add", "pkg/new.py"], cwd=src, check=True)
+    (src / "scratch.txt").write_text("untracked\n")
+    doc = snapshot.pack(str(src))
+    assert sorted(doc["restore"]) == ["c.txt", "pkg/a.py"] and doc["remove"] == ["pkg/new.py"]
+    dest = tmp_path / "snap"
+    snapshot.make(str(dest), str(src))
+    assert (dest / "pkg" / "a.py").read_text() == "A = 1\n" and (dest / "c.txt").read_text() == "c\n"
+    assert not (dest / "pkg" / "new.py").exists() and (dest / "scratch.txt").exists()
+    assert not (dest / ".git").exists() and not (dest / ".gpu").exists()
+    assert (src / "pkg" / "a.py").read_text() == "A = 'half-done edit'\n"  # the checkout itself is untouched
+    (dest / "pkg" / "b.py").write_text("B = 2\n")
+    assert snapshot.verify(str(dest), doc["files"]) == ["pkg/b.py"]
+
+
 def test_agents_driver_refuses_an_unknown_phase():
     import subprocess
     import sys
