@@ -500,6 +500,42 @@ def test_agents_driver_grpo_search_only_sizes_rows_and_validates_on_the_held_out
     assert d["trainer"]["val_before_train"] is False and d["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 16
 
 
+def test_agents_driver_runs_a_group_side_by_side_the_second_once_the_first_holds_the_gpu(monkeypatch):
+    """run_agents.py --phases sft-answers+grpo: both phases run at once, GRPO (verl) starting only once the answers'
+    vLLM server is up (two vLLM engines measuring free GPU memory at the same moment can each count the other's);
+    a failure in one is noted and the other still ends. The phases themselves need the GPU: replaced here by
+    stand-ins that record when they start and when they report ready."""
+    import threading
+    import time
+
+    run_agents = importlib.import_module("run_agents")
+    log, lock = [], threading.Lock()
+
+    def fake(a, name, answers, notes, ready=None):
+        with lock:
+            log.append(("start", name))
+        if name == "sft-answers":
+            time.sleep(0.3)  # the server starting
+            with lock:
+                log.append(("ready", name))
+            ready.set()
+            time.sleep(0.3)  # the episodes
+            answers.append("agents-sft")
+        else:
+            ready.set()
+            raise RuntimeError("verl failed")
+
+    monkeypatch.setattr(run_agents, "run_phase", fake)
+    answers, notes, times = [], [], {}
+    run_agents.run_group(None, ["sft-answers", "grpo"], answers, notes, lambda n, t0: times.setdefault(n, t0))
+    assert log == [("start", "sft-answers"), ("ready", "sft-answers"), ("start", "grpo")]
+    assert answers == ["agents-sft"] and notes == ["grpo: failed (RuntimeError: verl failed)"]
+    assert set(times) == {"sft-answers", "grpo"}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_agents.py"), "run", "--phases",
+                        "sft,sft-answers+grop"], capture_output=True, text=True)
+    assert p.returncode == 2 and "grop" in p.stderr
+
+
 def test_snapshot_freezes_the_commit_whatever_the_working_tree_holds(tmp_path):
     """snapshot.py: the host's copy of the checkout is the commit's content (edited files put back, deleted ones
     restored, files added since the commit removed, untracked ones kept), checked file by file against git's blob

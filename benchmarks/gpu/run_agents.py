@@ -204,9 +204,14 @@ def answer_agents(a, tag: str) -> str:
     return cfg["output"]
 
 
-def served_answers(a, model: str, tag: str) -> str:
-    """The agents' held-out answers with ``model`` (a trained adapter) served by vLLM for the duration."""
-    srv = vllm(a, model, tag)
+def served_answers(a, model: str, tag: str, ready=None) -> str:
+    """The agents' held-out answers with ``model`` (a trained adapter) served by vLLM for the duration (``ready``,
+    a threading.Event, is set once the server holds its GPU memory)."""
+    try:
+        srv = vllm(a, model, tag)
+    finally:
+        if ready is not None:
+            ready.set()
     try:
         return answer_agents(a, tag)
     finally:
@@ -364,6 +369,80 @@ def phase_grpo(a, notes: list[str]) -> None:
     notes.append(f"collect: step {max(done)} of {sorted(done)}")
 
 
+def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) -> None:
+    """One phase of ``--phases`` (answers outputs it publishes are appended to ``answers``). ``ready`` (a
+    threading.Event) is set once the phase holds what it takes of the GPU: an answers phase when its vLLM server is
+    up (two vLLM engines profiling the GPU's memory at the same moment can each count the other's), others at once."""
+    from memsifter.store import storage
+
+    if ready is not None and not name.endswith("answers"):
+        ready.set()
+
+    if name == "base":
+        srv = vllm(a, BASE, "base")
+        try:
+            answers.append(answer_chat(a, "base"))
+            answers.append(answer_agents(a, "base"))
+        finally:
+            srv.stop()
+    elif name == "sft":
+        if storage.exists(f"{RUN}/sft/_SUCCESS"):
+            notes.append("sft: already published (restored or earlier run)")
+            return
+        cfg = write_yaml(f"{a.work}/sft.yaml", {
+            "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16,
+            "lr": 2e-4, "epochs": a.sft_epochs, "batch_tokens": 32768,
+            "eval_generate": 0})  # the answers measure it
+        sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
+        for f in ("metrics.jsonl", "sft_curves.png", "eval.json"):
+            if storage.exists(f"{RUN}/sft/{f}"):
+                storage.copy_file(f"{RUN}/sft/{f}", f"{a.out}/sft_{f.replace('sft_', '')}")
+    elif name == "sft-answers":
+        local = storage.download_dir(f"{RUN}/sft/adapter", f"{a.work}/sft-adapter")
+        answers.append(served_answers(a, local, "sft", ready))
+    elif name == "grpo":
+        phase_grpo(a, notes)
+    elif name == "grpo-answers":
+        src = last_adapter(f"{RUN}/collect")
+        if src is None:
+            notes.append("grpo-answers: no collected adapter")
+            return
+        local = storage.download_dir(src, f"{a.work}/grpo-adapter")
+        answers.append(served_answers(a, local, "grpo", ready))
+
+
+def run_group(a, names: list[str], answers: list[str], notes: list[str], phase) -> None:
+    """Phases side by side ("sft-answers+grpo": one GPU, two processes), each started once the one before holds its
+    share of the GPU (``run_phase``'s ``ready``); a failed one is noted and the others go on. One name: run as is.
+    ``phase(name, t0)`` records each one's seconds."""
+    import threading
+
+    if len(names) == 1:
+        t0 = time.time()
+        run_phase(a, names[0], answers, notes)
+        phase(names[0], t0)
+        return
+
+    def member(name: str, ready: threading.Event) -> None:
+        t0 = time.time()
+        try:
+            run_phase(a, name, answers, notes, ready)
+        except BaseException as e:  # noqa: BLE001 - a failed phase is noted, the others go on
+            notes.append(f"{name}: failed ({type(e).__name__}: {e})")
+        finally:
+            ready.set()
+        phase(name, t0)
+
+    threads = []
+    for n in names:
+        ready = threading.Event()
+        threads.append(threading.Thread(target=member, args=(n, ready)))
+        threads[-1].start()
+        ready.wait(900)
+    for th in threads:
+        th.join()
+
+
 def main_run(a) -> None:
     a.started = time.time()
     os.makedirs(a.out, exist_ok=True)
@@ -408,40 +487,8 @@ def main_run(a) -> None:
                          env={"CUDA_VISIBLE_DEVICES": "", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
         answers: list[str] = []
         try:
-            for name in a.phases:  # in the order given: a machine's time goes to what matters first
-                t = time.time()
-                if name == "base":
-                    srv = vllm(a, BASE, "base")
-                    try:
-                        answers.append(answer_chat(a, "base"))
-                        answers.append(answer_agents(a, "base"))
-                    finally:
-                        srv.stop()
-                elif name == "sft":
-                    if storage.exists(f"{RUN}/sft/_SUCCESS"):
-                        notes.append("sft: already published (restored or earlier run)")
-                    else:
-                        cfg = write_yaml(f"{a.work}/sft.yaml", {
-                            "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16,
-                            "lr": 2e-4, "epochs": a.sft_epochs, "batch_tokens": 32768,
-                            "eval_generate": 0})  # the answers measure it
-                        sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
-                        for f in ("metrics.jsonl", "sft_curves.png", "eval.json"):
-                            if storage.exists(f"{RUN}/sft/{f}"):
-                                storage.copy_file(f"{RUN}/sft/{f}", f"{a.out}/sft_{f.replace('sft_', '')}")
-                elif name == "sft-answers":
-                    local = storage.download_dir(f"{RUN}/sft/adapter", f"{a.work}/sft-adapter")
-                    answers.append(served_answers(a, local, "sft"))
-                elif name == "grpo":
-                    phase_grpo(a, notes)
-                elif name == "grpo-answers":
-                    src = last_adapter(f"{RUN}/collect")
-                    if src is None:
-                        notes.append("grpo-answers: no collected adapter")
-                        continue
-                    local = storage.download_dir(src, f"{a.work}/grpo-adapter")
-                    answers.append(served_answers(a, local, "grpo"))
-                phase(name, t)
+            for group in a.phases:  # in the order given: a machine's time goes to what matters first
+                run_group(a, group.split("+"), answers, notes, phase)
                 evaluate(a, answers)
                 pack(a.out)
         finally:
@@ -560,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-agents")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"run in the order given, of {', '.join(PHASES)} "
-                    "(a phase whose output is already published, e.g. restored with --published, is skipped)")
+                    "(a phase whose output is already published, e.g. restored with --published, is skipped); "
+                    "A+B runs A and B side by side, e.g. sft-answers+grpo: the answers while verl starts")
     ap.add_argument("--agents", default=",".join(AGENTS))
     ap.add_argument("--test", default='{"longmemeval_s": 110, "locomo": 150}', help="held-out recipe (JSON)")
     ap.add_argument("--train", default='{"longmemeval_s": 210, "locomo": 200}', help="train recipe (JSON)")
@@ -598,8 +646,9 @@ def main() -> None:
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
     a.phases = [x for x in a.phases.split(",") if x]
-    if set(a.phases) - set(PHASES):
-        ap.error(f"--phases: unknown {sorted(set(a.phases) - set(PHASES))}; known: {', '.join(PHASES)}")
+    unknown = {n for g in a.phases for n in g.split("+")} - set(PHASES)
+    if unknown:
+        ap.error(f"--phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)} (A+B: side by side)")
     det = os.path.join(a.work, "detached")
     if a.what == "start":
         os.makedirs(det, exist_ok=True)
