@@ -536,6 +536,26 @@ def test_agents_driver_runs_a_group_side_by_side_the_second_once_the_first_holds
     assert p.returncode == 2 and "grop" in p.stderr
 
 
+def test_agents_driver_sft_chat_reference_rows_are_a_valid_chat_config(tmp_path, monkeypatch):
+    """run_agents.py --sft-chat none,random: the SFT adapter answers in one call from the first stage, no memory and
+    random sessions (the reference rows with the same weights); the config it runs validates as chat's, and an
+    unknown baseline is refused when the command line is read."""
+    import yaml
+
+    from memsifter.stages.chat import ChatConfig
+
+    run_agents = importlib.import_module("run_agents")
+    monkeypatch.setattr(run_agents, "sh", lambda *a, **k: (0, 0.0))
+    a = run_agents.build_parser().parse_args(["run", "--sft-chat", "none,random", "--work", str(tmp_path),
+                                              "--out", str(tmp_path)])
+    out = run_agents.answer_chat(a, "sft", ["none", "random"])
+    cfg = ChatConfig(**yaml.safe_load(open(tmp_path / "chat-sft.yaml")))
+    assert out.endswith("/chat-sft") and cfg.baselines == ["none", "random"] and cfg.rankings
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_agents.py"), "run", "--sft-chat",
+                        "none,randm"], capture_output=True, text=True)
+    assert p.returncode == 2 and "randm" in p.stderr
+
+
 def test_snapshot_freezes_the_commit_whatever_the_working_tree_holds(tmp_path):
     """snapshot.py: the host's copy of the checkout is the commit's content (edited files put back, deleted ones
     restored, files added since the commit removed, untracked ones kept), checked file by file against git's blob

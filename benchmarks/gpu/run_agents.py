@@ -204,25 +204,30 @@ def answer_agents(a, tag: str) -> str:
     return cfg["output"]
 
 
-def served_answers(a, model: str, tag: str, ready=None) -> str:
+def served_answers(a, model: str, tag: str, ready=None, chat: list[str] | None = None) -> list[str]:
     """The agents' held-out answers with ``model`` (a trained adapter) served by vLLM for the duration (``ready``,
-    a threading.Event, is set once the server holds its GPU memory)."""
+    a threading.Event, is set once the server holds its GPU memory); with ``chat`` (chat baselines, e.g. none and
+    random) the same model also answers in one call: from the first stage and each baseline's context (the
+    reference rows beside the agent, same weights)."""
     try:
         srv = vllm(a, model, tag)
     finally:
         if ready is not None:
             ready.set()
     try:
-        return answer_agents(a, tag)
+        out = [answer_agents(a, tag)]
+        if chat:
+            out.append(answer_chat(a, tag, chat))
+        return out
     finally:
         srv.stop()
 
 
-def answer_chat(a, tag: str) -> str:
+def answer_chat(a, tag: str, baselines: list[str] | tuple[str, ...] = ("none", "oracle")) -> str:
     out = f"{RUN}/chat-{tag}"
     cfg = write_yaml(f"{a.work}/chat-{tag}.yaml", {
         "input": f"{RUN}/heldout", "rankings": f"{RUN}/heldout-embed", "output": out,
-        "baselines": ["none", "oracle"], "endpoint": {**endpoint(a), "temperature": 0.0, "max_tokens": 64},
+        "baselines": list(baselines), "endpoint": {**endpoint(a), "temperature": 0.0, "max_tokens": 64},
         "context_tokens": 6144, "max_failed_fraction": 0.02})
     sh(ms("run", "chat", "--config", cfg), f"{a.out}/chat-{tag}.log", check=False)
     return out
@@ -233,7 +238,8 @@ def evaluate(a, answers: list[str]) -> list[str]:
     run cut short still leaves its table); copied next to the logs."""
     from memsifter.store import storage
 
-    earlier = [f"{RUN}/chat-base", f"{RUN}/agents-base", f"{RUN}/agents-sft", f"{RUN}/agents-grpo"]  # a re-run's too
+    earlier = [f"{RUN}/chat-base", f"{RUN}/agents-base", f"{RUN}/chat-sft", f"{RUN}/agents-sft",
+               f"{RUN}/agents-grpo"]  # a re-run's too
     done = [x for x in dict.fromkeys(earlier + answers) if storage.exists(f"{x}/_SUCCESS")]
     if not done:
         return done
@@ -399,7 +405,7 @@ def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) ->
                 storage.copy_file(f"{RUN}/sft/{f}", f"{a.out}/sft_{f.replace('sft_', '')}")
     elif name == "sft-answers":
         local = storage.download_dir(f"{RUN}/sft/adapter", f"{a.work}/sft-adapter")
-        answers.append(served_answers(a, local, "sft", ready))
+        answers += served_answers(a, local, "sft", ready, a.sft_chat)
     elif name == "grpo":
         phase_grpo(a, notes)
     elif name == "grpo-answers":
@@ -408,7 +414,7 @@ def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) ->
             notes.append("grpo-answers: no collected adapter")
             return
         local = storage.download_dir(src, f"{a.work}/grpo-adapter")
-        answers.append(served_answers(a, local, "grpo", ready))
+        answers += served_answers(a, local, "grpo", ready)
 
 
 def run_group(a, names: list[str], answers: list[str], notes: list[str], phase) -> None:
@@ -501,7 +507,7 @@ def main_run(a) -> None:
 
 
 # what travels between machines: answers, the SFT adapter, GRPO's collected adapter (its last step)
-PUBLISHED = ("chat-base", "agents-base", "sft", "agents-sft", "collect", "agents-grpo")
+PUBLISHED = ("chat-base", "agents-base", "sft", "chat-sft", "agents-sft", "collect", "agents-grpo")
 PART = 15 * 2 ** 20  # the device returns files of at most 16 MiB
 
 
@@ -628,6 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "prompt; rows are padded to it: 1024 fits the search agent's, the memory agent's need 6144)")
     ap.add_argument("--max-response", type=int, default=2048,
                     help="GRPO's max_response_length (an episode's replies and observations)")
+    ap.add_argument("--sft-chat", default="", help="sft-answers: the SFT adapter also answers in one call, from the "
+                    "first stage and these chat baselines (e.g. none,random: the reference rows with the same weights)")
     ap.add_argument("--test-freq", type=int, default=-1, help="GRPO: verl validation on the held-out rows every N "
                     "steps and before the first (the held-out reward curve); -1: none")
     ap.add_argument("--n", type=int, default=4)
@@ -646,6 +654,10 @@ def main() -> None:
     a = ap.parse_args()
     a.agents = [x for x in a.agents.split(",") if x]
     a.phases = [x for x in a.phases.split(",") if x]
+    a.sft_chat = [x for x in a.sft_chat.split(",") if x]
+    if set(a.sft_chat) - {"none", "oracle", "random"}:
+        ap.error(f"--sft-chat: unknown {sorted(set(a.sft_chat) - {'none', 'oracle', 'random'})}; known: none, oracle, "
+                 "random")
     unknown = {n for g in a.phases for n in g.split("+")} - set(PHASES)
     if unknown:
         ap.error(f"--phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)} (A+B: side by side)")
