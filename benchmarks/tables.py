@@ -70,7 +70,8 @@ def agent_stats(rs: list[dict]) -> dict:
 
     done = [r for r in rs if r.get("status", "ok") == "ok"]
     f1 = [float(r["f1"] or 0.0) for r in done]
-    em = [float(r["exact_match"] or 0) if "exact_match" in r else exact_match(r["answer"] or "", r["gold"]) for r in done]
+    em = [float(r["exact_match"] or 0) if "exact_match" in r else exact_match(r["answer"] or "", r["gold"])
+          for r in done]
     chat = rs[0].get("llm_calls") is None   # a chat row: one call, no format or search
     per = rs if not chat else done
     return {"n": len(rs), "f1": mean(f1), "ci": bootstrap_ci(f1), "em": mean(em), "chat": chat,
@@ -120,7 +121,8 @@ HEADS = {
                 "seconds / q |", "|---|---|---:|---:|---:|---:|---:|---:|"],
     "card": ["| method | F1 [95% CI] | EM | valid format | searched ≥ 1 | LLM calls / q | prompt tokens / q |",
              "|---|---|---:|---:|---:|---:|---:|"],
-    "bench": ["| method | n | F1 [95% CI] | valid format | searched ≥ 1 | LLM calls / q | prompt tokens / q | s / q |",
+    "bench": ["| method | n | F1 [95% CI] | valid format | searched ≥ 1 | LLM calls / q | prompt tokens / q | "
+              "s / q |",
               "|---|---:|---|---:|---:|---:|---:|---:|"],
 }
 
@@ -175,7 +177,8 @@ def table_agents_sft_paired() -> list[str]:
     lines += ["", "| F1 by dataset | LongMemEval_S | LoCoMo |", "|---|---:|---:|"]
     for label, key in (("SFT search", "agent:search, SFT"), ("SFT memory", "agent:memory, SFT"),
                        ("chat from the first stage", "embed:bm25")):
-        by = {d: mean([float(r["f1"] or 0) for r in ok(a[key]) if r["dataset"] == d]) for d in ("longmemeval_s", "locomo")}
+        by = {d: mean([float(r["f1"] or 0) for r in ok(a[key]) if r["dataset"] == d])
+              for d in ("longmemeval_s", "locomo")}
         lines.append(f"| {label} | {by['longmemeval_s']:.3f} | {by['locomo']:.3f} |")
     lines += ["", "| held-out questions | LongMemEval_S | LoCoMo | LoCoMo conversations |", "|---|---:|---:|---|"]
     qs = {r["question_id"]: r["dataset"] for r in a["agent:search, SFT"]}
@@ -216,7 +219,8 @@ def table_agents_throughput() -> list[str]:
         rs = rows_of(f"{AGENTS_SFT}/answers/{f}.parquet")
         wall = stage_seconds(f"{AGENTS_SFT}/{machine}/logs.tar.gz", f"{f}.log")
         p = {m: sum(r["prompt_tokens"] or 0 for r in rs if r["method"] == m) for m in ("agent:search", "agent:memory")}
-        c = {m: sum(r["completion_tokens"] or 0 for r in rs if r["method"] == m) for m in ("agent:search", "agent:memory")}
+        c = {m: sum(r["completion_tokens"] or 0 for r in rs if r["method"] == m)
+             for m in ("agent:search", "agent:memory")}
         total = sum(p.values()) + sum(c.values())
         lines.append(f"| {tag} | {len(rs)} | {wall:.0f} | {tokens(p['agent:search'])} / {tokens(p['agent:memory'])} | "
                      f"{tokens(c['agent:search'])} / {tokens(c['agent:memory'])} | {rate(total / wall)} | "
@@ -252,7 +256,8 @@ def one_call() -> dict:
         out[key] = (f"{m['f1']:.3f} [{m['ci'][0]:.3f}, {m['ci'][1]:.3f}]", "1",
                     f"{cost[method]['prompt_tokens']['mean']:,.0f}")
     sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
-    out["paired"] = {(p["a"], p["b"]): f"{sign(p['diff'])} [{sign(p['ci'][0])}, {sign(p['ci'][1])}]" for p in pj["paired"]}
+    out["paired"] = {(p["a"], p["b"]): f"{sign(p['diff'])} [{sign(p['ci'][0])}, {sign(p['ci'][1])}]"
+                     for p in pj["paired"]}
     return out
 
 
@@ -263,7 +268,8 @@ MEMORY_VS_ONE_CALL = ("agent:memory, sft", "chat first stage, sft")
 def table_agents_one_call() -> list[str]:
     """The one-call control's README tables (:func:`one_call`)."""
     v = one_call()
-    lines = ["| SmolLM2-135M-Instruct, n = 130 | F1 [95% CI] | LLM calls / q | prompt tokens / q |", "|---|---|---:|---:|"]
+    lines = ["| SmolLM2-135M-Instruct, n = 130 | F1 [95% CI] | LLM calls / q | prompt tokens / q |",
+             "|---|---|---:|---:|"]
     for label, key in (("base, chat, no memory", "no memory"), ("base, chat, first stage", "embed:bm25"),
                        ("**adapter, chat, no memory**", "chat none, sft"),
                        ("**adapter, chat, first stage**", "chat first stage, sft"),
@@ -272,7 +278,8 @@ def table_agents_one_call() -> list[str]:
         f1, calls, tokens = v[key]
         lines.append(row(label, bold(f1, key == "chat first stage, sft"), calls, tokens))
     lines += ["", "| difference | all (n 130) |", "|---|---|"]
-    for label, pair in (("adapter − base, one call from the first stage", ("chat first stage, sft", "chat first stage, base")),
+    for label, pair in (("adapter − base, one call from the first stage",
+                         ("chat first stage, sft", "chat first stage, base")),
                         ("adapter − base, one call with no memory", ("chat none, sft", "chat none, base")),
                         ("agent:search − adapter's one call from the first stage", SEARCH_VS_ONE_CALL),
                         ("agent:memory − adapter's one call from the first stage", MEMORY_VS_ONE_CALL)):
@@ -284,7 +291,8 @@ def table_agents_one_call_card() -> list[str]:
     """The agents adapter's model card: the one-call control's rows (:func:`one_call`)."""
     v = one_call()
     lines = ["| n = 130 | F1 [95% CI] |", "|---|---|"]
-    for label, key in (("base, one call, first stage", "embed:bm25"), ("this adapter, one call, no memory", "chat none, sft"),
+    for label, key in (("base, one call, first stage", "embed:bm25"),
+                       ("this adapter, one call, no memory", "chat none, sft"),
                        ("this adapter, one call, first stage", "chat first stage, sft"),
                        ("this adapter, agent:search", "agent:search, SFT"),
                        ("this adapter, agent:memory", "agent:memory, SFT")):
@@ -354,6 +362,16 @@ def load_json(path: str):
         return json.load(f)
 
 
+def gpu_script(name: str):
+    """A module of ``benchmarks/gpu`` (the drivers' own readers and table code), imported from there."""
+    import importlib
+
+    gpu = os.path.join(ROOT, "benchmarks", "gpu")
+    if gpu not in sys.path:
+        sys.path.insert(0, gpu)
+    return importlib.import_module(name)
+
+
 def bold(cell: str, on: bool = True) -> str:
     return f"**{cell}**" if on else cell
 
@@ -377,8 +395,8 @@ def table_embed_gpu_2026_11_22() -> list[str]:
         text = f.read().splitlines()
     timed = {(c[0], c[1]): (c[2], c[4], float(c[6])) for c in (ln.split() for ln in text)
              if len(c) == 8 and c[-1] == "s" and c[3] == "texts"}
-    printed = {(c[0], c[1]): c for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in text
-                                          if ln.startswith("| ") and ln.split("|")[1].strip() in ("float32", "float16", "bfloat16"))}
+    cells = ([x.strip() for x in ln.strip("|").split("|")] for ln in text if ln.startswith("| "))
+    printed = {(c[0], c[1]): c for c in cells if c[0] in ("float32", "float16", "bfloat16")}
     base = timed[("float32", "naive")][2]
     lines = ["| precision | strategy | texts | tokens | seconds | tokens/s | peak GPU GiB | speed-up vs naive fp32 |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -396,14 +414,16 @@ def table_embed_gpu_2026_11_23() -> list[str]:
     plain = rs["plain-bf16 (HF, sorted, SDPA)"]["texts_s"]
     lines = ["| row | sessions/s | tokens/s | MFU | peak GiB | vs plain bf16 |", "|---|---:|---:|---:|---:|---:|"]
     for label, name, strong in (
-            ("plain bf16 (HF, sorted, SDPA, padded budget 65,536; Rust tokenizer pool on)", "plain-bf16 (HF, sorted, SDPA)", False),
+            ("plain bf16 (HF, sorted, SDPA, padded budget 65,536; Rust tokenizer pool on)",
+             "plain-bf16 (HF, sorted, SDPA)", False),
             ("stage, packed, 65,536 real tokens per batch (8 tokenizer threads)", "stage (budget 65536)", False),
             ("stage, packed, 131,072", "stage (budget 131072)", False),
             ("**stage, packed, 131,072 + `torch.compile`** (the stage's GPU default since this run)",
              "stage+compile (budget 131072)", True),
             ("GPU share only: packed forward on ids tokenized beforehand (131,072)",
              "gpu-only: packed forward, ids tokenized beforehand (budget 131072)", False),
-            ("the stage's Ray Data path (`embed_missing`, plan 65,536 / 1,024, no compile), incl. actor start + model load",
+            ("the stage's Ray Data path (`embed_missing`, plan 65,536 / 1,024, no compile), incl. actor start + "
+             "model load",
              "pipeline: embed_missing (Ray Data actor, default plan, incl. model load)", False)):
         r = rs[name]
         peak = "-" if r["peak_gib"] != r["peak_gib"] else f"{r['peak_gib']:.1f}"  # NaN: not measured
@@ -439,11 +459,8 @@ def table_embed_gpu_scale() -> list[str]:
 def rank_runs(path: str) -> tuple[dict, dict | None, dict]:
     """A ``run_rank.py`` rank.json: its runs summarised by run name as the driver summarises them, its HF
     baseline, its measured peak."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
-    import run_rank
-
     d = load_json(path)
-    return run_rank.summarize(d["results"]), d.get("hf"), d.get("peak")
+    return gpu_script("run_rank").summarize(d["results"]), d.get("hf"), d.get("peak")
 
 
 def table_rank_gpu_2026_11_23() -> list[str]:
@@ -500,12 +517,11 @@ def table_rank_gpu_lme() -> list[str]:
 def table_rank_prefill_chunk() -> list[str]:
     """Larger prefill chunks at LongMemEval length (2026-11-25, ``2026-11-25-prefill-chunk/rank.json``): the share
     of the prefill roofline at the matmul peak measured in the same run (``run_rank.roofline``)."""
-    import run_rank  # noqa: F401 - on the path once rank_runs ran
-
     from memsifter.models.tiny import QWEN3_4B
 
     runs, _, peak = rank_runs(f"{GPU}/2026-11-25-prefill-chunk/rank.json")
-    ceiling = run_rank.roofline(dict(QWEN3_4B), runs["ours"]["prompt_lengths"], peak["peak"])["prefill_ceiling_prompts_s"]
+    roof = gpu_script("run_rank").roofline(dict(QWEN3_4B), runs["ours"]["prompt_lengths"], peak["peak"])
+    ceiling = roof["prefill_ceiling_prompts_s"]
     lines = ["| setting (`vllm.max_num_batched_tokens`) | prompts | runs | engine busy s | prompts/s (busy) | "
              "% of prefill roofline | vs default |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, name in (("unset = vLLM's 2,048-token chunk (`ours`, today's default)", "ours"),
@@ -513,7 +529,8 @@ def table_rank_prefill_chunk() -> list[str]:
         r = runs[name]
         best = name == "ours-chunk16384"
         share = {k: 100 * v / ceiling for k, v in r["prompts_s_spread"].items() if k != "n"}
-        roof = bold(f"{share['median']:.1f}%", best) + (f" ({share['min']:.1f}–{share['max']:.1f})" if r["runs"] > 1 else "")
+        roof = bold(f"{share['median']:.1f}%", best)
+        roof += f" ({share['min']:.1f}–{share['max']:.1f})" if r["runs"] > 1 else ""
         lines.append(row(label, r["prompts"], r["runs"], span(r["busy"]), bold(f"{r['prompts_s']:.3f}", best), roof,
                          bold(f"{r['prompts_s'] / runs['ours']['prompts_s']:.2f}x", best)))
     return lines
@@ -567,9 +584,7 @@ def table_dapo_ab() -> list[str]:
     steps of its ``train_dcg_*_metrics.jsonl`` (``dapo_ab.py``'s reading)."""
     import statistics
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
-    import dapo_ab
-
+    dapo_ab = gpu_script("dapo_ab")
     slow, fast = (dapo_ab.steps(os.path.join(ROOT, GPU, "2026-11-24-h100-m9", f"train_dcg_{k}_metrics.jsonl"))
                   for k in ("slow", "fast"))
 
@@ -580,7 +595,8 @@ def table_dapo_ab() -> list[str]:
             "actor/perf/max_memory_allocated_gb")
     lines = ["| run | step s | old log-probs s | actor update s | tokens/s | actor MFU (verl) | max GPU GB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for label, rs, strong in (("verl's row loop (`fast_logprobs=false`)", slow, False), ("**blocks (default)**", fast, True)):
+    for label, rs, strong in (("verl's row loop (`fast_logprobs=false`)", slow, False),
+                              ("**blocks (default)**", fast, True)):
         st = [r["timing_s/step"] for r in rs]
         lines.append(row(label, f"{bold(f'{med(rs, keys[0]):.1f}', strong)} ({min(st):.1f}–{max(st):.1f})",
                          f"{med(rs, keys[1]):.1f}", f"{med(rs, keys[2]):.1f}", f"{med(rs, keys[3]):,.0f}",
@@ -596,12 +612,14 @@ def table_entropy_memory() -> list[str]:
     d = load_json(f"{GPU}/2026-11-24-h100-m12/entropy_memory.json")
     rs = {r["mode"]: r for r in d["rows"]}
     gib = 2 ** 30
-    lines = ["| run | peak memory allocated | vs verl as is | saved for backward | fw+bw s |", "|---|---:|---:|---:|---:|"]
+    lines = ["| run | peak memory allocated | vs verl as is | saved for backward | fw+bw s |",
+             "|---|---:|---:|---:|---:|"]
     for label, mode in (("no entropy in the loss", "none"),
                         ("entropy in the loss (verl's `entropy_from_logits` formula)", "plain"),
                         ("the same, checkpointed (verl's `entropy_checkpointing`)", "ckpt")):
         r = rs[mode]
-        lines.append(row(label, f"{r['peak_bytes'] / gib:.2f} GiB", f"{r['peak_bytes'] / rs['plain']['peak_bytes']:.2f}x",
+        lines.append(row(label, f"{r['peak_bytes'] / gib:.2f} GiB",
+                         f"{r['peak_bytes'] / rs['plain']['peak_bytes']:.2f}x",
                          f"{r['saved_bytes'] / gib:.2f} GiB", f"{r['seconds']:.3f}"))
     return lines
 
@@ -631,7 +649,8 @@ def table_tokenizer() -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
         first = r["threads"] == 1
-        lines.append(row(names[r["name"]][0 if first else 1], f"{r['vocab']:,}", r["threads"], f"{r['tokens_per_text']:,.0f}",
+        lines.append(row(names[r["name"]][0 if first else 1], f"{r['vocab']:,}", r["threads"],
+                         f"{r['tokens_per_text']:,.0f}",
                          f"{r['texts_s']:.1f} ({r['min_texts_s']:.1f}–{r['max_texts_s']:.1f})",
                          f"{r['texts_s'] / base[r['threads']]:.2f}x", f"{gpu / one[r['name']]:.1f}" if first else "-"))
     return lines
@@ -651,9 +670,11 @@ def table_serve() -> list[str]:
             lines.append(row(kind, r["clients"], f"{r['qps']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}",
                              f"{r['p99_ms']:.1f}", r["errors"], f"{r['qps'] / base[r['clients']]:.2f}"))
     s = d["soak"]
-    lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min, run {s['date']}): {s['requests']} requests, "
+    lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min, run {s['date']}): "
+              f"{s['requests']} requests, "
               f"{s['errors']} errors, {s['qps']:.1f} q/s, p99 {s['p99_ms']:.1f} ms; index re-published at "
-              f"{s['reload_at_s']} s, reloads seen {s['reloads_seen']}; RSS {s['rss_first_mb']} -> {s['rss_last_mb']} MB "
+              f"{s['reload_at_s']} s, reloads seen {s['reloads_seen']}; RSS {s['rss_first_mb']} -> "
+              f"{s['rss_last_mb']} MB "
               f"(max {s['rss_max_mb']}), growth {100 * s['rss_growth']:.1f}%. Note: {s['note']}."]
     return lines
 
@@ -669,9 +690,7 @@ def table_collapse() -> list[str]:
     validation the greedy NDCG@10 over the shown sessions (LME / LoCoMo) at each validation."""
     import statistics
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
-    import collapse_compare
-
+    collapse_compare = gpu_script("collapse_compare")
     from memsifter.stages.train import EVICTED_KEY
 
     runs = [collapse_compare.read_run(f"{e['label']}={os.path.join(ROOT, e['metrics'])}") for e in load_json(COLLAPSE)]
@@ -687,10 +706,11 @@ def table_collapse() -> list[str]:
         at16 = r["steps"].get(16, {})
         s16 = f"{at16[EVICTED_KEY]:.0f} / {at16['actor/entropy']:.3f}" if EVICTED_KEY in at16 else "-"
         mem = max(m.get("actor/perf/max_memory_allocated_gb", 0) for m in steps)
-        val = [(n, collapse_compare._validation(m)) for n, m in sorted(r["steps"].items()) if collapse_compare._validation(m)]
+        val = [(n, collapse_compare._validation(m)) for n, m in sorted(r["steps"].items())
+               if collapse_compare._validation(m)]
         moved = [(n, v) for (n, v), (_, prev) in zip(val[1:], val) if v != prev]
-        val_cell = "unchanged" if not moved else (f"{val[0][1]} at step {val[0][0]}, "
-                                                  + ", ".join(f"{v} at step {n}" for n, v in moved) + ", then unchanged")
+        val_cell = "unchanged" if not moved else (
+            f"{val[0][1]} at step {val[0][0]}, " + ", ".join(f"{v} at step {n}" for n, v in moved) + ", then unchanged")
         ratio = f" ({secs / shipped:.2f}x)" if shipped and "entropy" in label else ""
         lines.append(row(label, r["stop"][0], s16, f"{secs:.1f}{ratio}", f"{mem:.1f} GB", val_cell))
     return lines
@@ -727,8 +747,8 @@ def table_ranker_2026_11_24() -> list[str]:
             row("base, structured outputs", "100% (forced)", nd(lme, "base-structured"), nd(loc, "base-structured")),
             row("SFT adapter (chronological lists; shipped until the DAPO adapter of machine 8 replaced it)",
                 f"**{lme['sft']['valid_format']:.0%}**", nd(lme, "sft"), nd(loc, "sft")),
-            row("random valid ranking of the same shown sessions", "-", f3(rnd["lme_heldout"]["random_valid"]["ndcg@10"]),
-                f3(rnd["locomo_heldout"]["random_valid"]["ndcg@10"])),
+            row("random valid ranking of the same shown sessions", "-",
+                *(f3(rnd[part]["random_valid"]["ndcg@10"]) for part in ("lme_heldout", "locomo_heldout"))),
             row("first stage", "-", nd(lme, "first-stage"), nd(loc, "first-stage"))]
 
 
@@ -775,14 +795,15 @@ def table_ranker_card() -> list[str]:
             "| LoCoMo recall_any@5 | order changed vs input |", "|---|---:|---:|---:|---:|---:|---|",
             row("first stage (embed, default): **the input of every ranker below**", "-", *first, "-"),
             row("**this adapter**, free generation: returns its input order", f"{lme['dcg']['valid_format']:.0%}",
-                *same("dcg", True), "none seen: answers `0, 1, 2, …`, its rankings equal the first stage's; 0 of 96 on "
-                "unseen LoCoMo (above)"),
+                *same("dcg", True), "none seen: answers `0, 1, 2, …`, its rankings equal the first stage's; "
+                "0 of 96 on unseen LoCoMo (above)"),
             row("the sft adapter it continued", f"{lme['sft']['valid_format']:.0%}", *same("sft", False),
                 "as above (every rank metric equals the first stage's)"),
-            row("base, free generation", f"{lme['base-free']['valid_format']:.0%} (every answer falls back to the first "
-                "stage)", *(f"({x})" for x in first), "none: fallbacks are the input order"),
-            row("base, structured outputs", f"{lme['base-structured']['valid_format']:.0%} (forced by regex)", *structured,
-                f"changed (NDCG {below[0]:.2f} / {below[1]:.2f} below its input)")]
+            row("base, free generation",
+                f"{lme['base-free']['valid_format']:.0%} (every answer falls back to the first stage)",
+                *(f"({x})" for x in first), "none: fallbacks are the input order"),
+            row("base, structured outputs", f"{lme['base-structured']['valid_format']:.0%} (forced by regex)",
+                *structured, f"changed (NDCG {below[0]:.2f} / {below[1]:.2f} below its input)")]
 
 
 def shuffled_rows() -> dict:
@@ -817,7 +838,8 @@ def table_ranker_shuffled() -> list[str]:
     lines = ["| ranker (SmolLM2-135M-Instruct) | listing | LME NDCG@10 | LME Δ vs first stage | LME changed | "
              "LoCoMo NDCG@10 | LoCoMo Δ | LoCoMo changed |", "|---|---|---|---|---:|---|---|---:|"]
     lme, loc = t["lme_heldout"], t["locomo_heldout"]
-    lines.append(row("first stage (zsum)", "–", nd(lme["first-stage"]), "–", "–", nd(loc["first-stage"]), "–", "–"))
+    lines.append(row("first stage (zsum)", "–", nd(lme["first-stage"]), "–", "–", nd(loc["first-stage"]), "–",
+                     "–"))
     lines.append(row("random valid order of the same shown sessions", "–", nd(lme["random-valid"]), "–", "–",
                      nd(loc["random-valid"]), "–", "–"))
     for label, listing, k in (("base, structured outputs", "first stage", "base-structured"),
@@ -825,10 +847,12 @@ def table_ranker_shuffled() -> list[str]:
                               ("**SFT** (2 epochs on the shuffled rows, LoRA r16)", "shuffled", "sft-shuf")):
         lines.append(row(label, listing, nd(lme[k]), gain(lme[k]), changed(lme[k]), nd(loc[k]), gain(loc[k]),
                          changed(loc[k])))
-    free = [lme[k]["input_order"]["changed"] + loc[k]["input_order"]["changed"] for k in ("base-free", "base-free-shuf")]
+    free = [lme[k]["input_order"]["changed"] + loc[k]["input_order"]["changed"]
+            for k in ("base-free", "base-free-shuf")]
     assert free == [0, 0] and lme["base-free"]["valid_format"] == 0 == loc["base-free-shuf"]["valid_format"]
-    lines.insert(6, row("base, free generation", "either", "= first stage: 0% valid, every answer falls back to the input "
-                        "order", "0", "0%", "= first stage", "0", "0%"))
+    lines.insert(6, row("base, free generation", "either",
+                        "= first stage: 0% valid, every answer falls back to the input order", "0", "0%",
+                        "= first stage", "0", "0%"))
     return lines
 
 
@@ -841,17 +865,20 @@ def table_ranker_shuffled_card() -> list[str]:
         ci = r.get("ndcg@10_ci")
         return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
 
-    share = lambda k: f"{lme[k]['input_order']['changed_share']:.0%} / {loc[k]['input_order']['changed_share']:.0%}"  # noqa: E731
+    share = lambda k: " / ".join(f"{p[k]['input_order']['changed_share']:.0%}" for p in (lme, loc))  # noqa: E731
     tau = [lme["sft-shuf"]["input_order"]["tau_mean"], loc["sft-shuf"]["input_order"]["tau_mean"]]
-    return ["| ranker (shuffled listing) | LME NDCG@10 (n 57) | LoCoMo NDCG@10 (n 105) | order changed vs first stage | "
+    return ["| ranker (shuffled listing) | LME NDCG@10 (n 57) | LoCoMo NDCG@10 (n 105) | "
+            "order changed vs first stage | "
             "valid format |", "|---|---|---|---|---:|",
-            row("first stage (its input, not shown in order)", nd(lme["first-stage"]), nd(loc["first-stage"]), "–", "–"),
+            row("first stage (its input, not shown in order)", nd(lme["first-stage"]), nd(loc["first-stage"]), "–",
+                "–"),
             row("random valid order of the same shown sessions", nd(lme["random-valid (cpu)"]),
                 nd(loc["random-valid (cpu)"]), "–", f"{lme['random-valid (cpu)']['valid_format']:.0%}"),
             row("base, structured outputs", nd(lme["base-structured-shuf"]), nd(loc["base-structured-shuf"]),
                 share("base-structured-shuf"), f"{lme['base-structured-shuf']['valid_format']:.0%}"),
             row("SFT on the shuffled rows (same recipe as above)", nd(lme["sft-shuf"]), nd(loc["sft-shuf"]),
-                f"{share('sft-shuf')} (τ ≈ {minus(sum(tau) / 2, 2).lstrip('+')})", f"{lme['sft-shuf']['valid_format']:.0%}")]
+                f"{share('sft-shuf')} (τ ≈ {minus(sum(tau) / 2, 2).lstrip('+')})",
+                f"{lme['sft-shuf']['valid_format']:.0%}")]
 
 
 
@@ -886,7 +913,8 @@ def table_first_stage_2026_11_25() -> list[str]:
     lines += ["", "| candidate | dev (conv-26) | held-out (conv-30) |", "|---|---:|---:|"]
     for label, table, key in (("bm25", "locomo", "bm25"), ("lexical", "locomo", "lexical"),
                               ("cascade k=5 (old default)", "locomo", "cascade k=5 (old default)"),
-                              ("cascade k=10", "locomo", "cascade k=10"), ("cascade k=20 = all", "locomo", "cascade k=20"),
+                              ("cascade k=10", "locomo", "cascade k=10"),
+                              ("cascade k=20 = all", "locomo", "cascade k=20"),
                               ("user max-sim (all units here)", "locomo", "user max-sim"),
                               ("family all", "locomo", "family all"), ("zsum k=10", "locomo", "zsum k=10"),
                               ("**zsum k=15 (new default)**", "locomo", "zsum k=15"),
@@ -935,7 +963,8 @@ def table_reference_rows() -> list[str]:
 
     out = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
-        assert reference_rows.main(["--lme", SHARED_LME, "--locomo", os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
+        assert reference_rows.main(["--lme", SHARED_LME,
+                                    "--locomo", os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
                                     "--answers", os.path.join(ROOT, AGENTS_SFT, "answers"), "--out", tmp]) == 0
     return [ln for ln in out.getvalue().splitlines() if not ln.startswith("report:")]
 
@@ -947,9 +976,7 @@ DAPO_4B = f"{GPU}/2026-11-26-h100-4b-dapo"
 def table_dapo_4b() -> list[str]:
     """The 4B-shaped DAPO steps on one H100 (issue 43): ``dapo_4b_table.py``'s table from the committed
     ``runs.jsonl`` and ``steps.jsonl``."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
-    import dapo_4b_table
-
+    dapo_4b_table = gpu_script("dapo_4b_table")
     text, _ = dapo_4b_table.table(*dapo_4b_table.load(os.path.join(ROOT, DAPO_4B)))
     return [ln for ln in text.splitlines() if ln.startswith("|")]
 
@@ -962,15 +989,17 @@ def table_multigpu() -> list[str]:
     """The train stage on 1 and 2 GPUs and the rank stage with TP 2 (issue 35): ``multigpu.json``'s steps and
     ``rank-tp2.json``'s runs (summarised as ``run_rank.py`` does)."""
     steps = load_json(f"{MULTI_GPU}/multigpu.json")["steps"]
-    labels = {"1gpu-full-tp1": "1 GPU, rollout TP 1", "2gpu-full-tp1 (killed)": "2 GPUs (FSDP over 2 ranks), rollout TP 1",
+    labels = {"1gpu-full-tp1": "1 GPU, rollout TP 1",
+              "2gpu-full-tp1 (killed)": "2 GPUs (FSDP over 2 ranks), rollout TP 1",
               "2gpu-full-tp1 (resumed, rollout TP 2)": "2 GPUs, resumed from S3, rollout TP 2"}
     lines = ["| run | step | step s | gen s | update s | rollout tok/s |", "|---|---|---|---|---|---|"]
     for st in steps:
-        lines.append(row(labels[st["run"]], st["step"], f"{st['step_s']:.1f}", f"{st['gen_s']:.1f}", f"{st['update_s']:.1f}",
-                         f"{round(st['rollout_tok_s'], -1):,.0f}"))
+        lines.append(row(labels[st["run"]], st["step"], f"{st['step_s']:.1f}", f"{st['gen_s']:.1f}",
+                         f"{st['update_s']:.1f}", f"{round(st['rollout_tok_s'], -1):,.0f}"))
     runs, _, _ = rank_runs(f"{MULTI_GPU}/rank-tp2.json")
     one = runs["ours"]["prompts_s"]
-    lines += ["", "| run | engine busy s | prompts/s (busy) | vs 1 GPU | pipeline s incl. engine start |", "|---|---|---|---|---|"]
+    lines += ["", "| run | engine busy s | prompts/s (busy) | vs 1 GPU | pipeline s incl. engine start |",
+              "|---|---|---|---|---|"]
     for label, name in (("1 engine, 1 GPU", "ours"), ("1 engine, tensor parallel 2", "ours-tp2"),
                         ("2 engines (replicas) of 1 GPU", "ours-rep2")):
         r = runs[name]
@@ -999,13 +1028,15 @@ TABLES = {
                        [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
-    "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"], [README_BENCH]),
+    "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"],
+                             [README_BENCH]),
     "embed-gpu-2026-11-23": (table_embed_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call6-embed.json"], [README_BENCH]),
     "embed-gpu-scale": (table_embed_gpu_scale, [f"{GPU}/2026-11-24-h100-m4/embed.json"], [README_BENCH]),
-    "multigpu": (table_multigpu, [f"{MULTI_GPU}/multigpu.json", f"{MULTI_GPU}/rank-tp2.json"], [f"{MULTI_GPU}/README.md"]),
+    "multigpu": (table_multigpu, [f"{MULTI_GPU}/multigpu.json", f"{MULTI_GPU}/rank-tp2.json"],
+                 [f"{MULTI_GPU}/README.md"]),
     "rank-gpu-2026-11-23": (table_rank_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call16-rank.json"], [README_BENCH]),
-    "rank-gpu-locomo": (table_rank_gpu_locomo, [f"{GPU}/2026-11-24-h100-m5/rank.json", f"{GPU}/2026-11-24-h100-m7/rank.json"],
-                        [README_BENCH]),
+    "rank-gpu-locomo": (table_rank_gpu_locomo, [f"{GPU}/2026-11-24-h100-m5/rank.json",
+                                                f"{GPU}/2026-11-24-h100-m7/rank.json"], [README_BENCH]),
     "rank-gpu-lme": (table_rank_gpu_lme, [f"{GPU}/2026-11-25-h100-lme/rank.json"], [README_BENCH]),
     "rank-prefill-chunk": (table_rank_prefill_chunk, [f"{GPU}/2026-11-25-prefill-chunk/rank.json"], [README_BENCH]),
     "train-gpu-2026-11-23": (table_train_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call{{7,8}}*.log"], [README_BENCH]),
@@ -1013,19 +1044,25 @@ TABLES = {
                                                                                   f"{DAPO_4B}/table.md"]),
     "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_{{slow,fast}}_metrics.jsonl"], [README_BENCH]),
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
-    "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"], [README_BENCH]),
-    "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1{{1,6,7}}/train_dcg_*_metrics.jsonl"], [README_BENCH]),
+    "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"],
+                           [README_BENCH]),
+    "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1{{1,6,7}}/train_dcg_*_metrics.jsonl"],
+                 [README_BENCH]),
     "ranker-2026-11-24": (table_ranker_2026_11_24, [f"{GPU}/2026-11-24-h100-m1/table.json",
                                                      f"{GPU}/2026-11-24-h100-m1/random_baseline.json"], [README_BENCH]),
-    "ranker-first-stage-lists": (table_ranker_first_stage_lists, [f"{GPU}/2026-11-24-h100-m4/table.json"], [README_BENCH]),
+    "ranker-first-stage-lists": (table_ranker_first_stage_lists, [f"{GPU}/2026-11-24-h100-m4/table.json"],
+                                 [README_BENCH]),
     "ranker-card": (table_ranker_card, [f"{GPU}/2026-11-24-h100-m8/table.json"], [RANKER_CARD]),
     "ranker-shuffled": (table_ranker_shuffled, [f"{SHUFFLED}/ranker/table.json",
                                                 f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [README_BENCH]),
     "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
-                                                          f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [RANKER_CARD]),
+                                                          f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"],
+                             [RANKER_CARD]),
     "first-stage-2026-11-25": (table_first_stage_2026_11_25, [FIRST_STAGE_0], [README_BENCH]),
-    "reference-rows": (table_reference_rows, [f"{AGENTS_SFT}/answers/*.parquet", "../shared/data/longmemeval_s_train348.json.gz",
-                                              "memsifter/samples/locomo_dev2.json.gz"], [f"{REFERENCE_ROWS}/answers_table.txt"]),
+    "reference-rows": (table_reference_rows, [f"{AGENTS_SFT}/answers/*.parquet",
+                                              "../shared/data/longmemeval_s_train348.json.gz",
+                                              "memsifter/samples/locomo_dev2.json.gz"],
+                       [f"{REFERENCE_ROWS}/answers_table.txt"]),
     "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
     "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
