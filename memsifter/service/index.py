@@ -1,5 +1,5 @@
 """The first stage online: an embed stage's publication loaded as per-corpus indexes, scored per query with
-the embed stage's own code (:func:`memsifter.stages.embed.score_haystack`).
+the embed stage's own code (:func:`memsifter.retrieval.first_stage.score_haystack`).
 
 What an embed output holds and what is read of it: ``_SUCCESS`` (its config: model, pooling, length,
 dtype, query instruction, ``turn_words``, ``stem``, ``rrf_k``, ``zsum_k``, ``cascade_k``; its stats:
@@ -16,10 +16,10 @@ user id.
 
 Identity with the embed stage. For a question of the dataset, the service's order equals
 ``rankings.parquet``'s: the BM25 views are built from the same tokens with the same library
-(:class:`memsifter.stages.embed.HaystackLexical`), the dense leg reads the unit vectors the stage stored
+(:class:`memsifter.retrieval.first_stage.HaystackLexical`), the dense leg reads the unit vectors the stage stored
 (sessions the stage never re-scored get theirs computed here, by the same model), and with
 ``reuse_query_vectors`` a query whose exact text the stage embedded gets that stored vector; fusion is
-:func:`memsifter.stages.embed.rescored_scores`.
+:func:`memsifter.retrieval.first_stage.rescored_scores`.
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ from ..models import embedding
 from ..store import storage
 from ..data.model import Dataset, Session, read_dataset
 from ..errors import ConfigError
-from ..stages import embed as E
+from ..retrieval import first_stage as F
 from .config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 SERVED = ("zsum", "cascade", "bm25", "bm25_dated", "bm25_window")
 DENSE_METHODS = ("zsum", "cascade")
-EMBED_DEFAULTS = {"query_instruction": "", "turn_words": 200, "stem": True, "rrf_k": 60, "zsum_k": E.ZSUM_K,
+EMBED_DEFAULTS = {"query_instruction": "", "turn_words": 200, "stem": True, "rrf_k": 60, "zsum_k": F.ZSUM_K,
                   "cascade_k": 5, "pooling": "auto", "max_length": None, "dtype": "auto", "store": None}
 
 
 def views_of(method: str) -> tuple[str, ...]:
     """The BM25 views a method reads."""
-    return E.LEXICAL_LEGS if method in DENSE_METHODS else (method,)
+    return F.LEXICAL_LEGS if method in DENSE_METHODS else (method,)
 
 
 # --------------------------------------------------------------------------- vectors
@@ -161,7 +161,7 @@ class Vectors:
 
 
 class Units:
-    """Per session (by content hash): the matrix of its :func:`~memsifter.stages.embed.cascade_units`'
+    """Per session (by content hash): the matrix of its :func:`~memsifter.retrieval.first_stage.cascade_units`'
     vectors, stacked as the stage stacks them (the dense leg's max-sim is then the same arithmetic)."""
 
     def __init__(self, vectors: Vectors, encoder: Encoder, turn_words: int):
@@ -174,7 +174,7 @@ class Units:
         return s.content_hash in self._mats
 
     def hashes(self, s: Session) -> list[str]:
-        return [embedding.text_hash(t) for t in E.cascade_units(s.turns, self.turn_words)]
+        return [embedding.text_hash(t) for t in F.cascade_units(s.turns, self.turn_words)]
 
     def matrix(self, s: Session) -> np.ndarray:
         """The session's unit matrix, embedding what no store holds (blocking)."""
@@ -197,7 +197,7 @@ class Units:
             group = todo[i:i + 64]
             texts: dict[str, str] = {}
             for s in group:
-                for t in E.cascade_units(s.turns, self.turn_words):
+                for t in F.cascade_units(s.turns, self.turn_words):
                     h = embedding.text_hash(t)
                     if self.vectors.get(h) is None:
                         texts[h] = t
@@ -231,7 +231,7 @@ class Corpus:
     corpus_id: str
     sessions: list[Session]
     dates: list[str | None]
-    lexical: E.HaystackLexical | None
+    lexical: F.HaystackLexical | None
     kind: str = "published"                 # published | memory
     question: str | None = None             # a published corpus: its question
     version: int = 0
@@ -244,20 +244,13 @@ class Corpus:
         return len(self.sessions)
 
 
-class _Sessions:
-    """``sessions`` mapping for :class:`memsifter.stages.embed.Lexical` (it reads ``ds.sessions[id]``)."""
-
-    def __init__(self, sessions: dict[str, Session]):
-        self.sessions = sessions
-
-
 def build_lexical(sessions: Sequence[Session], dates: Sequence[str | None], method: str, turn_words: int,
-                  stem: bool) -> E.HaystackLexical | None:
+                  stem: bool) -> F.HaystackLexical | None:
     """The BM25 views ``method`` reads over ``sessions`` (tokens cached only while building)."""
     if not sessions:
         return None
     ids = [f"{i}" for i in range(len(sessions))]
-    lex = E.Lexical(_Sessions(dict(zip(ids, sessions))), turn_words, stem)  # type: ignore[arg-type]
+    lex = F.Lexical(dict(zip(ids, sessions)), turn_words, stem)
     return lex.index(ids, list(dates), views_of(method))
 
 
@@ -387,7 +380,7 @@ class PublishedIndex:
                        sessions=previous.sessions, corpora=previous.corpora, vectors=vectors, dataset_digest=ds_digest,
                        load_seconds=round(time.time() - t0, 2), reused="dataset and corpora")
         ds: Dataset = read_dataset(ds_uri)
-        shared: dict[tuple, E.HaystackLexical | None] = {}
+        shared: dict[tuple, F.HaystackLexical | None] = {}
         if prev_lex:
             for c in previous.corpora.values():
                 shared.setdefault(corpus_key(c.sessions, c.dates), c.lexical)
@@ -418,7 +411,7 @@ class PublishedIndex:
 def score_corpus(corpus: Corpus, query: str, qv: np.ndarray | None, units: Units | None,
                  settings: EmbedSettings) -> np.ndarray:
     """The first-stage score of each of ``corpus``'s sessions for ``query`` (``qv``: its vector, for the
-    dense methods): :func:`memsifter.stages.embed.score_haystack`, the embed stage's computation."""
+    dense methods): :func:`memsifter.retrieval.first_stage.score_haystack`, the embed stage's computation."""
     if corpus.lexical is None:
         return np.zeros(0)
     sessions = corpus.sessions
@@ -426,10 +419,10 @@ def score_corpus(corpus: Corpus, query: str, qv: np.ndarray | None, units: Units
     def max_sim(i: int) -> float:
         return float((units.matrix(sessions[i]) @ qv).max())  # type: ignore[union-attr,operator]
 
-    scores = E.score_haystack(query, corpus.lexical, max_sim, **settings.ks())
+    scores = F.score_haystack(query, corpus.lexical, max_sim, **settings.ks())
     return scores[settings.method]
 
 
 def order_of(scores: np.ndarray) -> list[int]:
-    """Indices by descending score, ties in haystack order (:func:`memsifter.stages.embed.order_by`)."""
-    return E.order_by(scores)
+    """Indices by descending score, ties in haystack order (:func:`memsifter.retrieval.first_stage.order_by`)."""
+    return F.order_by(scores)
