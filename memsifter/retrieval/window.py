@@ -22,6 +22,10 @@ The token-cost model (the rank stage's, MEMSIFTER.md §4), counted with the mode
    required is dropped.
 5. The chosen sessions are listed by ``history_order`` (:func:`memsifter.retrieval.context.shown_order`): local
    id i is the i-th listed session.
+
+The settings of a ranker's window are one model, :class:`WindowSettings`: the rank stage's config, prepare-rl's
+and the memory service's ranker settings are all of it, so a ranker is trained and served with the same
+fields, descriptions and defaults (``context_limit``: 131,072 tokens, MEMSIFTER.md §4).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .context import fill_budget, shown_order
+from pydantic import BaseModel, Field
+
+from .context import HistoryOrder, fill_budget, shown_order
 from .prompting import fill
 from .render import condense_session, render_history_texts, render_session
 
@@ -44,6 +50,62 @@ TRIMMED = "dropped: the exact prompt count was over the limit"
 # can make it so) is not taken: tokenizing a 50 MB session whole costs gigabytes, and the row is
 # known to be over the limit anyway; the estimate (a lower bound) is reported instead.
 EXACT_COUNT_FACTOR = 4
+
+
+def prompt_messages(template: str, question: str, texts: Sequence[str], dates: Sequence[str | None] | None,
+                    slots: Mapping[str, str] | None = None, answer_prefix: str = "") -> list[dict]:
+    """The chat messages of a prompt that shows ``texts`` (sessions as shown, with their dates) with local
+    ids 0..n-1 in the order given: ``template`` filled (``{history}``, ``{current}`` = ``question`` and
+    ``slots``), then ``answer_prefix`` as an assistant prefill. Every prompt that shows a history is made
+    here: the window's (:meth:`PromptBuilder.messages`) and the reward's working-LLM prompt over the
+    sessions a ranking chose (:func:`memsifter.training.rewards.answer_messages`)."""
+    hist = render_history_texts(list(texts), list(dates) if dates is not None else None)
+    msgs = [{"role": "user", "content": fill(template, history=hist, current=question, **(slots or {}))}]
+    if answer_prefix:
+        msgs.append({"role": "assistant", "content": answer_prefix})
+    return msgs
+
+
+def answer_slots(question_date: str | None) -> dict[str, str]:
+    """The working LLM's prompt slots besides the history and the question (``prompts/chat.txt``): the
+    question's date. The chat stage and the reward fill them alike."""
+    return {"date": question_date or "unknown"}
+
+
+# A ranker prompt's size at most, in the ranker's tokens (MEMSIFTER.md §4: the original's 128k window).
+CONTEXT_LIMIT = 131072
+
+
+class WindowSettings(BaseModel):
+    """The session window of a ranker's prompt: what the rank stage serves, prepare-rl trains on and the
+    memory service's ranker serves (each config is this model plus its own fields). :meth:`builder` makes
+    the :class:`PromptBuilder` of these settings."""
+
+    context_limit: int = Field(CONTEXT_LIMIT, gt=0, description="prompt tokens at most, counted with the ranker's "
+                               "tokenizer through its chat template (template, question, history, answer prefill); "
+                               "with max_tokens it must fit the model's context")
+    session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens: "
+                                       "a longer one keeps the turns sharing the most words with the question, in "
+                                       "order (so a small-context ranker sees more sessions); default: whole")
+    history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed (their "
+                                        "local ids follow this list): chronological (the original, MEMSIFTER.md "
+                                        "§2), first_stage (most similar first: a re-ranker that sees the first "
+                                        "stage's order) or shuffled (a permutation per question drawn from "
+                                        "shuffle_seed and its id: the listing carries no first-stage signal); "
+                                        "train (prepare-rl) and serve (rank, the service) with the same")
+    shuffle_seed: int = Field(0, description="history_order shuffled: the seed of each question's listing (with "
+                              "the question id: the same seed gives prepare-rl's and rank's listing alike)")
+    stop_at_first_overflow: bool = Field(True, description="the window stops at the first session that does not "
+                                         "fit (the original); false: keep trying smaller ones")
+
+    def builder(self, counter: Any, template: str, *, answer_prefix: str = "", history_budget: int | None = None,
+                include_dates: bool = True) -> "PromptBuilder":
+        """The window of these settings: ``context_limit`` prompt tokens, or ``history_budget`` history
+        tokens when given (prepare-rl without a context limit)."""
+        budget = {"history_budget": history_budget} if history_budget is not None else {"limit": self.context_limit}
+        return PromptBuilder(counter, template, session_tokens=self.session_tokens, history_order=self.history_order,
+                             shuffle_seed=self.shuffle_seed, stop_at_first_overflow=self.stop_at_first_overflow,
+                             include_dates=include_dates, answer_prefix=answer_prefix, **budget)
 
 
 @dataclass
@@ -112,12 +174,8 @@ class PromptBuilder:
 
     def messages(self, question: str, texts: Sequence[str], dates: Sequence[str | None],
                  slots: Mapping[str, str] | None = None) -> list[dict]:
-        """The prompt showing ``texts`` with local ids 0..n-1 in the order given."""
-        hist = render_history_texts(list(texts), list(dates))
-        msgs = [{"role": "user", "content": fill(self.template, history=hist, current=question, **(slots or {}))}]
-        if self.answer_prefix:
-            msgs.append({"role": "assistant", "content": self.answer_prefix})
-        return msgs
+        """The prompt showing ``texts`` with local ids 0..n-1 in the order given (:func:`prompt_messages`)."""
+        return prompt_messages(self.template, question, texts, dates, slots, self.answer_prefix)
 
     def listing(self, chosen: Sequence[int], order: Sequence[int], key: str) -> list[int]:
         """The chosen haystack indices in the order the prompt lists them (``history_order``)."""

@@ -48,7 +48,7 @@ class RankerDeployment:
         self.rank.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def rank(self, items: list[dict]) -> list[dict]:
+    async def rank(self, items: list) -> list[dict]:   # RankRequest objects (memsifter.retrieval.ranker)
         return await self.core.rank_many(items)
 
 

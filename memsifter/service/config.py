@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ConfigError
-from ..models.llm import LLMEndpoint
+from ..retrieval.ranker import RankerOptions
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Corpus and user ids: what a URL path segment and a storage key can hold safely.
@@ -79,24 +79,14 @@ class Limits(_Model):
                                     "after this long")
 
 
-class RankerSettings(_Model):
-    """The ranker deployment: the rank stage's prompt builder and parser (memsifter.stages.rank), served by
-    vLLM in-process (``engine: vllm``, a GPU deployment) or by an OpenAI-compatible endpoint."""
+class RankerSettings(RankerOptions):
+    """The ranker deployment: the ranker's options as the rank stage takes them (:class:`memsifter.retrieval.
+    ranker.RankerOptions`: the same fields, session window and defaults, so a ranker is served as it is
+    trained and batch-ranked), served by vLLM in-process (``engine: vllm``, a GPU deployment) or by an
+    OpenAI-compatible endpoint; plus the deployment's own settings."""
 
-    model: str = Field("zstanjj/MemSifter-4B-Thinking", description="ranker: hub id, local directory, s3:// or a "
-                       "`memsifter models list` name")
-    tokenizer: str | None = Field(None, description="tokenizer for the token budget (default: model)")
-    engine: Literal["vllm", "endpoint"] = Field("vllm")
-    endpoint: LLMEndpoint | None = Field(None, description="engine endpoint: where the ranker is served")
-    prompt_style: Literal["auto", "thinking", "direct"] = "auto"
-    answer_prefix: str = "auto"
-    context_limit: int = Field(32768, gt=0, description="prompt tokens at most")
-    session_tokens: int | None = Field(None, gt=0)
-    history_order: Literal["chronological", "first_stage", "shuffled"] = "chronological"
-    top_k: int = Field(10, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int | None = Field(None, gt=0)
-    constrained_output: bool = False
+    temperature: float = Field(0.0, ge=0, description="sampling temperature (0: the same answer for the same "
+                               "query; the rank stage's default is 0.6)")
     candidates: int = Field(50, ge=1, description="first-stage sessions sent to the ranker (most similar first)")
     max_batch_size: int = Field(16, ge=1, description="@serve.batch: requests per engine call")
     batch_wait_timeout_s: float = Field(0.01, ge=0)
@@ -105,12 +95,6 @@ class RankerSettings(_Model):
     num_cpus: float = Field(1.0, gt=0)
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _engine(self) -> "RankerSettings":
-        if self.engine == "endpoint" and self.endpoint is None:
-            raise ValueError("ranker.engine 'endpoint' needs ranker.endpoint: {base_url: ..., model: ...}")
-        return self
 
 
 class ServeConfig(_Model):

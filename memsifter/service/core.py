@@ -27,6 +27,7 @@ import numpy as np
 from ..models import embedding
 from ..data.model import Session, content_hash
 from ..security.redact import redact
+from ..retrieval.ranker import RankRequest
 from ..retrieval.render import render_session
 from . import memory as M
 from .auth import Keys, Principal
@@ -137,7 +138,7 @@ class MemoryCorpus:
     key: tuple
 
 
-Ranker = Callable[[dict], Awaitable[dict]]
+Ranker = Callable[[RankRequest], Awaitable[dict]]
 
 
 class RetrievalService:
@@ -309,11 +310,10 @@ class RetrievalService:
         n = self.cfg.ranker.candidates if self.cfg.ranker else 50
         top = order[:n]
         chrono = sorted(top)
-        item = {"question": query, "key": key, "order": [corpus.sessions[i].session_id for i in top],
-                "sessions": [{"session_id": corpus.sessions[i].session_id, "date": corpus.dates[i],
-                              "turns": corpus.sessions[i].turns} for i in chrono]}
+        req = RankRequest(question=query, key=key, sessions=[corpus.sessions[i] for i in chrono],
+                          dates=[corpus.dates[i] for i in chrono], order=[corpus.sessions[i].session_id for i in top])
         try:
-            row = await asyncio.wait_for(self.ranker(item), self.cfg.limits.ranker_timeout_s)
+            row = await asyncio.wait_for(self.ranker(req), self.cfg.limits.ranker_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.fallbacks.labels("timeout").inc()
             return order, {"status": "fallback", "reason": f"ranker timed out after {self.cfg.limits.ranker_timeout_s:g}s"}

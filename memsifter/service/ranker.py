@@ -1,12 +1,14 @@
-"""The ranker behind ``mode: ranked``: the rank stage's prompt builder and parser, one request at a time
-from the caller's side, batched on the engine's side.
+"""The ranker behind ``mode: ranked``: the ranker library (:mod:`memsifter.retrieval.ranker`), one request at
+a time from the caller's side, batched on the engine's side.
 
-A request carries the query, the first stage's top ``candidates`` sessions of the corpus (their turns and
-dates, most similar first). :func:`memsifter.stages.rank.build_prompt` builds the prompt exactly as the
-rank stage does (the same :class:`memsifter.retrieval.window.PromptBuilder`: pre-filter by first-stage order
-within ``context_limit``, listing by ``history_order``), the engine answers, and
-:func:`memsifter.stages.rank.result_row` parses it (:func:`memsifter.retrieval.rankings.parse_ranking`) into the
-full order, or the first stage's with the reason (status ``fallback`` / ``error``).
+A request (:class:`memsifter.retrieval.ranker.RankRequest`) carries the query and the first stage's top
+``candidates`` sessions of the corpus, as the corpus holds them (:class:`memsifter.data.model.Session`
+objects, oldest first, with their dates) and their first-stage order.
+:func:`memsifter.retrieval.ranker.ranker_prompt` builds the prompt exactly as the rank stage does (the same
+:class:`memsifter.retrieval.window.PromptBuilder`: pre-filter by first-stage order within ``context_limit``,
+listing by ``history_order``), the engine answers, and :func:`memsifter.retrieval.ranker.result_row` parses
+it (:func:`memsifter.retrieval.rankings.parse_ranking`) into the full order, or the first stage's with the
+reason (status ``fallback`` / ``error``).
 
 Engines: ``vllm`` (``vllm.LLM`` in this process: the GPU deployment; the batch is one ``LLM.chat``
 call) or ``endpoint`` (an OpenAI-compatible server, :class:`memsifter.models.llm.ChatClient`). Under Ray Serve
@@ -18,19 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 from ..models import registry as models
-from ..retrieval.context import TokenCounter, load_tokenizer
-from ..data.model import Question, Session
 from ..models.llm import ChatClient
+from ..retrieval import ranker as R
+from ..retrieval.context import TokenCounter, load_tokenizer
 from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
 from ..security.redact import redact
-from ..stages import rank as R
 from .config import RankerSettings
 
 log = logging.getLogger(__name__)
-PLACEHOLDER = "-"   # RankConfig's input / embeddings / output: the service reads none of them
 
 
 class _NoCache:
@@ -49,34 +49,21 @@ class _NoCache:
         return 0
 
 
-class _Haystack:
-    """``ds`` for :func:`memsifter.stages.rank.build_prompt` (it reads ``ds.sessions``)."""
-
-    def __init__(self, sessions: dict[str, Session]):
-        self.sessions = sessions
-
-
 class RankerCore:
     """Prompt building, generation and parsing of a batch of ranked requests."""
 
     def __init__(self, s: RankerSettings):
         self.settings = s
-        rc = R.RankConfig(input=PLACEHOLDER, embeddings=PLACEHOLDER, output=PLACEHOLDER, model=s.model,
-                          tokenizer=s.tokenizer, prompt_style=s.prompt_style, answer_prefix=s.answer_prefix,
-                          context_limit=s.context_limit, session_tokens=s.session_tokens,
-                          history_order=s.history_order, top_k=s.top_k, temperature=s.temperature,
-                          max_tokens=s.max_tokens, constrained_output=s.constrained_output, engine=s.engine,
-                          endpoint=s.endpoint)
         if s.engine == "endpoint":
-            rc.preflight()
+            s.preflight()
         model_dir = models.resolve(s.model) if s.engine == "vllm" else None
         tok_dir = models.resolve(s.tokenizer or s.model)
         self.counter = TokenCounter(load_tokenizer(tok_dir))
-        style = R.resolve_style(rc, self.counter.tokenizer)
+        style = R.resolve_style(s, self.counter.tokenizer)
         self.template = load_prompt(None, RANKER_PROMPTS[style], ("history", "current"))
-        max_tokens, max_model_len = R.fit_lengths(rc, models.model_context(model_dir or tok_dir), style)
-        self.config = rc.model_copy(update={"max_tokens": max_tokens, "answer_prefix": R.resolve_prefix(rc, style),
-                                            "vllm": rc.vllm.model_copy(update={"max_model_len": max_model_len})})
+        max_tokens, max_model_len = R.fit_lengths(s, models.model_context(model_dir or tok_dir), style)
+        self.config = s.model_copy(update={"max_tokens": max_tokens, "answer_prefix": R.resolve_prefix(s, style),
+                                           "vllm": s.vllm.model_copy(update={"max_model_len": max_model_len})})
         self.method = R.method_label(self.config)
         self.client: ChatClient | None = None
         self.llm: Any = None
@@ -107,16 +94,14 @@ class RankerCore:
         return self.settings.endpoint.secrets() if self.settings.endpoint else []
 
     # ------------------------------------------------------------------ one batch
-    def prompt(self, item: dict) -> R.Prompted:
-        sessions = {s["session_id"]: Session(s["session_id"], s["turns"], s.get("date")) for s in item["sessions"]}
-        hay = [s["session_id"] for s in item["sessions"]]
-        q = Question(question_id=str(item.get("key") or "query"), dataset="serve", question=item["question"],
-                     answer="", haystack_session_ids=hay, gold_session_ids=[],
-                     haystack_dates=[s.get("date") for s in item["sessions"]])
-        return R.build_prompt(self.config, _Haystack(sessions), q, {"ranked_session_ids": item["order"]},
-                              self.counter, self.template)
+    def prompt(self, item: R.RankRequest | Mapping[str, Any]) -> R.Prompted:
+        """The ranker's prompt of one request (its JSON form, as a client outside the service sends it, is
+        read into a :class:`~memsifter.retrieval.ranker.RankRequest`)."""
+        req = R.RankRequest.of(item)
+        return R.ranker_prompt(self.config, req.question, req.key, req.sessions, req.dates, req.order, self.counter,
+                               self.template)
 
-    async def rank_many(self, items: list[dict]) -> list[dict]:
+    async def rank_many(self, items: list[R.RankRequest]) -> list[dict]:
         """One row per item: ``ranked_session_ids`` (the whole candidate list), ``status`` (ok / fallback /
         error) and ``reason``."""
         prompts = [self.prompt(it) for it in items]

@@ -107,9 +107,6 @@ ROW_SCHEMA = pa.schema([
 ])
 
 
-_load_recipe = load_recipe  # the one recipe reader (memsifter/data/recipe.py)
-
-
 class PrepareAgentsConfig(StageConfig):
     datasets: list[str] = uri_field("published datasets (import/synth outputs)", min_length=1,
                                     stage=("import", "synth"))
@@ -146,7 +143,7 @@ class PrepareAgentsConfig(StageConfig):
     @field_validator("recipe", mode="before")
     @classmethod
     def _recipe(cls, v: Any) -> Any:
-        return _load_recipe(v)
+        return load_recipe(v)
 
     @field_validator("agent_options")
     @classmethod

@@ -59,13 +59,13 @@ from ..store import storage
 from ..data import splits
 from ..data.recipe import load_datasets, load_recipe
 from ..data.splits import read_rows, shard_sizes  # noqa: F401 (read_rows: this output's rows, for callers)
-from ..retrieval.context import HistoryOrder, TokenCounter, load_tokenizer
+from ..retrieval.context import TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question
 from ..errors import InputError
 from ..retrieval.metrics import dcg_over_gold
 from ..retrieval.prompting import RANKER_PROMPTS, load_prompt
 from ..stage import StageConfig, runtime_field, stage, uri_field
-from ..retrieval.window import PromptBuilder, Window
+from ..retrieval.window import Window, WindowSettings
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ ROW_SCHEMA = pa.schema([
 ])
 
 
-_load_recipe = load_recipe  # the one recipe reader (memsifter/data/recipe.py)
+class PrepareRLConfig(StageConfig, WindowSettings):
+    """prepare-rl: the rank stage's session window (:class:`memsifter.retrieval.window.WindowSettings`: the same
+    fields and defaults, but for ``context_limit``, unset here: a history budget instead) plus the sampling."""
 
-
-class PrepareRLConfig(StageConfig):
     datasets: list[str] = uri_field("published datasets (import/synth outputs)", min_length=1,
                                     stage=("import", "synth"))
     recipe: dict[str, dict[str, int]] = Field(
@@ -112,9 +112,6 @@ class PrepareRLConfig(StageConfig):
         "thinking", description="shipped prompt when 'prompt' is not set: thinking = MemSifter's "
         "(prompts/ranker.txt), direct = ids only for small non-thinking rankers (prompts/ranker_direct.txt, "
         "the rank stage's prompt_style direct); train with the prompt the rank stage will use")
-    session_tokens: int | None = Field(None, gt=0, description="show each session in at most this many tokens "
-                                       "(its turns sharing the most words with the question, as the rank stage's "
-                                       "session_tokens); the reward's working LLM sees the same text; default: whole")
     history_budget_tokens: int = Field(HISTORY_BUDGET, gt=0, description="history budget (130 x 1024), "
                                        "when context_limit is not set")
     context_limit: int | None = Field(None, gt=0, description="prompt tokens at most, costed exactly as the rank "
@@ -123,9 +120,6 @@ class PrepareRLConfig(StageConfig):
                                       "as the rank stage will serve, and the rows hold the prompts it serves "
                                       "(gold sessions added if it leaves them out); default: history_budget_tokens "
                                       "of history")
-    stop_at_first_overflow: bool = Field(True, description="the window stops at the first session that does "
-                                         "not fit (as the rank stage does by default); false: keep trying "
-                                         "smaller ones (MemSifter's data preparation)")
     max_prompt_tokens: int = Field(MAX_PROMPT, gt=0, description="rows with longer prompts are skipped "
                                    "(verl data.max_prompt_length)")
     anchor_target: float = Field(ANCHOR_TARGET, description="DCG@10 the anchor curriculum aims at")
@@ -133,20 +127,12 @@ class PrepareRLConfig(StageConfig):
     shard_rows: int = Field(2000, gt=0, description="train rows per parquet file at most")
     ability: str = "memory_ranking"
     include_dates: bool = Field(True, description="show session dates in the history when known")
-    history_order: HistoryOrder = Field("chronological", description="how the shown sessions are listed (local "
-                                        "ids follow this list): chronological (MEMSIFTER.md §2) or first_stage "
-                                        "(the first stage's order, most similar first) or shuffled (a permutation "
-                                        "per question drawn from shuffle_seed and its id, so the listing carries "
-                                        "no first-stage signal; gold_local and first_stage_local follow it); the "
-                                        "rank stage must use the same")
-    shuffle_seed: int = Field(0, description="history_order shuffled: the seed of each question's listing "
-                              "(with the question id; the rank stage's shuffle_seed gives the same listing)")
     batch_size: int = runtime_field(64, "rows built at once")
 
     @field_validator("recipe", mode="before")
     @classmethod
     def _recipe(cls, v: Any) -> Any:
-        return _load_recipe(v)
+        return load_recipe(v)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -173,13 +159,10 @@ class Builder:
         self.tokenizer = load_tokenizer(models.resolve(config.tokenizer))
         self.counter = TokenCounter(self.tokenizer)
         self.template = load_prompt(config.prompt, RANKER_PROMPTS[config.prompt_style], ("history", "current"))
-        budget = ({"limit": config.context_limit} if config.context_limit is not None
-                  else {"history_budget": config.history_budget_tokens})
-        self.window = PromptBuilder(self.counter, self.template, session_tokens=config.session_tokens,
-                                    history_order=config.history_order, shuffle_seed=config.shuffle_seed,
-                                    stop_at_first_overflow=config.stop_at_first_overflow,
-                                    include_dates=config.include_dates,
-                                    answer_prefix=SERVED_PREFIX[config.prompt_style], **budget)
+        self.window = config.builder(
+            self.counter, self.template, answer_prefix=SERVED_PREFIX[config.prompt_style],
+            history_budget=config.history_budget_tokens if config.context_limit is None else None,
+            include_dates=config.include_dates)
 
     def order(self, q: Question) -> tuple[list[int], str]:
         """Haystack indices in first-stage order (similarities, else the previous ranking, else the
