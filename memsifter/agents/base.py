@@ -23,10 +23,12 @@ agents accept both (:func:`close_stop`). A reply whose generation did not end on
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Protocol, Sequence
+
+# the tokenizer-free estimate and the exact one-text counter are retrieval's: chat counts with the same rule
+from ..retrieval.context import approx_tokens, hf_counter  # noqa: F401 - re-exported for the agents
 
 
 @dataclass
@@ -153,18 +155,6 @@ def close_stop(text: str, stop: Sequence[str]) -> str:
 
 # --------------------------------------------------------------------------- shared helpers
 TokenCounter = Callable[[str], int]
-
-
-def approx_tokens(text: str) -> int:
-    """A tokenizer-free token count: characters / 3.4, rounded up. On the project's data (LongMemEval_S and
-    LoCoMo sessions as rendered) SmolLM2's tokenizer averages 4.2 characters a token (3.5 to 5.6 per
-    session), so this over-counts by about 20%: budgets computed with it stay inside the real window."""
-    return math.ceil(len(text) / 3.4) if text else 0
-
-
-def hf_counter(tokenizer: Any) -> TokenCounter:
-    """``count_tokens`` from a Hugging Face tokenizer (exact counts; no special tokens added)."""
-    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
 def trim_to_tokens(text: str, budget: int, count: TokenCounter, mark: str = " …") -> str:

@@ -33,6 +33,15 @@ def load_prompt(uri: str | None, default: str, slots: tuple[str, ...]) -> str:
     return text
 
 
+CHAT_PROMPT = "chat.txt"   # the working LLM's shipped prompt (slots {history}, {current}, {date})
+
+
+def load_chat_prompt(uri: str | None) -> str:
+    """The working LLM's prompt: ``uri`` (a replacement file, local or s3://) or :data:`CHAT_PROMPT`; what the
+    chat stage answers with and the reward's working LLM is asked with."""
+    return load_prompt(uri, CHAT_PROMPT, ("history", "current"))
+
+
 def fill(template: str, **slots: str) -> str:
     """Literal slot replacement in one pass (session text may contain braces or even a slot name
     like ``{current}``, so neither str.format nor successive replaces). Chat-template markers in the

@@ -18,7 +18,7 @@
   by method and marks a method whose rankings were fallbacks. ``session_tokens`` shows each session
   by its turns closest to the question (:func:`memsifter.retrieval.render.condense_session`).
 * Tokens read per answer (``prompt_tokens``: the whole prompt as ``tokenizer`` counts it with the chat
-  template, else the estimate of 4 characters per token), for ``evaluate``'s cost per question.
+  template, else the estimate of :func:`memsifter.retrieval.context.approx_tokens`), for ``evaluate``'s cost per question.
 * Answer = the text inside the last ``<answer>…</answer>`` after any ``</think>``, else the whole
   reply. Per question: exact match and token F1 against the gold answer; optionally an LLM judge
   (yes/no, ``prompts/judge.txt``).
@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from typing import Literal
@@ -42,15 +41,15 @@ from ..testing import faults
 from ..models import registry as models
 from ..retrieval import rankings
 from ..store import storage
-from ..retrieval.context import TokenCounter, load_tokenizer
+from ..retrieval.context import CHARS_PER_TOKEN, ApproxCounter, TokenCounter, load_tokenizer
 from ..data.model import Dataset, Question, read_dataset
 from ..errors import MemsifterError
 from ..models.llm import ChatClient, LLMEndpoint, ResponseCache
 from ..retrieval.metrics import exact_match, token_f1
-from ..retrieval.prompting import extract_answer, fill, load_prompt
+from ..retrieval.prompting import extract_answer, fill, load_chat_prompt, load_prompt
 from ..security.redact import redact
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
-from ..retrieval.window import OVER_BUDGET, PromptBuilder
+from ..retrieval.window import OVER_BUDGET, PromptBuilder, answer_slots
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +73,8 @@ class ChatConfig(StageConfig):
                               "methods x context tokens)")
     endpoint: LLMEndpoint = Field(default_factory=LLMEndpoint, description="the working LLM")
     tokenizer: str | None = Field(None, description="tokenizer for the budget (hub id, directory or a name of "
-                                  "`memsifter models list`); default: an estimate of 4 characters per token")
+                                  f"`memsifter models list`); default: an estimate of {CHARS_PER_TOKEN:g} characters per "
+                                  "token (memsifter.retrieval.context.approx_tokens)")
     prompt: str | None = uri_field("prompt template with {history}, {current} and {date} "
                                    "(default: memsifter/prompts/chat.txt)", None)
     context_tokens: int = Field(8192, gt=0, description="prompt tokens at most (template, question, date and "
@@ -100,22 +100,6 @@ class ChatConfig(StageConfig):
         self.endpoint.check("endpoint")
         if self.judge:
             self.judge.check("judge")
-
-
-class ApproxCounter:
-    """Token estimate (4 characters per token) when no tokenizer is given."""
-
-    hits = misses = 0
-
-    def count_many(self, texts: list[str], cap: int | None = None) -> list[int]:
-        return [math.ceil(len(t) / 4) for t in texts]
-
-    def count(self, text: str, cap: int | None = None) -> int:
-        return math.ceil(len(text) / 4)
-
-    def chat_prompt_tokens(self, messages: list[dict]) -> int:
-        """The estimate of a chat prompt: its messages' text (no chat template known)."""
-        return math.ceil(sum(len(str(m.get("content") or "")) for m in messages) / 4)
 
 
 def context_order(q: Question, ranked: list[str], similar: list[str]) -> list[str]:
@@ -175,7 +159,7 @@ def build_messages(config: ChatConfig, ds: Dataset, q: Question, order: list[str
     builder = PromptBuilder(counter, template, limit=config.context_tokens, session_tokens=config.session_tokens,
                             stop_at_first_overflow=config.stop_at_first_overflow)
     w = builder.build(q.question, hay, ds.sessions, [q.date_of(s, ds.sessions) for s in hay], order,
-                      key=q.question_id, slots={"date": q.question_date or "unknown"})
+                      key=q.question_id, slots=answer_slots(q.question_date))
     over = sum(1 for why in w.left_out.values() if why == OVER_BUDGET)
     if over:  # e.g. a 1 MB turn: never shown, whatever its rank
         log.warning("chat: question %s: %d session(s) larger than the memory budget (%d tokens) left out",
@@ -208,7 +192,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
     methods = answer_methods(config)
     similar = ({r["question_id"]: r["ranked_session_ids"] or [] for r in rankings.read_rankings(config.embeddings)}
                if config.embeddings else {})
-    template = load_prompt(config.prompt, "chat.txt", ("history", "current"))
+    template = load_chat_prompt(config.prompt)
     judge_tpl = load_prompt(config.judge_prompt, "judge.txt", ("question", "answer", "response")) \
         if config.judge else None
     tok = config.tokenizer

@@ -81,9 +81,9 @@ from typing import Any, Sequence
 
 from ..models.llm import ChatClient, ResponseCache, request_key, run_sync
 from ..retrieval.metrics import dcg_over_gold, exact_match, ndcg, token_f1
-from ..retrieval.prompting import extract_answer, fill, load_prompt  # as the chat and rank stages use them
+from ..retrieval.prompting import extract_answer, load_chat_prompt  # as the chat and rank stages use them
 from ..retrieval.rankings import parse_ranking
-from ..retrieval.render import render_history_texts
+from ..retrieval.window import answer_slots, prompt_messages
 from .reward_settings import FORMATS, MODES, TOP_K, RewardSettings  # noqa: F401 - the settings, re-exported
 
 log = logging.getLogger(__name__)
@@ -131,18 +131,17 @@ def dcg_reward(local_ids: Sequence[int], gold: Sequence[int], k: int) -> float:
 
 def answer_messages(question: str, question_date: str | None, session_texts: Sequence[str],
                     dates: Sequence[str | None] | None, template: str | None = None) -> list[dict]:
-    """The working-LLM prompt for one tier, built like the chat stage's: its template
-    (``prompts/chat.txt``) with the chosen sessions in chronological order, the date, the question."""
-    history = render_history_texts(list(session_texts), list(dates) if dates is not None else None)
+    """The working-LLM prompt for one tier, built by the chat stage's prompt builder
+    (:func:`memsifter.retrieval.window.prompt_messages` with its slots): its template (``prompts/chat.txt``)
+    with the chosen sessions in chronological order, the date, the question."""
     tpl = template if template is not None else chat_template(None)
-    return [{"role": "user", "content": fill(tpl, history=history, current=question,
-                                             date=question_date or "unknown")}]
+    return prompt_messages(tpl, question, session_texts, dates, answer_slots(question_date))
 
 
 @functools.lru_cache(maxsize=8)
 def chat_template(uri: str | None) -> str:
     """The working-LLM prompt: ``uri`` (a replacement file, local or s3://) or ``prompts/chat.txt``."""
-    return load_prompt(uri, "chat.txt", ("history", "current"))
+    return load_chat_prompt(uri)
 
 
 # --------------------------------------------------------------------------- the working LLM
