@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(ds: str, spec: dict) -> None:
             """One dataset's pipeline; each table is printed as soon as its stage is done (``after``)."""
-            from .stages import evaluate
+            from .retrieval.scoring import retrieval_stats
 
             every = list(spec["stages"])
             done: dict[str, dict] = {}
@@ -784,8 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                 done[name] = manifest
                 if name == "embed":   # scored here as evaluate will score it, before rank starts
                     cfg = manifest.get("config") or {}
-                    stats = evaluate.retrieval_stats(cfg["input"], [cfg["output"]], ev.get("ks"),
-                                                     ev.get("curve_max_k", 20), ev.get("ndcg_variant", "standard"))
+                    stats = retrieval_stats(cfg["input"], [cfg["output"]], ev.get("ks"),
+                                            ev.get("curve_max_k", 20), ev.get("ndcg_variant", "standard"))
                     part, shown = "first", {ds: {"embed": manifest, "evaluate": {"stats": {"retrieval": stats}}}}
                 elif name in ("evaluate", AGENTS_EVAL):
                     part, shown = ("evaluate" if name == "evaluate" else "agents"), {ds: done}
