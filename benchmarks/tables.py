@@ -819,21 +819,29 @@ def minus(x: float, digits: int = 3) -> str:
     return f"{x:+.{digits}f}".replace("-", "−")
 
 
+def ndcg_ci(r: dict) -> str:
+    """NDCG@10 with its 95% interval where the driver computed one."""
+    ci = r.get("ndcg@10_ci")
+    return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
+
+
+def gain_ci(r: dict) -> str:
+    """The paired NDCG@10 difference to the first stage with its 95% interval."""
+    g, ci = r["ndcg@10_gain_vs_first_stage"], r["ndcg@10_gain_ci"]
+    return f"{minus(g)} [{minus(ci['ci_low'])}, {minus(ci['ci_high'])}]"
+
+
+def tau(r: dict) -> str:
+    return minus(r["input_order"]["tau_mean"], 2).lstrip("+")
+
+
 def table_ranker_shuffled() -> list[str]:
     """benchmarks/README's shuffled-listing table: NDCG@10 [95% CI], paired Δ vs the first stage, order changed."""
     t = shuffled_rows()
-
-    def nd(r: dict) -> str:
-        ci = r.get("ndcg@10_ci")
-        return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
-
-    def gain(r: dict) -> str:
-        g, ci = r["ndcg@10_gain_vs_first_stage"], r["ndcg@10_gain_ci"]
-        return f"{minus(g)} [{minus(ci['ci_low'])}, {minus(ci['ci_high'])}]"
+    nd, gain = ndcg_ci, gain_ci
 
     def changed(r: dict) -> str:
-        o = r["input_order"]
-        return f"{o['changed_share']:.0%} (τ {minus(o['tau_mean'], 2).lstrip('+')})"
+        return f"{r['input_order']['changed_share']:.0%} (τ {tau(r)})"
 
     lines = ["| ranker (SmolLM2-135M-Instruct) | listing | LME NDCG@10 | LME Δ vs first stage | LME changed | "
              "LoCoMo NDCG@10 | LoCoMo Δ | LoCoMo changed |", "|---|---|---|---|---:|---|---|---:|"]
@@ -856,15 +864,35 @@ def table_ranker_shuffled() -> list[str]:
     return lines
 
 
+def table_ranker_shuffled_results() -> list[str]:
+    """The agents-ranker results README's form of the shuffled-listing table (the GPU driver's rows only)."""
+    t = shuffled_rows()
+    lme, loc = t["lme_heldout"], t["locomo_heldout"]
+
+    def changed(r: dict) -> str:
+        o = r["input_order"]
+        return f"{o['changed']}/{o['n']}, τ {tau(r)}"
+
+    lines = ["| ranker | listing | LME NDCG@10 | LME order changed | LoCoMo NDCG@10 | LoCoMo order changed |",
+             "|---|---|---|---:|---|---:|",
+             row("first stage (zsum)", "–", ndcg_ci(lme["first-stage"]), "–", ndcg_ci(loc["first-stage"]), "–"),
+             row("random valid order of the shown sessions", "–", ndcg_ci(lme["random-valid"]), "–",
+                 ndcg_ci(loc["random-valid"]), "–")]
+    for listing, k in (("first stage", "base-structured"), ("**shuffled**", "base-structured-shuf")):
+        lines.append(row("base, structured outputs", listing, f"{ndcg_ci(lme[k])} (Δ {gain_ci(lme[k])})",
+                         changed(lme[k]), f"{ndcg_ci(loc[k])} (Δ {minus(loc[k]['ndcg@10_gain_vs_first_stage'])})",
+                         changed(loc[k])))
+    lines.append(row("base, free generation", "either", "= first stage (0% valid: every answer falls back to the input "
+                     "order)", lme["base-free"]["input_order"]["changed"], "= first stage",
+                     loc["base-free"]["input_order"]["changed"]))
+    return lines
+
+
 def table_ranker_shuffled_card() -> list[str]:
     """The model card's form of the shuffled-listing table (the SFT row with the CPU re-rank's random draw)."""
     t = shuffled_rows()
     lme, loc = t["lme_heldout"], t["locomo_heldout"]
-
-    def nd(r: dict) -> str:
-        ci = r.get("ndcg@10_ci")
-        return f"{r['ndcg@10']:.3f} [{ci['ci_low']:.2f}, {ci['ci_high']:.2f}]" if ci else f3(r["ndcg@10"])
-
+    nd = ndcg_ci
     share = lambda k: " / ".join(f"{p[k]['input_order']['changed_share']:.0%}" for p in (lme, loc))  # noqa: E731
     tau = [lme["sft-shuf"]["input_order"]["tau_mean"], loc["sft-shuf"]["input_order"]["tau_mean"]]
     return ["| ranker (shuffled listing) | LME NDCG@10 (n 57) | LoCoMo NDCG@10 (n 105) | "
@@ -1055,6 +1083,8 @@ TABLES = {
     "ranker-card": (table_ranker_card, [f"{GPU}/2026-11-24-h100-m8/table.json"], [RANKER_CARD]),
     "ranker-shuffled": (table_ranker_shuffled, [f"{SHUFFLED}/ranker/table.json",
                                                 f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"], [README_BENCH]),
+    "ranker-shuffled-results": (table_ranker_shuffled_results, [f"{SHUFFLED}/ranker/table.json"],
+                                [f"{SHUFFLED}/README.md"]),
     "ranker-shuffled-card": (table_ranker_shuffled_card, [f"{SHUFFLED}/ranker/table.json",
                                                           f"{SHUFFLED}/ranker-sft-shuf/table-cpu-rerank.json"],
                              [RANKER_CARD]),
