@@ -44,8 +44,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
-from .testing import faults
-from .store import storage
+from .store import hooks, storage
 from .errors import ConfigError
 from .security.redact import redact
 
@@ -162,11 +161,13 @@ def input_fingerprint(uri: str) -> str:
     m = storage.try_manifest(uri) if not storage.is_file(uri) else None
     if m:
         return f"manifest:{m.get('stage')}:{m.get('config_hash')}:{m.get('published_at')}"
+    import pyarrow.fs as pafs
+
     fs, path = storage.resolve(uri)
     info = storage.retrying(lambda: fs.get_file_info(path), uri)
-    if info.type == storage.pafs.FileType.File:
+    if info.type == pafs.FileType.File:
         return f"file:{info.size}:{info.mtime_ns}"
-    return "dir" if info.type == storage.pafs.FileType.Directory else "missing"
+    return "dir" if info.type == pafs.FileType.Directory else "missing"
 
 
 def inputs_fingerprint(config: StageConfig) -> dict[str, list[str]]:
@@ -312,7 +313,7 @@ class Stage:
         from .store import lease
 
         storage.ensure_bucket(config.output)
-        faults.checkpoint("stage-start", stage=self.name)
+        hooks.checkpoint("stage-start", stage=self.name)
         try:
             with lease.hold(config.output, purpose=f"stage {self.name}", steal=steal_lease) as held:
                 now = storage.try_manifest(config.output) if not force else None
@@ -344,7 +345,7 @@ class Stage:
                     _progress.clear()
                 clear_failure(config.output)
         finally:
-            faults.checkpoint("stage-end", stage=self.name)
+            hooks.checkpoint("stage-end", stage=self.name)
         log.info("%s: published %s (%d files)", self.name, config.output, len(manifest["files"]))
         return manifest
 

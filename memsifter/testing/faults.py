@@ -1,9 +1,11 @@
-"""Fault injection for tests of crash-resume: the one hook production code calls, :func:`checkpoint`.
+"""Fault injection for tests of crash-resume, a hook of the runtime's fault points
+(:mod:`memsifter.store.hooks`).
 
-Production modules mark the places where a crash matters (``faults.checkpoint("publish-move")``,
-``faults.checkpoint("saved", done=n)``) and nothing else; this module decides, from the environment,
-whether anything happens there. Without any of the variables below it does nothing but note which
-stage is running (``stage-start``/``stage-end``, sent by :meth:`memsifter.stage.Stage.run`).
+Production modules mark the places where a crash matters (``hooks.checkpoint("publish-move")``,
+``hooks.checkpoint("saved", done=n)``) and nothing else; this module, registered as a hook when it is
+imported (the runtime imports it by name in a process started with one of the variables below),
+decides from the environment whether anything happens there. Without any of the variables it does
+nothing. :func:`checkpoint` is the hook (looked up at each point, so a test may replace it).
 
 * ``MEMSIFTER_KILL_AT=<stage>:<point>:<n>``: SIGKILL this process the n-th time ``point`` is reached
   while ``stage`` runs. Points: ``write`` (any file the storage layer writes: work shards, staged
@@ -24,10 +26,9 @@ import time
 from typing import Any
 
 from ..errors import StorageError
+from ..store import hooks
+from ..store.hooks import FAULT_ENV as ENV, current_stage
 
-ENV = ("MEMSIFTER_KILL_AT", "MEMSIFTER_PAUSE_AT", "MEMSIFTER_CRASH_AFTER")
-
-_stages: list[str] = []               # the stages running in this process, innermost last
 _kill_counts: dict[str, int] = {}
 
 
@@ -35,19 +36,9 @@ class InjectedCrash(RuntimeError):
     """Raised at a ``saved`` checkpoint by ``MEMSIFTER_CRASH_AFTER`` (tests of crash-resume)."""
 
 
-def current_stage() -> str:
-    return _stages[-1] if _stages else ""
-
-
 def checkpoint(point: str, **ctx: Any) -> None:
     """A place where a test may inject a fault (see the module docstring); a no-op unless one of the
     fault variables is set. ``ctx``: ``stage`` (default: the running stage), ``done`` (units saved)."""
-    if point == "stage-start":
-        _stages.append(str(ctx.get("stage", "")))
-    elif point == "stage-end":
-        if _stages:
-            _stages.pop()
-        return
     env = {k: os.environ.get(k, "") for k in ENV}
     if not any(env.values()):
         return
@@ -82,3 +73,8 @@ def _kill_at(spec: str, stage: str, point: str) -> None:
     _kill_counts[point] = _kill_counts.get(point, 0) + 1
     if _kill_counts[point] >= n_i:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hooks.register
+def _inject(point: str, **ctx: Any) -> None:
+    checkpoint(point, **ctx)   # the module's checkpoint at call time (tests replace it)
