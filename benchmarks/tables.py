@@ -4,11 +4,20 @@
     .venv/bin/python benchmarks/tables.py NAME        # prints the table NAME as the docs publish it
     .venv/bin/python benchmarks/tables.py --list      # the names, each with the files it reads and the docs it backs
 
-Every number comes from committed per-question answers (``answers.parquet`` rows: one question and method a row,
-with its F1, EM, format, calls, tokens and seconds). Intervals are the platform's seeded percentile bootstrap
-(:func:`memsifter.retrieval.metrics.bootstrap_ci`): 1,000 resamples for a mean (as ``evaluate``), 2,000 for a
-paired difference (as ``benchmarks/bench_agents_one_call.py``). ``tests/test_tables.py`` re-runs each table and
-finds every printed line in the documents that publish it.
+Where the numbers come from, by kind of table:
+
+- answer tables: committed per-question answers (``answers.parquet`` rows: one question and method a row, with its
+  F1, EM, format, calls, tokens and seconds; the first-stage CV's per-question ``*.jsonl``). Intervals are the
+  platform's seeded percentile bootstrap (:func:`memsifter.retrieval.metrics.bootstrap_ci`): 1,000 resamples for a
+  mean (as ``evaluate``), 2,000 for a paired difference (as ``benchmarks/bench_agents_one_call.py``);
+- speed tables: the run's committed JSON or log with the timings (a GPU driver's ``*.json``, verl's metrics lines,
+  a benchmark's printout), read by the driver's own summary code where it has one;
+- ranker tables and the 2026-11-25 first-stage tables: the committed aggregates (``table.json``,
+  ``bench_first_stage.json``) only, because those runs did not commit per-question rankings; the documents say so
+  beside each of them.
+
+Tables whose runs left nothing committed are not here: their documents mark them not recomputable.
+``tests/test_tables.py`` re-runs each table and requires every printed line in every document that publishes it.
 """
 
 from __future__ import annotations
@@ -1067,14 +1076,16 @@ TABLES = {
                                                 f"{GPU}/2026-11-24-h100-m7/rank.json"], [README_BENCH]),
     "rank-gpu-lme": (table_rank_gpu_lme, [f"{GPU}/2026-11-25-h100-lme/rank.json"], [README_BENCH]),
     "rank-prefill-chunk": (table_rank_prefill_chunk, [f"{GPU}/2026-11-25-prefill-chunk/rank.json"], [README_BENCH]),
-    "train-gpu-2026-11-23": (table_train_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call{{7,8}}*.log"], [README_BENCH]),
+    "train-gpu-2026-11-23": (table_train_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call7*.log",
+                                                          f"{GPU}/2026-11-23-h100-c/call8*.log"], [README_BENCH]),
     "dapo-4b": (table_dapo_4b, [f"{DAPO_4B}/runs.jsonl", f"{DAPO_4B}/steps.jsonl"], [f"{DAPO_4B}/README.md",
                                                                                   f"{DAPO_4B}/table.md"]),
-    "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_{{slow,fast}}_metrics.jsonl"], [README_BENCH]),
+    "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_slow_metrics.jsonl",
+                                f"{GPU}/2026-11-24-h100-m9/train_dcg_fast_metrics.jsonl"], [README_BENCH]),
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
     "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"],
                            [README_BENCH]),
-    "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1{{1,6,7}}/train_dcg_*_metrics.jsonl"],
+    "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1[167]/train_dcg_*_metrics.jsonl"],
                  [README_BENCH]),
     "ranker-2026-11-24": (table_ranker_2026_11_24, [f"{GPU}/2026-11-24-h100-m1/table.json",
                                                      f"{GPU}/2026-11-24-h100-m1/random_baseline.json"], [README_BENCH]),

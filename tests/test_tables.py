@@ -5,6 +5,7 @@ by hand in a doc, or a file changed under it, fails here)."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import os
 import subprocess
@@ -41,6 +42,8 @@ def test_tables_cli_lists_every_table_with_its_files_and_docs():
     assert [line.split(":")[0] for line in r.stdout.splitlines()] == sorted(tables.TABLES)
     for name, (_, files, docs) in tables.TABLES.items():
         assert all(os.path.exists(os.path.join(REPO, d)) for d in docs), name
+        for pattern in files:   # every file a table says it reads is committed (the shared data set aside)
+            assert pattern.startswith("../") or glob.glob(os.path.join(REPO, pattern)), (name, pattern)
 
 
 def test_the_agents_held_out_conversation_is_conv_26():
