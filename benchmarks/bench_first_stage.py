@@ -55,6 +55,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 TEST_SESSIONS, TEST_QUESTIONS = 6692, 150
 RRF_K = 60          # the usual reciprocal-rank-fusion constant (Cormack et al., 2009); not tuned here
@@ -100,8 +101,9 @@ def main() -> None:
                          "with a fresh store, on the first N held-out LongMemEval questions (0: skip)")
     ap.add_argument("--json", help="write every number of the run here")
     a = ap.parse_args()
-    srcs = {"locomo": ("locomo", "locomo_dev2.json.gz"), "lme": ("longmemeval", "longmemeval_s_train348.json.gz")}
-    missing = [s for _, s in srcs.values() if not os.path.exists(os.path.join(a.data, s))]
+    from first_stage_cv import SRCS, load   # one loader for both first-stage benchmarks
+
+    missing = [s for _, s in SRCS.values() if not os.path.exists(os.path.join(a.data, s))]
     if missing:
         print(f"bench_first_stage: skipped, {', '.join(missing)} not in {a.data}")
         return
@@ -111,17 +113,12 @@ def main() -> None:
 
     from memsifter.models import embedding
     from memsifter.retrieval import rankings
-    from memsifter.data.model import Dataset, read_dataset
+    from memsifter.data.model import Dataset
     from memsifter.retrieval.metrics import mean_metrics
     from memsifter.stages import embed as E
 
     os.makedirs(a.out, exist_ok=True)
-    paths = {}
-    for name, (fmt, src) in srcs.items():
-        paths[name] = os.path.join(a.out, name)
-        if not os.path.exists(os.path.join(paths[name], "_SUCCESS")):
-            subprocess.run([sys.executable, "-m", "memsifter.cli", "data", "import", "--format", fmt,
-                            os.path.join(a.data, src), paths[name], "-q"], check=True, stdout=subprocess.DEVNULL)
+    loaded = {name: load(name, a.data, a.out) for name in SRCS}
 
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
     store_dir = os.path.join(a.out, "store")
@@ -159,9 +156,8 @@ def main() -> None:
     def maxsim(units: list[str], qv: np.ndarray) -> float:
         return float((np.stack([vec(u) for u in units]) @ qv).max())
 
-    def halves(name: str, ds: Dataset):
-        qs = sorted((q for q in ds.questions if q.question_type != "adversarial" and rankings.eligible(q)),
-                    key=lambda q: q.question_id)
+    def halves(name: str):
+        qs = loaded[name][1]
         if name == "locomo":
             return ([q for q in qs if q.question_id.startswith("conv-26")],
                     [q for q in qs if q.question_id.startswith("conv-30")])
@@ -263,8 +259,8 @@ def main() -> None:
     results = {}
     bm25_q = 0.0
     for name in ("locomo", "lme"):
-        ds = read_dataset(paths[name])
-        dev, ho = halves(name, ds)
+        ds = loaded[name][0]
+        dev, ho = halves(name)
         t0 = time.time()
         lx = E.Lexical(ds, WORDS, stem=True)
         lex = {q.question_id: lx.scores(q) for q in dev + ho}
@@ -315,7 +311,7 @@ def main() -> None:
                    "default_test_s": a.default_test_s, "texts_per_s_all": rate, "loadavg_end": os.getloadavg(),
                    "lme_per_half": a.lme_per_half, "costly_per_half": a.costly_per_half})
     if a.stage_run:
-        report["stage_run"] = stage_run(a, read_dataset(paths["lme"]), halves("lme", read_dataset(paths["lme"]))[1])
+        report["stage_run"] = stage_run(a, loaded["lme"][0], halves("lme")[1])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)
