@@ -5,7 +5,9 @@ by hand in a doc, or a file changed under it, fails here)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import re
 import io
 import os
 import subprocess
@@ -18,15 +20,21 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import tables  # noqa: E402
 
 
+@functools.lru_cache(maxsize=None)
+def recomputed(name: str) -> tuple[str, ...]:
+    """The lines ``tables.py NAME`` prints (the command's own main, in process; the CLI: a test below)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tables.main([name]) == 0
+    return tuple(line for line in out.getvalue().splitlines() if line.strip())
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n in tables.HEAVY else n
                                   for n in sorted(tables.TABLES)])
 def test_published_table_is_what_the_committed_files_give(name):
     if name in tables.HEAVY and not os.path.exists(tables.HEAVY[name]):
         pytest.skip(f"{tables.HEAVY[name]} is not on this machine")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):   # the command's own main, in process (the CLI: test below)
-        assert tables.main([name]) == 0
-    printed = [line for line in out.getvalue().splitlines() if line.strip()]
+    printed = recomputed(name)
     assert len(printed) >= 2
     for doc in tables.TABLES[name][2]:   # every document that publishes the table publishes all of it
         with open(os.path.join(REPO, doc), encoding="utf-8") as f:
@@ -57,3 +65,48 @@ def test_the_agents_held_out_conversation_is_conv_26():
             if "conv-" in line and any(w in line.lower() for w in ("held out", "held-out", "heldout")):
                 assert "conv-26" in line, (doc, line)
                 assert "conv-30" not in line or "train" in line, (doc, line)
+
+
+# Where issue 42 item 3 asks for recomputed tables: README, benchmarks/README, the model cards, the results READMEs.
+DOCS = ["README.md", "benchmarks/README.md", *sorted(glob.glob("memsifter/adapters/*/MODEL_CARD.md", root_dir=REPO)),
+        *sorted(glob.glob("benchmarks/results/*/README.md", root_dir=REPO))]
+FIGURE = re.compile(r"^\**[−+-]?\(?\d[\d,.]*\)?(%|x|×| s| GiB| GB| MB| ms)?\**( |$)")   # a cell that starts with a number
+FACTS = {  # tables of facts, not of measurements (each says where its numbers come from)
+    ("README.md", "| name | what | licence | context | PyPI | good for |"),   # memsifter.models.registry's models
+}
+
+
+def test_every_table_of_figures_is_recomputed_or_says_it_cannot_be():
+    """A table whose cells hold figures is either printed by ``tables.py`` for that document, or the paragraph
+    above it says that it is not recomputable (its run's output was not committed). Key/value tables (a model
+    card's ``| | |``) and the listed fact tables hold facts of the setup, not results."""
+    printed: dict[str, set] = {}
+    for name, (_, _, docs) in tables.TABLES.items():
+        if name not in tables.HEAVY:
+            for doc in docs:
+                printed.setdefault(doc, set()).update(recomputed(name))
+    for name in tables.HEAVY:   # their lines are checked with --heavy; here they only count as recomputed
+        for doc in tables.TABLES[name][2]:
+            with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+                printed.setdefault(doc, set()).update(line.rstrip("\n") for line in f)
+    unbacked = []
+    for doc in DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        i = 0
+        while i < len(lines):
+            if not lines[i].startswith("|"):
+                i += 1
+                continue
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            cells = [c.strip() for row in lines[i + 2:j] for c in row.strip("|").split("|")[1:]]
+            said = " ".join(lines[max(0, i - 8):i]).lower()
+            if (any(FIGURE.match(c) for c in cells) and lines[i].replace(" ", "") != "|||"
+                    and (doc, lines[i]) not in FACTS and not all(row in printed.get(doc, ()) for row in lines[i:j])
+                    and "not recomputable" not in said and "not committed" not in said):
+                unbacked.append(f"{doc}:{i + 1}: {lines[i][:80]}")
+            i = j
+    assert not unbacked, "tables of figures neither recomputed by tables.py nor marked not recomputable: " + \
+        "; ".join(unbacked)
