@@ -1,6 +1,8 @@
 """Figures that recompute (issue 42 item 3): every table ``benchmarks/tables.py`` knows is re-run on the committed
-per-question files, and each line it prints must be a line of the documents that publish it (a number edited
-by hand in a doc, or a file changed under it, fails here)."""
+files it names (per-question answers and rankings; a speed table's JSON or log; a ranker run's aggregates), and
+each line it prints must be a line of every document that publishes it (a number edited by hand in a doc, or a
+file changed under it, fails here); a table of figures that no command prints must say that it is not
+recomputable. Reads files only: no model runs (``reference-rows`` runs ``evaluate`` over a shared file: --heavy)."""
 
 from __future__ import annotations
 
