@@ -5,7 +5,7 @@ builds from each RayJob, jobs/, k8s/*.yaml and images/*/Dockerfile: every failed
 k8s/policy/checkov-skips.yaml (and k8s/SECURITY.md); a new finding or a stale justification fails. Needs PyPI
 once to install checkov into the cache (skipped, with the reason, only if that install fails).
 
-Run on its own: ``python -m memsifter.k8s.dev.policy`` prints the same report.
+Run on its own: ``python -m memsifter_dev.k8s.policy`` prints the same report.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import re
 import pytest
 import yaml
 
-from memsifter.k8s.dev import chart, policy
-from memsifter.k8s.dev.tools import ToolError, checkov_binary
+from memsifter_dev.k8s import chart, policy
+from memsifter_dev.k8s.tools import ToolError, checkov_binary
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +69,7 @@ def test_every_justification_is_documented():
         assert re.search(rf"\b{re.escape(s.check)}\b", doc), f"{s.check} is justified but not in k8s/SECURITY.md"
         assert len(s.reason) > 40, s.check
     pinned = yaml.safe_load(policy.SKIPS_FILE.read_text())["checkov"]
-    from memsifter.k8s.dev.tools import CHECKOV_VERSION
+    from memsifter_dev.k8s.tools import CHECKOV_VERSION
 
     assert pinned == CHECKOV_VERSION  # the list was reviewed against this checkov
 
