@@ -588,20 +588,31 @@ def table_train_gpu_2026_11_23() -> list[str]:
     return lines
 
 
-def table_dapo_ab() -> list[str]:
-    """verl's row-by-row log-probs against the blocks (2026-11-24, machine 9): median (min–max) over each run's
-    steps of its ``train_dcg_*_metrics.jsonl`` (``dapo_ab.py``'s reading)."""
+DAPO_AB_KEYS = ("timing_s/step", "timing_s/old_log_prob", "timing_s/update_actor", "perf/throughput", "perf/mfu/actor",
+                "actor/perf/max_memory_allocated_gb")
+
+
+def dapo_ab_runs() -> tuple[list[dict], list[dict]]:
+    """The two runs of machine 9 (2026-11-24): verl's row-by-row log-probs and the blocks, each its training steps
+    from ``train_dcg_{slow,fast}_metrics.jsonl`` (``dapo_ab.py``'s reading)."""
+    return tuple(verl_metrics(f"{GPU}/2026-11-24-h100-m9/train_dcg_{k}_metrics.jsonl") for k in ("slow", "fast"))
+
+
+def verl_metrics(path: str) -> list[dict]:
+    """The training steps (those with a step time) of a train stage's committed ``metrics.jsonl``."""
+    return gpu_script("dapo_ab").steps(os.path.join(ROOT, path))
+
+
+def median_of(rs: list[dict], key: str) -> float:
     import statistics
 
-    dapo_ab = gpu_script("dapo_ab")
-    slow, fast = (dapo_ab.steps(os.path.join(ROOT, GPU, "2026-11-24-h100-m9", f"train_dcg_{k}_metrics.jsonl"))
-                  for k in ("slow", "fast"))
+    return statistics.median([r[key] for r in rs])
 
-    def med(rs, key):
-        return statistics.median([r[key] for r in rs])
 
-    keys = ("timing_s/step", "timing_s/old_log_prob", "timing_s/update_actor", "perf/throughput", "perf/mfu/actor",
-            "actor/perf/max_memory_allocated_gb")
+def table_dapo_ab() -> list[str]:
+    """verl's row-by-row log-probs against the blocks: median (min–max) over each run's steps."""
+    slow, fast = dapo_ab_runs()
+    med, keys = median_of, DAPO_AB_KEYS
     lines = ["| run | step s | old log-probs s | actor update s | tokens/s | actor MFU (verl) | max GPU GB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for label, rs, strong in (("verl's row loop (`fast_logprobs=false`)", slow, False),
@@ -692,6 +703,14 @@ def table_serve() -> list[str]:
 COLLAPSE = f"{GPU}/2026-11-25-collapse/collapse.json"
 
 
+@functools.lru_cache(maxsize=None)
+def collapse_runs() -> list[dict]:
+    """The runs ``collapse.json`` names, each read by ``collapse_compare.read_run`` (steps, verl settings, the
+    guard's stop as the train stage decides it)."""
+    read = gpu_script("collapse_compare").read_run
+    return [read(f"{e['label']}={os.path.join(ROOT, e['metrics'])}") for e in load_json(COLLAPSE)]
+
+
 def table_collapse() -> list[str]:
     """DAPO's collapse and the guard, one run per setting (machines 11, 16, 17): each run's verl metrics
     (``collapse.json`` names the files), read by ``collapse_compare.read_run`` (the guard's stop as the train stage
@@ -702,7 +721,7 @@ def table_collapse() -> list[str]:
     collapse_compare = gpu_script("collapse_compare")
     from memsifter.stages.train import EVICTED_KEY
 
-    runs = [collapse_compare.read_run(f"{e['label']}={os.path.join(ROOT, e['metrics'])}") for e in load_json(COLLAPSE)]
+    runs = collapse_runs()
     labels = ("lr 2e-4 (machine 11, 2026-11-24)", "lr 5e-5, the shipped recipe (machine 16)",
               "lr 5e-5, entropy_coeff 0.05, 16k micro-batches (machine 17)")
     lines = ["| setting | guard stop at step | discarded groups / token entropy at step 16 | step s (median) | "
@@ -1115,11 +1134,79 @@ TABLES = {
 HEAVY = {"reference-rows": SHARED_LME}
 
 
+def readme_figures() -> list[str]:
+    """README's headline figures in its own words, each computed from the committed files the tables above read:
+    phrases that must appear in README (whitespace aside)."""
+    serve = load_json(f"{SERVE}/serve.json")
+    at32 = {r["clients"]: r for r in serve["levels"]["serve"]}[32]
+    base32 = {r["clients"]: r for r in serve["levels"]["baseline"]}[32]
+    ident = serve["prepare"]["identity"]["stored_query_vectors"]
+    embed = {r["name"]: r for r in load_json(f"{GPU}/2026-11-23-h100-c/call6-embed.json")["results"]}
+    best, plain = embed["stage+compile (budget 131072)"], embed["plain-bf16 (HF, sorted, SDPA)"]
+    scale = {r["name"]: r for r in load_json(f"{GPU}/2026-11-24-h100-m4/embed.json")["results"]}
+    pipe = scale["pipeline: embed_missing (Ray Data actor, default plan, incl. actor start + model load)"]
+    plain4 = scale["plain-bf16 (HF, sorted, SDPA)"]
+    alone = scale["gpu-only (compiled): packed forward, ids tokenized beforehand (budget 131072)"]
+    loc, _, _ = rank_runs(f"{GPU}/2026-11-24-h100-m5/rank.json")
+    _, hf_loc, _ = rank_runs(f"{GPU}/2026-11-24-h100-m7/rank.json")
+    lme, hf_lme, _ = rank_runs(f"{GPU}/2026-11-25-h100-lme/rank.json")
+    hf_rate = lambda hf: hf["prompts"] / hf["full_s"]  # noqa: E731
+    slow, fast = (median_of(rs, "timing_s/step") for rs in dapo_ab_runs())
+    early = load_json(f"{GPU}/2026-11-23-h100-b/call8-rank.json")   # ours and HF on the same day's prompts
+    ours_per_prompt = next(r["busy_s"] / r["questions"] for r in early["results"] if r["name"] == "ours")
+    hf_per_prompt = early["hf"]["full_s"] / early["hf"]["prompts"]
+    grew = [m["timing_s/step"] for m in verl_metrics(f"{GPU}/2026-11-24-h100-m10/train_dcg_metrics.jsonl")]
+    runs = collapse_runs()
+    stops = [r["stop"][0] for r in runs]
+    step_s = [median_of([m for n, m in r["steps"].items() if n > 0 and "timing_s/step" in m], "timing_s/step")
+              for r in runs]
+    v = one_call()
+    num = lambda x: float(x.replace("−", "-"))  # noqa: E731
+    sign = lambda x, d: f"{x:+.{d}f}".replace("-", "−")  # noqa: E731
+    pair = [num(x) for x in v["paired"][SEARCH_VS_ONE_CALL].replace("[", "").replace("]", "").replace(",", "").split()]
+    one = [num(x) for x in v["chat first stage, sft"][0].replace("[", "").replace("]", "").replace(",", "").split()]
+    return [
+        f"at 32 clients {at32['qps']:.1f} queries/s against the baseline's {base32['qps']:.1f} "
+        f"({at32['qps'] / base32['qps']:.2f}x)",
+        f"identical to the embed stage's for {ident['full_order_identical']} of {ident['questions']} questions",
+        f"p99 {at32['p99_ms']:.0f} ms", f"the baseline is at {base32['p99_ms']:.0f} ms",
+        f"RSS +{100 * serve['soak']['rss_growth']:.1f}%",
+        f"the embed stage did {best['texts_s']:.1f} sessions/s of LongMemEval_S length at {100 * best['mfu']:.0f}% MFU "
+        f"({best['texts_s'] / plain['texts_s']:.1f}x a plain bf16 baseline)",
+        f"did {pipe['texts_s']:.1f} texts/s: {pipe['texts_s'] / plain4['texts_s']:.2f}x plain bf16 measured in the same "
+        f"call ({plain4['texts_s']:.1f}), with the first batch back after {pipe['first_batch_s']['median']:.0f} s; the "
+        f"packed forward alone reached {100 * alone['mfu']:.1f}% MFU",
+        f"the rank stage did {loc['ours']['prompts_s']:.3f} prompts/s of engine time, "
+        f"{loc['ours']['prompts_s'] / loc['original']['prompts_s']:.2f}x the original's",
+        f"{loc['ours']['prompts_s'] / hf_rate(hf_loc):.1f}x Hugging Face `generate`",
+        f"the stage did {lme['ours']['prompts_s']:.3f} prompts/s, the same as the original's settings "
+        f"({lme['original']['prompts_s']:.3f}, {lme['ours']['prompts_s'] / lme['original']['prompts_s']:.2f}x",
+        f"{lme['ours']['prompts_s'] / hf_rate(hf_lme):.2f}x Hugging Face `generate`",
+        f"takes {fast:.0f} s instead of {slow:.0f} s ({slow / fast:.2f}x",
+        f"sessions separates the two (`benchmarks/bench_agents_one_call.py`, n = 130): "
+        f"{one[0]:.3f} [{one[1]:.2f}, {one[2]:.2f}]",
+        f"paired {sign(pair[0], 3)} [{sign(pair[1], 2)}, {sign(pair[2], 2)}]",
+        f"With no memory it scores {v['chat none, sft'][0].split(' [')[0]}",
+        f"{hf_per_prompt / ours_per_prompt:.1f}x Hugging Face `generate` per prompt",
+        f"a step grew from {grew[0]:.0f} s to {grew[-1]:.0f} s",
+        f"step {stops[0]} at a LoRA learning rate of 2e-4, step {stops[1]} at the shipped 5e-5, step {stops[2]} at 5e-5 "
+        f"with an entropy bonus of 0.05, which costs {step_s[2] / step_s[1]:.2f}x per step",
+    ]
+
+
+FIGURES = {"README.md": readme_figures}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("name", nargs="?", choices=sorted(TABLES))
     p.add_argument("--list", action="store_true")
+    p.add_argument("--figures", action="store_true", help="the prose figures each document must state, as phrases")
     a = p.parse_args(argv)
+    if a.figures:
+        for doc, phrases in FIGURES.items():
+            print("\n".join(f"{doc}: {x}" for x in phrases()))
+        return 0
     if a.list or not a.name:
         for name, (_, files, docs) in sorted(TABLES.items()):
             print(f"{name}: from {', '.join(files)}; published in {', '.join(docs)}")

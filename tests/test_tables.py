@@ -112,3 +112,13 @@ def test_every_table_of_figures_is_recomputed_or_says_it_cannot_be():
             i = j
     assert not unbacked, "tables of figures neither recomputed by tables.py nor marked not recomputable: " + \
         "; ".join(unbacked)
+
+
+@pytest.mark.parametrize("doc", sorted(tables.FIGURES))
+def test_prose_figures_are_what_the_committed_files_give(doc):
+    """The headline figures a document states in its sentences, computed from the committed files
+    (``tables.py --figures``), appear in it word for word (line breaks aside)."""
+    with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    missing = [p for p in tables.FIGURES[doc]() if " ".join(p.split()) not in text]
+    assert not missing, f"{doc} does not state: {missing}"
