@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # Where stages live: every module of these packages (or these modules) is imported to find the
 # stages it registers (:func:`discover`). A new stage module needs no entry anywhere.
-STAGE_PACKAGES: tuple[str, ...] = ("memsifter.data", "memsifter.stages")
+STAGE_PACKAGES: tuple[str, ...] = ("memsifter.stages",)
 
 
 class StageConfig(BaseModel):
