@@ -17,6 +17,7 @@ import gzip
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -174,27 +175,15 @@ def _huge_int_error(text: str, uri: str, *, what: str | None, id_key: str, digit
 
 def _list_item_at(text: str, pos: int, what: str, id_key: str) -> str | None:
     """``"{what} #i ('id')"``: the item of the JSON list ``text`` that spans character ``pos``."""
-    i = _WS.match(text, 0).end()
-    if i >= len(text) or text[i] != "[":
-        return None
-    i = _WS.match(text, i + 1).end()
-    idx = 0
-    while i < len(text):
-        start = i
-        try:
-            obj, i = _STRICT_DECODER.raw_decode(text, i)
-        except _HugeInt:
-            obj, i = None, len(text)
-        except ValueError:
-            return None
-        if start <= pos < i:
-            ident = obj.get(id_key) if isinstance(obj, dict) else _guess_id(text, start, len(text), id_key)
-            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
-        i = _WS.match(text, i).end()
-        if i >= len(text) or text[i] != ",":
-            return None
-        i = _WS.match(text, i + 1).end()
-        idx += 1
+    try:
+        for idx, start, end, obj in _list_items(text):
+            if start <= pos < end:
+                ident = obj.get(id_key) if isinstance(obj, dict) else _guess_id(text, start, len(text), id_key)
+                return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+    except _ListStop as e:   # an integer too long to read: its item runs to the end, as far as we know
+        if isinstance(e.cause, _HugeInt) and e.pos <= pos < len(text):
+            ident = _guess_id(text, e.pos, len(text), id_key)
+            return f"{what} #{e.index}" + (f" ('{ident}')" if ident not in (None, "") else "")
     return None
 
 
@@ -217,26 +206,13 @@ def _item_at(data: bytes, byte: int, what: str, id_key: str) -> str | None:
     """Which item of a JSON list holds byte ``byte`` (the file decoded with replacement characters)."""
     text = data.decode("utf-8-sig", errors="replace")
     pos = len(data[:byte].decode("utf-8-sig", errors="replace"))
-    dec = _STRICT_DECODER
-    i = _WS.match(text, 0).end()
-    if i >= len(text) or text[i] != "[":
-        return None
-    i = _WS.match(text, i + 1).end()
-    idx = 0
-    while i < len(text):
-        start = i
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except (ValueError, _HugeInt):
-            return None
-        if start <= pos < i:
-            ident = obj.get(id_key) if isinstance(obj, dict) else None
-            return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
-        i = _WS.match(text, i).end()
-        if i >= len(text) or text[i] != ",":
-            return None
-        i = _WS.match(text, i + 1).end()
-        idx += 1
+    try:
+        for idx, start, end, obj in _list_items(text):
+            if start <= pos < end:
+                ident = obj.get(id_key) if isinstance(obj, dict) else None
+                return f"{what} #{idx}" + (f" ('{ident}')" if ident not in (None, "") else "")
+    except _ListStop:
+        pass
     return None
 
 
@@ -246,6 +222,55 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
 
 
 _WS = re.compile(r"[ \t\n\r]*")
+
+
+class _ListStop(Exception):
+    """Where :func:`_list_items` stopped, ``how``: ``not-a-list`` (``pos``: the first non-blank character,
+    the length when none), ``bad-item`` (item ``index`` from ``pos`` does not parse; ``cause``: the
+    decoder's error, a ``ValueError`` or :class:`_HugeInt`), ``truncated`` (the text ends after item
+    ``index``), ``separator`` (neither ``,`` nor ``]`` after item ``index``) or ``extra`` (more after the
+    closing ``]``); ``item``: the item before the stop."""
+
+    def __init__(self, how: str, pos: int, index: int = -1, item: Any = None, cause: Exception | None = None):
+        super().__init__(how, pos)
+        self.how, self.pos, self.index, self.item, self.cause = how, pos, index, item, cause
+
+
+def _list_items(text: str) -> Iterator[tuple[int, int, int, Any]]:
+    """Walk the JSON list ``text`` once, item by item with the strict decoder: ``(index, start, end,
+    item)`` of each. Where it is not a list, an item does not parse or the punctuation is broken, it
+    raises :class:`_ListStop` saying which (after yielding the items before): what the callers need to
+    name the item at a position or the place of a JSON error."""
+    n = len(text)
+    pos = _WS.match(text, 0).end()
+    if pos >= n or text[pos] != "[":
+        raise _ListStop("not-a-list", pos)
+    pos = _WS.match(text, pos + 1).end()
+    if pos < n and text[pos] == "]":
+        pos += 1
+    else:
+        idx = 0
+        while True:
+            start = pos
+            try:
+                obj, pos = _STRICT_DECODER.raw_decode(text, pos)
+            except (ValueError, _HugeInt) as e:
+                raise _ListStop("bad-item", start, idx, cause=e) from None
+            yield idx, start, pos, obj
+            pos = _WS.match(text, pos).end()
+            if pos >= n:
+                raise _ListStop("truncated", pos, idx, obj)
+            if text[pos] == ",":
+                pos = _WS.match(text, pos + 1).end()
+                idx += 1
+                continue
+            if text[pos] == "]":
+                pos += 1
+                break
+            raise _ListStop("separator", pos, idx, obj)
+    pos = _WS.match(text, pos).end()
+    if pos < n:
+        raise _ListStop("extra", pos)
 
 
 def _guess_id(text: str, start: int, end: int, key: str) -> str | None:
@@ -292,54 +317,39 @@ def _load_json_list(data: bytes, uri: str, *, what: str, id_key: str) -> list:
 
 def _locate_json_error(text: str, uri: str, *, what: str, id_key: str) -> None:
     """Re-parse item by item with the stdlib decoder to say where the JSON is broken."""
-    dec = _STRICT_DECODER
     n = len(text)
-    pos = _WS.match(text, 0).end()
-    if pos >= n:
-        raise InputError("empty file (no JSON)", file=uri)
-    if text[pos] != "[":
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", file=uri) from e
-        raise InputError(f"expected a JSON list of {what}s", file=uri)
-    pos = _WS.match(text, pos + 1).end()
-    idx = 0
-    if pos < n and text[pos] == "]":
-        pos += 1
-    else:
-        while True:
-            start = pos
+    try:
+        for _ in _list_items(text):
+            pass
+    except _ListStop as e:
+        line, col = _line_col(text, e.pos)
+        ident = e.item.get(id_key) if isinstance(e.item, dict) else None
+        after = f"{what} #{e.index}" + (f" ('{ident}')" if ident else "")
+        if e.how == "not-a-list":
+            if e.pos >= n:
+                raise InputError("empty file (no JSON)", file=uri) from None
             try:
-                obj, pos = dec.raw_decode(text, pos)
-            except _HugeInt as e:
-                raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.digits) from None
-            except json.JSONDecodeError as e:
-                ident = _guess_id(text, start, e.pos, id_key)
-                item = f"{what} #{idx}" + (f" ('{ident}')" if ident else "")
-                kind = _json_error_kind(e, n)
-                raise InputError(f"{kind} at line {e.lineno} column {e.colno}: {e.msg}", file=uri,
-                                 item=item) from e
-            ident = obj.get(id_key) if isinstance(obj, dict) else None
-            pos = _WS.match(text, pos).end()
-            if pos >= n:
-                line, col = _line_col(text, pos)
-                raise InputError(f"truncated JSON at line {line} column {col}: the list ends without ']' "
-                                 f"after {what} #{idx}" + (f" ('{ident}')" if ident else ""), file=uri)
-            if text[pos] == ",":
-                pos = _WS.match(text, pos + 1).end()
-                idx += 1
-                continue
-            if text[pos] == "]":
-                pos += 1
-                break
-            line, col = _line_col(text, pos)
-            raise InputError(f"invalid JSON at line {line} column {col}: expected ',' or ']' after this "
-                             f"{what}", file=uri, item=f"{what} #{idx}" + (f" ('{ident}')" if ident else ""))
-    pos = _WS.match(text, pos).end()
-    if pos < n:
-        line, col = _line_col(text, pos)
-        raise InputError(f"invalid JSON at line {line} column {col}: extra data after the list", file=uri)
+                json.loads(text)
+            except json.JSONDecodeError as je:
+                raise InputError(f"invalid JSON at line {je.lineno} column {je.colno}: {je.msg}", file=uri) from je
+            raise InputError(f"expected a JSON list of {what}s", file=uri) from None
+        if isinstance(e.cause, _HugeInt):
+            raise _huge_int_error(text, uri, what=what, id_key=id_key, digits=e.cause.digits) from None
+        if e.how == "bad-item":
+            err = e.cause
+            if not isinstance(err, json.JSONDecodeError):
+                raise err from None   # (not a JSON error: as the decoder raised it)
+            ident = _guess_id(text, e.pos, err.pos, id_key)
+            item = f"{what} #{e.index}" + (f" ('{ident}')" if ident else "")
+            raise InputError(f"{_json_error_kind(err, n)} at line {err.lineno} column {err.colno}: {err.msg}",
+                             file=uri, item=item) from err
+        if e.how == "truncated":
+            raise InputError(f"truncated JSON at line {line} column {col}: the list ends without ']' after {after}",
+                             file=uri) from None
+        if e.how == "separator":
+            raise InputError(f"invalid JSON at line {line} column {col}: expected ',' or ']' after this {what}",
+                             file=uri, item=after) from None
+        raise InputError(f"invalid JSON at line {line} column {col}: extra data after the list", file=uri) from None
     raise InputError("invalid JSON", file=uri)  # the fast parser refused what the stdlib accepts
 
 
