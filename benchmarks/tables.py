@@ -1173,9 +1173,9 @@ def readme_figures() -> list[str]:
         f"RSS +{100 * serve['soak']['rss_growth']:.1f}%",
         f"the embed stage did {best['texts_s']:.1f} sessions/s of LongMemEval_S length at {100 * best['mfu']:.0f}% MFU "
         f"({best['texts_s'] / plain['texts_s']:.1f}x a plain bf16 baseline)",
-        f"did {pipe['texts_s']:.1f} texts/s: {pipe['texts_s'] / plain4['texts_s']:.2f}x plain bf16 measured in the same "
-        f"call ({plain4['texts_s']:.1f}), with the first batch back after {pipe['first_batch_s']['median']:.0f} s; the "
-        f"packed forward alone reached {100 * alone['mfu']:.1f}% MFU",
+        f"did {pipe['texts_s']:.1f} texts/s: {pipe['texts_s'] / plain4['texts_s']:.2f}x plain bf16 measured in the "
+        f"same call ({plain4['texts_s']:.1f}), with the first batch back after "
+        f"{pipe['first_batch_s']['median']:.0f} s; the packed forward alone reached {100 * alone['mfu']:.1f}% MFU",
         f"the rank stage did {loc['ours']['prompts_s']:.3f} prompts/s of engine time, "
         f"{loc['ours']['prompts_s'] / loc['original']['prompts_s']:.2f}x the original's",
         f"{loc['ours']['prompts_s'] / hf_rate(hf_loc):.1f}x Hugging Face `generate`",
@@ -1189,8 +1189,8 @@ def readme_figures() -> list[str]:
         f"With no memory it scores {v['chat none, sft'][0].split(' [')[0]}",
         f"{hf_per_prompt / ours_per_prompt:.1f}x Hugging Face `generate` per prompt",
         f"a step grew from {grew[0]:.0f} s to {grew[-1]:.0f} s",
-        f"step {stops[0]} at a LoRA learning rate of 2e-4, step {stops[1]} at the shipped 5e-5, step {stops[2]} at 5e-5 "
-        f"with an entropy bonus of 0.05, which costs {step_s[2] / step_s[1]:.2f}x per step",
+        f"step {stops[0]} at a LoRA learning rate of 2e-4, step {stops[1]} at the shipped 5e-5, step {stops[2]} at "
+        f"5e-5 with an entropy bonus of 0.05, which costs {step_s[2] / step_s[1]:.2f}x per step",
     ]
 
 

@@ -72,7 +72,8 @@ def test_the_agents_held_out_conversation_is_conv_26():
 # Where issue 42 item 3 asks for recomputed tables: README, benchmarks/README, the model cards, the results READMEs.
 DOCS = ["README.md", "benchmarks/README.md", *sorted(glob.glob("memsifter/adapters/*/MODEL_CARD.md", root_dir=REPO)),
         *sorted(glob.glob("benchmarks/results/*/README.md", root_dir=REPO))]
-FIGURE = re.compile(r"^\**[−+-]?\(?\d[\d,.]*\)?(%|x|×| s| GiB| GB| MB| ms)?\**( |$)")   # a cell that starts with a number
+# a cell that starts with a number
+FIGURE = re.compile(r"^\**[−+-]?\(?\d[\d,.]*\)?(%|x|×| s| GiB| GB| MB| ms)?\**( |$)")
 FACTS = {  # tables of facts, not of measurements (each says where its numbers come from)
     ("README.md", "| name | what | licence | context | PyPI | good for |"),   # memsifter.models.registry's models
 }
