@@ -95,8 +95,8 @@ def make(dest: str, src: str = ROOT) -> dict:
     with open(os.path.join(src, HEAD_DIR, "manifest.json")) as f:
         doc = json.load(f)
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(src, dest, symlinks=True, ignore=lambda d, names: [n for n in names if os.path.join(d, n) in (
-        os.path.join(src, ".git"), os.path.join(src, ".gpu"))])
+    skip = {os.path.join(src, n) for n in (".git", ".gpu", ".venv")}  # pieces and environments: not the code
+    shutil.copytree(src, dest, symlinks=True, ignore=lambda d, names: [n for n in names if os.path.join(d, n) in skip])
     for path in doc["remove"]:
         p = os.path.join(dest, path)
         if os.path.lexists(p):
