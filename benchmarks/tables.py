@@ -160,6 +160,11 @@ def table_agents_sft_readme() -> list[str]:
     return lines
 
 
+def f1_by_dataset(rs: list[dict]) -> dict[str, float]:
+    """Mean F1 of the answered rows, LongMemEval_S and LoCoMo apart."""
+    return {d: mean([float(r["f1"] or 0) for r in ok(rs) if r["dataset"] == d]) for d in ("longmemeval_s", "locomo")}
+
+
 def paired(a: list[dict], b: list[dict], digits: int = 3) -> str:
     """F1 of ``a`` minus ``b`` over the questions both answered: mean and the 95% interval (2,000 resamples)."""
     from memsifter.retrieval.metrics import bootstrap_ci
@@ -186,8 +191,7 @@ def table_agents_sft_paired() -> list[str]:
     lines += ["", "| F1 by dataset | LongMemEval_S | LoCoMo |", "|---|---:|---:|"]
     for label, key in (("SFT search", "agent:search, SFT"), ("SFT memory", "agent:memory, SFT"),
                        ("chat from the first stage", "embed:bm25")):
-        by = {d: mean([float(r["f1"] or 0) for r in ok(a[key]) if r["dataset"] == d])
-              for d in ("longmemeval_s", "locomo")}
+        by = f1_by_dataset(a[key])
         lines.append(f"| {label} | {by['longmemeval_s']:.3f} | {by['locomo']:.3f} |")
     lines += ["", "| held-out questions | LongMemEval_S | LoCoMo | LoCoMo conversations |", "|---|---:|---:|---|"]
     qs = {r["question_id"]: r["dataset"] for r in a["agent:search, SFT"]}
@@ -1194,7 +1198,35 @@ def readme_figures() -> list[str]:
     ]
 
 
-FIGURES = {"README.md": readme_figures}
+def agents_card_figures() -> list[str]:
+    """The agents adapter's card, in its sentences: the paired gains over the base's first-stage answers, F1 by
+    dataset, the one-call comparison, exact match and multi-hop F1 (the run's answers, the control's paired.json)."""
+    a = answers(AGENTS_SFT)
+    by = {k: f1_by_dataset(a[k]) for k in ("agent:search, SFT", "agent:memory, SFT")}
+    em = sorted(agent_stats(a[k])["em"] for k in by)
+    hops = [float(r["f1"] or 0) for r in ok(a["agent:search, SFT"]) if r["question_type"] == "multi-hop"]
+    s, m = by["agent:search, SFT"], by["agent:memory, SFT"]
+    return [f"agent:search minus the base's first-stage answers {paired(a['agent:search, SFT'], a['embed:bm25'])}; "
+            f"agent:memory minus the same {paired(a['agent:memory, SFT'], a['embed:bm25'])}",
+            f"By dataset: agent:search {s['longmemeval_s']:.3f} LongMemEval_S / {s['locomo']:.3f} LoCoMo, agent:memory "
+            f"{m['longmemeval_s']:.3f} / {m['locomo']:.3f}",
+            f"Searching minus one call is {one_call()['paired'][SEARCH_VS_ONE_CALL]}",
+            f"Exact match stays at {100 * em[0]:.0f}–{100 * em[1]:.0f}%",
+            f"on multi-hop LoCoMo questions agent:search scores {mean(hops):.3f} F1"]
+
+
+def ranker_card_figures() -> list[str]:
+    """The ranker adapter's card, in its sentences: the working LLM's F1 from the first stage's contexts (machine 8's
+    aggregates) and the shuffled SFT ranker's paired gains (the CPU re-rank's aggregates)."""
+    m8 = load_json(f"{GPU}/2026-11-24-h100-m8/table.json")
+    f1 = {part: t["_answers"]["embed:cascade"]["f1"] for part, t in m8.items()}
+    sft = shuffled_rows()
+    return [f"({f1['lme_heldout']:.3f} LME / {f1['locomo_heldout']:.3f} LoCoMo)",
+            f"{gain_ci(sft['lme_heldout']['sft-shuf'])} on LME and {gain_ci(sft['locomo_heldout']['sft-shuf'])} on "
+            "LoCoMo"]
+
+
+FIGURES = {"README.md": readme_figures, CARD: agents_card_figures, RANKER_CARD: ranker_card_figures}
 
 
 def main(argv: list[str] | None = None) -> int:
