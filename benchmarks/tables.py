@@ -700,6 +700,18 @@ def table_serve() -> list[str]:
               f"{s['reload_at_s']} s, reloads seen {s['reloads_seen']}; RSS {s['rss_first_mb']} -> "
               f"{s['rss_last_mb']} MB "
               f"(max {s['rss_max_mb']}), growth {100 * s['rss_growth']:.1f}%. Note: {s['note']}."]
+    ident = {k: f"{v['full_order_identical']}/{v['questions']}" for k, v in d["prepare"]["identity"].items()}
+    u = d["units_first_embedding"]
+    lines += ["", "Identity with the embed stage's rankings.parquet (every question, the service's code): full order "
+              f"identical for {ident['stored_query_vectors']} with stored query vectors (the default), "
+              f"{ident['fresh_query_vectors']} with query vectors computed by the service.",
+              "", f"Unit vectors of every session (once, cached in the state): {u['texts']} texts embedded in "
+              f"{u['seconds']:.0f} s ({u['texts'] / u['seconds']:.1f} texts/s); index load (BM25 views of every "
+              f"corpus): {d['prepare']['index_load_seconds']} s."]
+    for e in d["earlier_soaks"]:
+        lines += ["", f"Earlier soak ({e['note']}): {e['requests']} requests, {e['errors']} errors, "
+                  f"{e['qps']:.1f} q/s, p99 {e['p99_ms']:.1f} ms; reloads seen {e['reloads_seen']}; "
+                  f"RSS {e['rss_first_mb']} -> {e['rss_last_mb']} MB (max {e['rss_max_mb']}), growth {100 * e['rss_growth']:.1f}%."]
     return lines
 
 
