@@ -711,7 +711,8 @@ def table_serve() -> list[str]:
     for e in d["earlier_soaks"]:
         lines += ["", f"Earlier soak ({e['note']}): {e['requests']} requests, {e['errors']} errors, "
                   f"{e['qps']:.1f} q/s, p99 {e['p99_ms']:.1f} ms; reloads seen {e['reloads_seen']}; "
-                  f"RSS {e['rss_first_mb']} -> {e['rss_last_mb']} MB (max {e['rss_max_mb']}), growth {100 * e['rss_growth']:.1f}%."]
+                  f"RSS {e['rss_first_mb']} -> {e['rss_last_mb']} MB (max {e['rss_max_mb']}), "
+                  f"growth {100 * e['rss_growth']:.1f}%."]
     return lines
 
 
