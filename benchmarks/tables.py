@@ -661,9 +661,12 @@ def table_entropy_microbatch() -> list[str]:
 
 
 
+TOKENIZER = "benchmarks/results/2026-11-24-tokenizer/tokenizer.json"
+
+
 def table_tokenizer() -> list[str]:
     """bench_tokenizer.py on this machine's 2 cores (2026-11-24, ``tokenizer.json``): median (min–max) of 3."""
-    d = load_json("benchmarks/results/2026-11-24-tokenizer/tokenizer.json")
+    d = load_json(TOKENIZER)
     gpu = d["args"]["gpu_texts_s"]
     base = {r["threads"]: r["texts_s"] for r in d["rows"] if r["name"] == "bpe-8k"}
     one = {r["name"]: r["texts_s"] for r in d["rows"] if r["threads"] == 1}
@@ -1141,7 +1144,7 @@ TABLES = {
                                               "memsifter/samples/locomo_dev2.json.gz"],
                        [f"{REFERENCE_ROWS}/answers_table.txt"]),
     "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
-    "tokenizer": (table_tokenizer, ["benchmarks/results/2026-11-24-tokenizer/tokenizer.json"], [README_BENCH]),
+    "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
 
@@ -1239,7 +1242,76 @@ def ranker_card_figures() -> list[str]:
             "LoCoMo"]
 
 
-FIGURES = {"README.md": readme_figures, CARD: agents_card_figures, RANKER_CARD: ranker_card_figures}
+def bench_figures() -> list[str]:
+    """benchmarks/README's sentence figures: the 2026-11-25 first stage's end-to-end runs, cross-validation and gold
+    depth (its JSON), the tokenizer's ratios, the GPU embed targets, the rank ratios, the one-call control and the
+    memory service's writes (each run's committed files)."""
+    fs = load_json(FIRST_STAGE_0)
+    run, run10 = fs["stage_run"], fs["stage_run_zsum_k10"]
+    old, new = run["old default (--no-zsum)"], run["new default"]
+    cv = {c["chosen_on"]: c for c in fs["cross_validation"]}
+    tabs = fs["tables"]
+
+    def read_on(c: dict) -> str:
+        h = c["read_on"]
+        lo, lm = tabs["locomo"][c["chosen"]][h], tabs["lme"][c["chosen"]][h]
+        return (f"read on {h}: LoCoMo {lo['recall_any@5']:.3f} / {lo['ndcg@10']:.3f}, LongMemEval "
+                f"{lm['recall_any@5']:.3f} / {lm['ndcg@10']:.3f}")
+
+    def ranking(c: dict) -> str:
+        r = dict(c["ranking"])
+        others = [k for k in ("zsum k=10", "zsum k=15", "cascade k=10") if k != c["chosen"]]
+        return (f"{c['chosen']} ({r[c['chosen']]:.4f}; " + ", ".join(f"{k} {r[k]:.4f}" for k in others)
+                + f", old default {r['cascade k=5 (old default)']:.4f})")
+
+    depth = lambda d, h: " / ".join(f"{tabs[d]['lexical']['gold_depth'][h][f'recall_any@{k}']:.3f}"  # noqa: E731
+                                    for k in (5, 10, 15, 20))
+    tok = {(r["name"], r["threads"]): r for r in load_json(TOKENIZER)["rows"]}
+    bpe, uni = tok[("bpe-8k", 1)], tok[("unigram-xlmr", 1)]
+    embed = {r["name"]: r for r in load_json(f"{GPU}/2026-11-23-h100-c/call6-embed.json")["results"]}
+    best, nocomp = embed["stage+compile (budget 131072)"], embed["stage (budget 131072)"]
+    loc, _, _ = rank_runs(f"{GPU}/2026-11-24-h100-m5/rank.json")
+    o, g = loc["ours"], loc["original"]
+    chunk, _, _ = rank_runs(f"{GPU}/2026-11-25-prefill-chunk/rank.json")
+    v = one_call()
+    a = answers(AGENTS_SFT)
+    w = load_json(f"{WRITES}/writes.json")["writes"]
+    ad, sw, bs = w["adds"], w["search_with_adds"], w["baseline_search"]
+    return [
+        f"old default (`--no-zsum`) {old['wall_s']:.0f} s, {old['embedded']} texts; new default {new['wall_s']:.0f} s, "
+        f"{new['embedded']:,} texts (recall_any@5 / NDCG@10 {old['recall_any@5']:.3f} / {old['ndcg@10']:.3f} → "
+        f"{new['recall_any@5']:.3f} / {new['ndcg@10']:.3f}). Scaled by the old default's {fs['default_test_s']:.0f} s: "
+        f"**{new['calibrated_min']:.1f} min**",
+        f"(zsum_k = 10 in an earlier run: {run10['old default (--no-zsum)']['wall_s']:.0f} s vs "
+        f"{run10['new default']['wall_s']:.0f} s, {run10['new default']['calibrated_min']:.1f} min)",
+        f"Chosen on dev: {ranking(cv['dev'])}, {read_on(cv['dev'])}",
+        f"Chosen on held-out: {ranking(cv['held-out'])}, {read_on(cv['held-out'])}",
+        f"LongMemEval even {depth('lme', 'dev')}, odd {depth('lme', 'held-out')}; conv-26 {depth('locomo', 'dev')}, "
+        f"conv-30 {depth('locomo', 'held-out')}",
+        f"costs ~{bpe['texts_s'] / uni['texts_s']:.1f}x the BPE's CPU time per text",
+        f"**{100 * (1 - uni['tokens_per_text'] / bpe['tokens_per_text']):.0f}% fewer tokens** "
+        f"({uni['tokens_per_text']:,.0f} against {bpe['tokens_per_text']:,.0f} per session)",
+        f"≥ 130 sessions/s ({best['texts_s']:.1f}) and MFU ≥ 40% ({100 * best['mfu']:.1f}%)",
+        f"without compile {nocomp['texts_s']:.1f} / {100 * nocomp['mfu']:.1f}%",
+        f"Ours: {o['prompts_s'] / g['prompts_s']:.2f}x the original's settings in engine-busy time "
+        f"({(o['prompts'] / o['pipeline']['median']) / (g['prompts'] / g['pipeline']['median']):.2f}x with each "
+        f"engine's start)",
+        f"A 16k chunk is {100 * (chunk['ours-chunk16384']['prompts_s'] / chunk['ours']['prompts_s'] - 1):.0f}% faster",
+        f"(paired: {paired(a['agent:search, SFT'], a['embed:bm25'])} searching, "
+        f"{paired(a['agent:memory, SFT'], a['embed:bm25'])} reading",
+        f"Adapter in one call: first stage {v['chat first stage, sft'][0]}, no memory {v['chat none, sft'][0]}. "
+        f"Base in one call from the first stage: {v['embed:bm25'][0].split(' [')[0]}. The adapter searching scores "
+        f"{v['agent:search, SFT'][0].split(' [')[0]} and reading {v['agent:memory, SFT'][0].split(' [')[0]}.",
+        f"adds {ad['adds_per_s']}/s, p50 {ad['p50_ms']} ms, p99 {ad['p99_ms']} ms; {w['count']['acked']} acknowledged, "
+        f"{w['count']['lost']} lost, {w['count']['duplicated']} duplicated",
+        f"{ad['resent_answered_as_the_same_memory']}/{ad['resent']} re-sent texts answered as the same memory; search "
+        f"with adds running {sw['qps']} q/s, p99 {sw['p99_ms']} ms, against the baseline's {bs['qps']} q/s, p99 "
+        f"{bs['p99_ms']} ms ({w['search_qps_over_baseline']}x)",
+    ]
+
+
+FIGURES = {"README.md": readme_figures, README_BENCH: bench_figures, CARD: agents_card_figures,
+           RANKER_CARD: ranker_card_figures}
 
 
 def main(argv: list[str] | None = None) -> int:
