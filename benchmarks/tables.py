@@ -1277,6 +1277,12 @@ def bench_figures() -> list[str]:
     a = answers(AGENTS_SFT)
     w = load_json(f"{WRITES}/writes.json")["writes"]
     ad, sw, bs = w["adds"], w["search_with_adds"], w["baseline_search"]
+    m4 = {part: t["_answers"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m4/table.json").items()}
+    m4r = ranker_json(f"{GPU}/2026-11-24-h100-m4/table.json")
+    m8 = {part: t["_answers"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m8/table.json").items()}
+    f1 = lambda t, part, k: f"{t[part][k]['f1']:.3f}"  # noqa: E731
+    over_random = [m4r[p]["sft"]["ndcg@10"] - m4r[p]["random-valid"]["ndcg@10"]
+                   for p in ("lme_heldout", "locomo_heldout")]
     return [
         f"old default (`--no-zsum`) {old['wall_s']:.0f} s, {old['embedded']} texts; new default {new['wall_s']:.0f} s, "
         f"{new['embedded']:,} texts (recall_any@5 / NDCG@10 {old['recall_any@5']:.3f} / {old['ndcg@10']:.3f} → "
@@ -1307,6 +1313,18 @@ def bench_figures() -> list[str]:
         f"{ad['resent_answered_as_the_same_memory']}/{ad['resent']} re-sent texts answered as the same memory; search "
         f"with adds running {sw['qps']} q/s, p99 {sw['p99_ms']} ms, against the baseline's {bs['qps']} q/s, p99 "
         f"{bs['p99_ms']} ms ({w['search_qps_over_baseline']}x)",
+        f"LME no memory {f1(m4, 'lme_heldout', 'no memory')}, first stage {f1(m4, 'lme_heldout', 'embed:cascade')}, "
+        f"SFT / DAPO ranker {f1(m4, 'lme_heldout', 'rank:adapter-sft')}, gold "
+        f"{f1(m4, 'lme_heldout', 'oracle (gold sessions)')}; LoCoMo no memory {f1(m4, 'locomo_heldout', 'no memory')}, "
+        f"first stage {f1(m4, 'locomo_heldout', 'embed:cascade')}, "
+        f"SFT / DAPO {f1(m4, 'locomo_heldout', 'rank:adapter-dcg')}, base structured "
+        f"{f1(m4, 'locomo_heldout', 'rank:smollm2-135m-instruct+structured')}, gold "
+        f"{f1(m4, 'locomo_heldout', 'oracle (gold sessions)')}",
+        f"+{over_random[0]:.2f} / +{over_random[1]:.2f} NDCG@10 over random",
+        f"answer F1 first stage = trained ranker ({f1(m8, 'lme_heldout', 'rank:adapter-dcg')} / "
+        f"{f1(m8, 'locomo_heldout', 'rank:adapter-dcg')}), no memory {f1(m8, 'lme_heldout', 'no memory')} / "
+        f"{f1(m8, 'locomo_heldout', 'no memory')}, gold {f1(m8, 'lme_heldout', 'oracle (gold sessions)')} / "
+        f"{f1(m8, 'locomo_heldout', 'oracle (gold sessions)')}",
     ]
 
 
