@@ -1242,6 +1242,24 @@ def ranker_card_figures() -> list[str]:
             "LoCoMo"]
 
 
+def one_call_reading() -> tuple[float, float]:
+    """The one-call control's CPU reading rate: prompt tokens (``report.json``'s estimate, 4 characters a token) of
+    its 260 answers over their seconds (``one_call.md``'s ``answers``), rounded to tens; and those seconds."""
+    import json
+
+    with open(os.path.join(ROOT, ONE_CALL, "one_call.md")) as f:
+        secs = json.loads(next(ln for ln in f if ln.startswith("Seconds: "))[len("Seconds: "):])["answers"]
+    cost = {k: v["cost"] for k, v in load_json(f"{ONE_CALL}/report.json")["side_by_side"]["methods"].items()}
+    tokens = sum(c["prompt_tokens"]["mean"] * c["prompt_tokens"]["n"] for k, c in cost.items() if "(chat-sft)" in k)
+    return round(tokens / secs, -1), secs
+
+
+def one_call_figures() -> list[str]:
+    """The one-call control's README, in its sentences: the CPU's reading rate."""
+    rate, secs = one_call_reading()
+    return [f"the CPU read about {rate:.0f} prompt tokens/s at this length ({secs:,.0f} s for these 260 answers"]
+
+
 def bench_figures() -> list[str]:
     """benchmarks/README's sentence figures: the 2026-11-25 first stage's end-to-end runs, cross-validation and gold
     depth (its JSON), the tokenizer's ratios, the GPU embed targets, the rank ratios, the one-call control and the
@@ -1277,6 +1295,7 @@ def bench_figures() -> list[str]:
     a = answers(AGENTS_SFT)
     w = load_json(f"{WRITES}/writes.json")["writes"]
     ad, sw, bs = w["adds"], w["search_with_adds"], w["baseline_search"]
+    cpu_read = one_call_reading()
     m4 = {part: t["_answers"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m4/table.json").items()}
     m4r = ranker_json(f"{GPU}/2026-11-24-h100-m4/table.json")
     m8 = {part: t["_answers"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m8/table.json").items()}
@@ -1313,6 +1332,8 @@ def bench_figures() -> list[str]:
         f"{ad['resent_answered_as_the_same_memory']}/{ad['resent']} re-sent texts answered as the same memory; search "
         f"with adds running {sw['qps']} q/s, p99 {sw['p99_ms']} ms, against the baseline's {bs['qps']} q/s, p99 "
         f"{bs['p99_ms']} ms ({w['search_qps_over_baseline']}x)",
+        f"vLLM on 2 cores read ~{cpu_read[0]:.0f} prompt tokens/s at 6k-token prompts ({cpu_read[1]:,.0f} s for 260 "
+        "answers; tokens estimated at 4 characters)",
         f"LME no memory {f1(m4, 'lme_heldout', 'no memory')}, first stage {f1(m4, 'lme_heldout', 'embed:cascade')}, "
         f"SFT / DAPO ranker {f1(m4, 'lme_heldout', 'rank:adapter-sft')}, gold "
         f"{f1(m4, 'lme_heldout', 'oracle (gold sessions)')}; LoCoMo no memory {f1(m4, 'locomo_heldout', 'no memory')}, "
@@ -1329,7 +1350,7 @@ def bench_figures() -> list[str]:
 
 
 FIGURES = {"README.md": readme_figures, README_BENCH: bench_figures, CARD: agents_card_figures,
-           RANKER_CARD: ranker_card_figures}
+           RANKER_CARD: ranker_card_figures, f"{ONE_CALL}/README.md": one_call_figures}
 
 
 def main(argv: list[str] | None = None) -> int:
