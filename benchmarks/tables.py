@@ -1005,10 +1005,11 @@ def table_first_stage_2026_11_25() -> list[str]:
 
 
 WRITES = "benchmarks/results/serve-writes-2026-11-26"
+WRITES_QUIET = "benchmarks/results/serve-writes-2026-11-27"   # the same command on quiet cores
 
 
-def table_serve_writes() -> list[str]:
-    """bench_serve.py --writes (2026-11-26): its own report (``bench_serve.writes_report``) re-written from the
+def table_serve_writes(folder: str = WRITES) -> list[str]:
+    """A bench_serve.py --writes run: its own report (``bench_serve.writes_report``) re-written from the run's
     committed ``writes.json`` into a scratch folder."""
     import contextlib
     import io
@@ -1017,7 +1018,7 @@ def table_serve_writes() -> list[str]:
     import bench_serve
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        bench_serve.writes_report(load_json(f"{WRITES}/writes.json"), tmp)
+        bench_serve.writes_report(load_json(f"{folder}/writes.json"), tmp)
         with open(os.path.join(tmp, "writes.md")) as f:
             return f.read().splitlines()
 
@@ -1144,6 +1145,8 @@ TABLES = {
                                               "memsifter/samples/locomo_dev2.json.gz"],
                        [f"{REFERENCE_ROWS}/answers_table.txt"]),
     "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
+    "serve-writes-2026-11-27": (lambda: table_serve_writes(WRITES_QUIET), [f"{WRITES_QUIET}/writes.json"],
+                                [f"{WRITES_QUIET}/writes.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
