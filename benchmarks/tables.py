@@ -1298,6 +1298,9 @@ def bench_figures() -> list[str]:
     a = answers(AGENTS_SFT)
     w = load_json(f"{WRITES}/writes.json")["writes"]
     ad, sw, bs = w["adds"], w["search_with_adds"], w["baseline_search"]
+    quiet = load_json(f"{WRITES_QUIET}/writes.json")
+    q, qa, qs, qb = quiet["writes"], quiet["writes"]["adds"], quiet["writes"]["search_with_adds"], \
+        quiet["writes"]["baseline_search"]
     cpu_read = one_call_reading()
     m4 = {part: t["_answers"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m4/table.json").items()}
     m4r = ranker_json(f"{GPU}/2026-11-24-h100-m4/table.json")
@@ -1337,6 +1340,13 @@ def bench_figures() -> list[str]:
         f"{bs['p99_ms']} ms ({w['search_qps_over_baseline']}x)",
         f"vLLM on 2 cores read ~{cpu_read[0]:.0f} prompt tokens/s at 6k-token prompts ({cpu_read[1]:,.0f} s for 260 "
         "answers; tokens estimated at 4 characters)",
+        f"The same command on quiet cores ({quiet['date']}, load average {quiet['machine']['loadavg']:.1f} at its "
+        f"start; table: `results/serve-writes-2026-11-27/writes.md`): adds {qa['adds_per_s']}/s, "
+        f"p50 {qa['p50_ms']} ms, p99 {qa['p99_ms']} ms; {q['count']['acked']} acknowledged, {q['count']['lost']} lost, "
+        f"{q['count']['duplicated']} duplicated, the same after a restart; search with adds running {qs['qps']} q/s, "
+        f"p99 {qs['p99_ms']} ms, against the baseline's {qb['qps']} q/s, p99 {qb['p99_ms']} ms "
+        f"({q['search_qps_over_baseline']}x)",
+        f"(adds p99 {qa['p99_ms']:.0f} ms against 50 ms; search {q['search_qps_over_baseline']}x the baseline",
         f"LME no memory {f1(m4, 'lme_heldout', 'no memory')}, first stage {f1(m4, 'lme_heldout', 'embed:cascade')}, "
         f"SFT / DAPO ranker {f1(m4, 'lme_heldout', 'rank:adapter-sft')}, gold "
         f"{f1(m4, 'lme_heldout', 'oracle (gold sessions)')}; LoCoMo no memory {f1(m4, 'locomo_heldout', 'no memory')}, "
