@@ -220,6 +220,25 @@ class Vectors:
         return np.stack([self.get(t) for t in texts]) @ self.get(question)
 
 
+def tokenize_seconds(ds, qs: list) -> dict:  # noqa: ANN001
+    """CPU seconds to turn the units of the sessions of ``qs`` into BM25 tokens: the stage's S-stemmer against
+    Porter's (its per-word cache emptied first, as in a fresh process)."""
+    from memsifter.retrieval import first_stage_candidates as C
+    from memsifter.retrieval.first_stage_candidates import E
+
+    sids = sorted({s for q in qs for s in q.haystack_session_ids})
+    units = [u for s in sids for u in E.turn_units(ds.sessions[s].turns, WORDS)]
+    tok = C.Tokens(ds)
+    out = {"sessions": len(sids), "units": len(units)}
+    C.porter.cache_clear()
+    for label, porter_stem in (("s-stemmer", False), ("porter", True)):
+        t0 = time.process_time()
+        for u in units:
+            tok.tokens(u, porter_stem)
+        out[label] = time.process_time() - t0
+    return out
+
+
 def candidate_set(name: str) -> tuple[str, dict, dict, list[str]]:
     """(default, {candidate: fn(ctx)}, descriptions, lexical views to cache) of a named candidate set."""
     if name == "2026-11-26":
@@ -242,10 +261,17 @@ def cost_table(meta: dict) -> None:
     default's measured LongMemEval_S test time carried over in proportion to the words embedded."""
     c, d = meta["cost"]["lme"], meta["cost"]["lme"][meta["default"]]
     test_s, n_test = meta["default_test"]["seconds"], meta["default_test"]["questions"]
+    n_sess = meta["default_test"]["sessions"]
     print(f"\n### Cost on LongMemEval ({d['questions']} questions): distinct texts and words embedded, scoring CPU "
           f"seconds a question beyond BM25 and the vectors; test = the default's measured {test_s} s on LongMemEval_S "
           f"test ({n_test} q, 2 cores: {meta['default_test']['source']}) x the words ratio + the extra scoring "
           f"seconds x {n_test}\n")
+    t = meta["cost"].get("tokenize")
+    if t:
+        print(f"BM25 tokens of the units of the {t['sessions']:,} sessions of these questions ({t['units']:,} units): "
+              f"S-stemmer {t['s-stemmer']:.1f} CPU s, Porter {t['porter']:.1f} CPU s; scaled to LongMemEval_S test's "
+              f"{n_sess:,} sessions: {t['s-stemmer'] * n_sess / t['sessions']:.1f} and "
+              f"{t['porter'] * n_sess / t['sessions']:.1f} s\n")
     print("| candidate | questions | texts | words | words / default's | scoring ms / q | test s (estimate) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for cand in meta["candidates"]:
@@ -292,23 +318,18 @@ def main() -> None:
         ds, qs = load(name, a.data, a.out)
         if name == "lme":
             qs = qs[:a.lme]
-        # the embed stage's BM25 views of every question (cached: a pickle per dataset)
+        # the stage's BM25 views of each question (cached: a pickle per dataset)
+        from benchmarks import first_stage_variants as V
         lex_file = os.path.join(a.out, f"lex-{name}.pkl")
         lex = pickle.load(open(lex_file, "rb")) if os.path.exists(lex_file) else {}
-        n_lex = len(lex)
         lx = E.Lexical(ds, WORDS, stem=True)
-        from benchmarks import first_stage_variants as V
-        for q in qs:
-            for view in views:
-                if (q.question_id, view) not in lex:
-                    lex[(q.question_id, view)] = V.LEXICAL[view](lx, ds, q)
-        if len(lex) != n_lex:
+        tokens = C.Tokens(ds)
+        shared: dict[str, dict] = {}   # per question, the legs both passes share
+
+        def save_lex() -> None:
             with open(lex_file + ".tmp", "wb") as f:
                 pickle.dump(lex, f)
             os.replace(lex_file + ".tmp", lex_file)
-        tokens = C.Tokens(ds)
-
-        shared: dict[str, dict] = {}   # per question, the legs both passes share
 
         def ctx(q, texts_sims):  # noqa: ANN001, ANN202
             c = C.Ctx(q, ds, {m: lex[(q.question_id, "base")][m] for m in E.LEXICAL_LEGS}, tokens, texts_sims,
@@ -316,9 +337,14 @@ def main() -> None:
             c.views = {v: lex[(q.question_id, v)] for v in views}
             return c
 
-        # which texts each candidate embeds for each question (a recording pass: similarities all 0)
         need: dict[str, dict[str, set[str]]] = {}
-        for q in qs:
+
+        def prepare(q) -> None:  # noqa: ANN001
+            """The question's BM25 views, and which texts each candidate embeds for it (a recording pass:
+            every similarity 0)."""
+            for view in views:
+                if (q.question_id, view) not in lex:
+                    lex[(q.question_id, view)] = V.LEXICAL[view](lx, ds, q)
             base = ctx(q, None)
             need[q.question_id] = {}
             for cand, fn in cands.items():
@@ -331,17 +357,30 @@ def main() -> None:
                 c.views = base.views
                 fn(c)
                 need[q.question_id][cand] = got | {q.question}
-        # embed: the default's texts of every question first, then the others', a few questions at a time
-        for which in ("default", "others"):
-            for i in range(0, len(qs), 4):
-                texts = set()
-                for q in qs[i:i + 4]:
-                    n = need[q.question_id]
-                    texts |= n[default] if which == "default" else set().union(*n.values())
-                if time.time() - started > a.minutes * 60 and not all(vec.has(t) for t in texts):
-                    break
-                vec.ensure(sorted(texts))
-        qs = [q for q in qs if all(vec.has(t) for t in need[q.question_id][default])]
+
+        # the default's texts of each question, a few questions at a time (past --minutes: the questions so far);
+        # then the other candidates' texts of those questions
+        kept: list = []
+        for i in range(0, len(qs), 4):
+            chunk = qs[i:i + 4]
+            for q in chunk:
+                prepare(q)
+            texts = set().union(*(need[q.question_id][default] for q in chunk))
+            if time.time() - started > a.minutes * 60 and not all(vec.has(t) for t in texts):
+                break
+            vec.ensure(sorted(texts))
+            kept += chunk
+            if i % 40 == 36:
+                save_lex()
+                print(f"{name}: {len(kept)}/{len(qs)} questions, {time.time() - started:.0f} s", file=sys.stderr,
+                      flush=True)
+        save_lex()
+        qs = kept
+        for i in range(0, len(qs), 4):
+            texts = set().union(*(t for q in qs[i:i + 4] for t in need[q.question_id].values()))
+            if time.time() - started > a.minutes * 60 and not all(vec.has(t) for t in texts):
+                break
+            vec.ensure(sorted(texts))
         rows: dict = {c: [] for c in cands}
         secs = {c: 0.0 for c in cands}
         for i, q in enumerate(qs):
@@ -366,6 +405,8 @@ def main() -> None:
         cost[name] = {c: {"texts": len(texts[c]), "words": words[c], "questions": len(rows[c]),
                           "scoring_cpu_s_per_q": secs[c] / max(len(rows[c]), 1)} for c in cands}
         all_rows[name] = (qs, ds, folds_of(name, qs, ds.sessions), rows)
+        if name == "lme" and a.set == "2026-11-27":
+            cost["tokenize"] = tokenize_seconds(ds, qs)
         if a.set == "2026-11-26":
             every = [q for q in ds.questions if q.question_type != "adversarial" and rankings.eligible(q)]
             windows[name] = V.time_stats(every, qs, ds)
@@ -387,7 +428,8 @@ def main() -> None:
             meta["time_windows"] = windows
         else:
             meta["cost"] = cost
-            meta["default_test"] = {"seconds": 142, "questions": 150, "source": "issue 42, the lead's run"}
+            meta["default_test"] = {"seconds": 142, "questions": 150, "sessions": 6692,
+                                    "source": "issue 42, the lead's run"}
         with open(os.path.join(a.results, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, ensure_ascii=False)
         table(a.results)

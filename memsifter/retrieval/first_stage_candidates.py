@@ -284,6 +284,10 @@ def _bm25(k1: float, b: float) -> Callable[[Ctx], np.ndarray]:
     return lambda c: zsum(c.legs().scores(c.terms(), k1, b), c.pool(), c.maxsim)
 
 
+def _porter_legs(c: Ctx) -> dict[str, np.ndarray]:
+    return c.legs(porter_stem=True).scores(c.terms(porter_stem=True))
+
+
 DEFAULT = "zsum k=15 (default)"
 GRID = [(k1, b) for k1 in (0.9, 1.2, 1.5, 2.0) for b in (0.5, 0.75, 0.9) if (k1, b) != (1.5, 0.75)]
 CANDIDATES: dict[str, Callable[[Ctx], np.ndarray]] = {
@@ -295,7 +299,8 @@ CANDIDATES: dict[str, Callable[[Ctx], np.ndarray]] = {
     "rm3 (3 docs, λ 0.5)": _rm3(3, 0.5),
     "rm3 (5 docs, λ 0.3)": _rm3(5, 0.3),
     "phrase keys": lambda c: zsum(c.legs(True).scores(c.terms(True)), c.pool(), c.maxsim),
-    "porter keys": lambda c: zsum(c.legs(porter_stem=True).scores(c.terms(porter_stem=True)), c.pool(), c.maxsim),
+    "porter keys": lambda c: zsum(_porter_legs(c), c.pool(), c.maxsim),
+    "porter keys, own pool": lambda c: zsum(_porter_legs(c), dense_pool(_porter_legs(c), K, RRF_K), c.maxsim),
     **{f"bm25 k1={k1} b={b}": _bm25(k1, b) for k1, b in GRID},
 }
 DESCRIPTIONS = {
@@ -312,7 +317,9 @@ DESCRIPTIONS = {
     "phrase keys": "both BM25 legs over the words and the adjacent word pairs (phrase keys) of units and question; "
                    "the default's dense leg",
     "porter keys": "both BM25 legs over Porter-stemmed words (the stage: the S-stemmer, plurals only); the default's "
-                   "dense leg",
+                   "dense leg (the default's lexical top 15)",
+    "porter keys, own pool": "the same, the dense leg over the top 15 of its own lexical order (what the stage would "
+                             "embed with Porter keys)",
     **{f"bm25 k1={k1} b={b}": f"both BM25 legs with k1 = {k1}, b = {b} (default 1.5 / 0.75); the default's dense leg"
        for k1, b in GRID},
 }
