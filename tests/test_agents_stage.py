@@ -487,7 +487,7 @@ def test_chart_wires_the_memory_service_url_into_the_agents_stage():
     its config sets one; otherwise its config is exactly what `memsifter pipeline` wires. Without serve
     nothing is filled in (the stage then refuses agent:search, naming search_url)."""
     from memsifter import pipeline
-    from memsifter.k8s.dev import chart
+    from memsifter_dev.k8s import chart
 
     def values(serve: bool, agents_cfg: dict | None = None) -> dict:
         stages = {n: {"enabled": True} for n in ("import", "embed", "agents")}

@@ -24,7 +24,7 @@ import yaml
 
 from memsifter.security import secretscan
 from memsifter.store import storage
-from memsifter.k8s.dev import chart
+from memsifter_dev.k8s import chart
 
 REPO = chart.REPO
 ALNUM = string.ascii_letters + string.digits
