@@ -67,7 +67,7 @@ def test_overrides_carry_every_recipe_setting(tmp_path, monkeypatch):
         "trainer.n_gpus_per_node": "8", "trainer.nnodes": "3", "trainer.save_freq": "5", "trainer.test_freq": "5",
         "trainer.resume_mode": "'auto'", "reward.reward_manager.name": "'dapo'",
         "reward.custom_reward_function.path": "'pkg://memsifter.training.rewards'",
-        "trainer.checkpoint_callback_class": "'memsifter.stages.train.S3CheckpointCallback'",
+        "trainer.checkpoint_callback_class": "'memsifter.training.checkpoints.S3CheckpointCallback'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI": "'s3://b/run/train/checkpoints'",
         "+reward.custom_reward_function.reward_kwargs.mode": "'task'",
         "data.train_files": "['/tmp/memsifter-train/data/train_00000.parquet',"
@@ -162,7 +162,7 @@ DEFAULT_OVERRIDES = [
     "trainer.val_before_train=false",
     "trainer.default_local_dir='/tmp/memsifter-train/checkpoints'",
     "trainer.max_actor_ckpt_to_keep=2",
-    "trainer.checkpoint_callback_class='memsifter.stages.train.S3CheckpointCallback'",
+    "trainer.checkpoint_callback_class='memsifter.training.checkpoints.S3CheckpointCallback'",
     "+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
     "+reward.reward_kwargs.overlong_buffer_cfg.len=4096",
     "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
@@ -401,7 +401,7 @@ def test_dry_run_composes_a_config_verl_accepts(tmp_path):
     t = cfg["trainer"]
     assert (t["nnodes"], t["n_gpus_per_node"], t["save_freq"], t["test_freq"], t["resume_mode"]) == (2, 8, 5, 5, "auto")
     assert t["default_local_dir"] == "/scratch/checkpoints"
-    assert t["checkpoint_callback_class"] == "memsifter.stages.train.S3CheckpointCallback"
+    assert t["checkpoint_callback_class"] == "memsifter.training.checkpoints.S3CheckpointCallback"
     assert not os.path.exists(os.path.join(out, "_SUCCESS"))  # a dry run publishes nothing
     # an override of a key verl does not have is refused when the config is read, and by verl's Hydra
     with pytest.raises(ConfigError, match=r"train.extra_overrides\[0\]: actor_rollout_ref.actor.no_such_knob: "
@@ -438,6 +438,19 @@ def test_missing_files_of_a_checkpoint():
     assert missing_files({k: v for k, v in full.items() if "optim" not in k}) == []  # optimizer not saved at all
     assert missing_files({k: v for k, v in full.items() if k != "data.pt"}) == ["data.pt"]
     assert missing_files({"data.pt": 1}) == ["actor/fsdp_config.json"]
+
+
+def test_the_checkpoint_callback_verl_is_given_loads_by_its_name():
+    """verl imports trainer.checkpoint_callback_class by its dotted name in its driver: the name the stage
+    writes is the class that uploads and marks the steps (memsifter.training.checkpoints), importable
+    without the stage module."""
+    import importlib
+
+    cfg = TrainConfig(output="s3://b/t", data="s3://b/rl")
+    ov = dict(o.split("=", 1) for o in verl_overrides(cfg, ["/x/train.parquet"], ["/x/test.parquet"]))
+    module, _, name = ov["trainer.checkpoint_callback_class"].strip("'").rpartition(".")
+    assert getattr(importlib.import_module(module), name) is S3CheckpointCallback
+    assert S3CheckpointCallback.__module__ == module == "memsifter.training.checkpoints"
 
 
 def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_path, monkeypatch):
