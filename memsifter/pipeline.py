@@ -256,12 +256,10 @@ def plan(spec: dict, run: str | None = None) -> list[Step]:
                 continue
             mine = [p for p in inp.stages if p in needs[st] and (p in of_stage or p in dataset)]
             if inp.wire == "first":
-                for a in mine:
-                    for b in mine:
-                        if a < b and a not in upstream(b, needs) and b not in upstream(a, needs) and \
-                                (a in of_stage or b in of_stage):
-                            raise ConfigError(f"pipeline: {name}.{inp.field} could read the output of {a} or "
-                                              f"of {b}: keep one of them, or set stages.{name}.{inp.field}")
+                for a, b in alternatives(st, inp, needs):
+                    if a in mine and b in mine and (a in of_stage or b in of_stage):
+                        raise ConfigError(f"pipeline: {name}.{inp.field} could read the output of {a} or "
+                                          f"of {b}: keep one of them, or set stages.{name}.{inp.field}")
                 mine = mine[:1]
                 if mine and len(of_stage.get(mine[0], [])) > 1:
                     them = of_stage[mine[0]]
@@ -282,6 +280,16 @@ def plan(spec: dict, run: str | None = None) -> list[Step]:
     # dependency order; among instances free to run, the stages' order, then as written
     order = derive_order(reads, key=pos.get)
     return [Step(n, uses[n], cfgs[n]) for n in order]
+
+
+def alternatives(stage: str, inp: Any, needs: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """The pairs of producers of input ``inp`` of ``stage`` (a ``wire="first"`` input) that a plan refuses to
+    run together when it would have to choose: neither reads the other's output (import and synth), in the
+    order the input declares them (the first one is preferred)."""
+    from itertools import combinations
+
+    ps = [p for p in inp.stages if p in needs[stage]]
+    return [(a, b) for a, b in combinations(ps, 2) if a not in upstream(b, needs) and b not in upstream(a, needs)]
 
 
 def _by_name(value: Any, outputs: dict[str, str], uses: dict[str, str], me: str, inp: Any) -> tuple[Any, set[str]]:

@@ -11,7 +11,7 @@ Normalized = what a cluster runs, minus how a stage's config travels (issue 18, 
 * a RayJob's ``spec.entrypoint`` is reduced to its command (``memsifter run <stage>``, behind ``memsifter k8s
   await-capacity ...`` for multi-node stages): the config arguments (``--set``/``--config``) are dropped;
 * the config volume and its mount (``/etc/memsifter``) of the head pod, the stage-config ConfigMaps, the
-  ``memsifter.io/output``/``memsifter.io/needs`` annotations and the driver pod's ``checksum/plan`` are left
+  ``memsifter.io/output``/``needs``/``uses`` annotations and the driver pod's ``checksum/plan`` are left
   out; the plan ConfigMap keeps only each stage's name and (normalized) RayJob.
 
 Everything else (head/worker/submitter pod templates, autoscaler options, group sizes, deadlines, the driver
@@ -34,7 +34,7 @@ CHART = REPO / "charts" / "memsifter"
 JOBS = REPO / "jobs"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CONFIG_MOUNT = "/etc/memsifter"
-DROPPED_ANNOTATIONS = ("memsifter.io/output", "memsifter.io/needs", "checksum/plan")
+DROPPED_ANNOTATIONS = ("memsifter.io/output", "memsifter.io/needs", "memsifter.io/uses", "checksum/plan")
 
 
 def _render(values: list[Path], sets: list[str]) -> list[dict]:

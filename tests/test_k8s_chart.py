@@ -3,8 +3,8 @@
 * The chart's generated files (values.yaml, values.schema.json, files/stages.json, README.md, ci/*.yaml) and
   jobs/ match the stage registry and the chart (`memsifter k8s gen-chart --check`, `gen-jobs --check`); the
   chart's sizes are within the targets of issue 18 (printed); every value is documented (`# --`).
-* A stage's config travels as one document (a ConfigMap per stage, mounted into the head pod, read with
-  `memsifter run <stage> --config`) holding only what differs from the stage's defaults.
+* A step's config travels as one document (a ConfigMap per step of the plan, mounted into the head pod, read
+  with `memsifter run <stage> --config`) holding only what its section sets, output and the wired inputs.
 * `helm lint --strict` and `helm template` (real helm from the PyPI wheel) for the default values and
   every ci/ scenario; the schema rejects typos.
 * Core kinds pass `kubernetes-validate --strict`; every RayJob passes the KubeRay 1.7.0 CRD schema with
@@ -26,6 +26,7 @@ import yaml
 from memsifter import stage as stg
 from memsifter.k8s import registry
 from memsifter.k8s import validate
+from memsifter.k8s.plan import chart_plan
 from memsifter_dev.k8s import chart, scenarios
 from memsifter_dev.k8s.tools import ToolError, helm
 
@@ -87,16 +88,15 @@ def config_of(docs: list[dict], rj: dict) -> dict:
 def test_chart_generated_from_registry(infos):
     assert chart.gen_chart(check=True, infos=infos) == [], "run `memsifter k8s gen-chart`"
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert list(values["stages"]) == stg.available_stages()
-    # per stage only the switch and the overrides: no defaults, no code facts (those are files/stages.json)
-    assert all(block == {"enabled": False, "config": {}} for block in values["stages"].values())
+    # nothing runs by default: the plan (`memsifter k8s plan`) says what runs; no per-stage defaults or facts
+    assert values["pipeline"] == {"run": "", "steps": []} and values["stages"] == {}
     import json
 
     facts = json.loads((CHART / "files" / "stages.json").read_text())
     assert list(facts) == stg.available_stages()
-    for i in infos:
-        assert (facts[i.name]["family"], facts[i.name]["needs"], facts[i.name]["inputs"], facts[i.name]["wiring"]) == \
-            (i.family, i.needs, i.inputs, i.wiring)
+    for i in infos:   # code facts only: no wiring (the plan's alone)
+        assert (facts[i.name]["family"], facts[i.name]["gpus"]) == (i.family, i.gpus)
+        assert not {"needs", "inputs", "wiring"} & set(facts[i.name])
 
 
 def test_chart_sizes_within_targets():
@@ -143,20 +143,20 @@ def test_helm_show_readme():
     assert out.strip(), "helm show readme is empty"
     for name in stg.available_stages():
         assert f"### {name}" in out
-    assert "only what differs" in out and "`profiles." in out
+    assert "memsifter k8s plan" in out and "`profiles." in out
 
 
 def test_config_documents_hold_only_overrides(infos, rendered):
-    """A stage's config document = its block's config + output + the inputs wired from the run; defaults
-    stay in pydantic (a default value never appears unless the values set it)."""
+    """A step's config document = its section of the scenario's pipeline config + output + the inputs the plan
+    wired; defaults stay in pydantic (a default value never appears unless the section sets it)."""
     by = {i.name: i for i in infos}
-    full = yaml.safe_load((CHART / "ci" / "full.yaml").read_text())
+    spec = scenarios.scenario_spec(infos, "full", chart.scenario_sets(infos)["full"])
     docs = rendered["full+nodriver"]
     for rj in rayjobs_of(docs):
         name = rj["metadata"]["labels"]["memsifter.io/stage"]
         cfg = config_of(docs, rj)
-        own = (full["stages"][name].get("config") or {})
-        assert set(cfg) == {"output", *by[name].inputs, *own}, name
+        own = spec["stages"][name]
+        assert {k: cfg[k] for k in own} == own and set(cfg) - set(own) <= {"output", *by[name].wired}, name
         stg.validate_config(name, cfg, source=f"{name} config document")
 
 
@@ -169,7 +169,7 @@ def test_jobs_are_short_and_name_the_image_once(infos):
         docs = [d for d in yaml.safe_load_all(text) if d]
         assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob"], p
         cfg = config_of(docs, docs[1])
-        assert set(cfg) <= {"output", *i.inputs, *i.required_user_fields, *i.fields}, p
+        assert set(cfg) <= {"output", *i.wired, *i.required_user_fields, *i.fields}, p
         assert text.count("ghcr.io/") == 1 and "image: &image " in text, p
         pods = [docs[1]["spec"]["submitterPodTemplate"], docs[1]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]
         images = {c["image"] for t in pods for c in t["spec"]["containers"]}
@@ -207,7 +207,7 @@ def test_values_defaults_are_valid_stage_configs(infos):
     plan = json.loads(next(d for d in docs if d["kind"] == "ConfigMap" and "plan.json" in d["data"])["data"]["plan.json"])
     assert {s["name"] for s in plan["stages"]} == chart.scenario_sets(infos)["full"]
     for s in plan["stages"]:
-        cfg = stg.validate_config(s["name"], s["config"], source="chart")
+        cfg = stg.validate_config(s["stage"], s["config"], source="chart")
         assert cfg.output == f"s3://memsifter-ci/runs/ci-full/{s['name']}"
 
 
@@ -217,10 +217,10 @@ def test_inputs_wired_to_producer_outputs(infos):
     for rj in rayjobs_of(docs):
         name = rj["metadata"]["labels"]["memsifter.io/stage"]
         cfg = config_of(docs, rj)
-        for field, wiring in by[name].wiring.items():   # every producer is enabled but alternatives
-            want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in registry.preferred(wiring)]
-            got = cfg[field] if isinstance(cfg[field], list) else [cfg[field]]
-            assert got == want, (name, field)
+        for inp in scenarios.wired(by[name]):   # every producer runs but alternatives
+            want = [f"s3://memsifter-ci/runs/ci-full/{p}" for p in scenarios.preferred(by[name], inp)]
+            got = cfg[inp.field] if isinstance(cfg[inp.field], list) else [cfg[inp.field]]
+            assert got == want, (name, inp.field)
 
 
 # --------------------------------------------------------------------------- helm
@@ -234,11 +234,12 @@ def test_helm_lint_strict(values):
 @pytest.mark.parametrize("bad,msg", [
     (["s3.bucketz=x"], "bucketz"),
     (["driver.pollSecs=3"], "pollSecs"),
-    (["stages.{stage}.enabeld=true"], "enabeld"),
-    (["stages.{stage}.config.no_such_option=1"], "no_such_option"),
+    (["stages.{stage}.imgae.tag=x"], "imgae"),
+    (["stages.{stage}.config.model=x"], "config"),      # a config is the plan's: pipeline.steps
     (["stages.{stage}.workers.gpus=-1"], "minimum"),
     (["s3.bucket=Not_A_Bucket"], "bucket"),
-    (["stages.nosuchstage.enabled=true"], "nosuchstage"),
+    (["stages.No_Such.head.shmSize=1Gi"], "No_Such"),
+    (["pipeline.run=/local/run"], "pipeline/run"),
 ])
 def test_schema_rejects_typos(bad, msg, infos):
     sets = [s.format(stage=infos[-1].name) for s in bad]
@@ -246,13 +247,24 @@ def test_schema_rejects_typos(bad, msg, infos):
         chart.render([], sets)
 
 
-def test_required_fields_enforced_when_enabled(infos):
+def test_schema_checks_a_step_against_its_stage(infos):
+    """A hand-edited plan: a step's config is checked against the schema of the stage it names."""
+    plan = chart_plan({"run": "s3://bkt/r", "stages": {"synth": {}, "embed": {}}})
+    plan["steps"][1]["config"]["no_such_option"] = 1
+    with pytest.raises(ToolError, match="no_such_option"):
+        chart.render([], values={"pipeline": plan})
+
+
+def test_required_fields_enforced_by_the_plan(infos):
     need = [i for i in infos if i.required_user_fields]
     if not need:
         pytest.skip("no stage has user-required fields")
     i = need[0]
-    with pytest.raises(ToolError, match=i.required_user_fields[0]):
-        chart.render([], [f"stages.{i.name}.enabled=true"])
+    from memsifter.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=i.required_user_fields[0]):
+        chart_plan({"run": "s3://b/r", "stages": {i.name: {k: v for k, v in scenarios.section(
+            i, {i.name}, "b", "s3://b/old").items() if k != i.required_user_fields[0]}}})
 
 
 def test_core_kinds_valid_for_kubernetes(rendered):
@@ -434,32 +446,27 @@ def test_network_policy_optional_and_covers_every_pod(rendered):
     assert "namespaceSelector" in ingress[1]["from"][0]
 
 
-def given_inputs(info) -> list[str]:
-    """`--set` pairs naming an earlier run's outputs for the inputs of a stage enabled alone that the chart
-    cannot wire (required, and no producer enabled: the chart refuses that, as `memsifter pipeline` does)."""
-    out = []
-    for f, w in info.wiring.items():
-        if isinstance(w["cases"][""], str):
-            uri = f"s3://my-bucket/runs/earlier/{w['from'][0]}"
-            out.append(f"stages.{info.name}.config.{f}=" + (f"{{{uri}}}" if w["list"] else uri))
-    return out
+def alone(info, **config) -> dict:
+    """The values of a plan of ``info``'s stage alone (jobs/values.yaml's run root): placeholders for what a user
+    sets, an earlier run's outputs for its inputs (no producer runs), ``config`` on top."""
+    section = {**scenarios.section(info, {info.name}, "my-bucket", "s3://my-bucket/runs/earlier"), **config}
+    return {"pipeline": chart_plan({"run": "s3://my-bucket/runs/example", "stages": {info.name: section}})}
 
 
-def test_rayjob_names_run_scoped_and_short(infos):
+def test_rayjob_names_run_scoped_and_short(infos, tmp_path):
     longest_info = max(infos, key=lambda i: len(i.name))
     longest = longest_info.name
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(alone(longest_info)))
     names = set()
     for release, run_id in [("memsifter", ""), ("a-very-long-release-name-for-a-team", "2026-11-22-ablation-b"),
                             ("r", "x" * 40), ("9lives", "")]:
-        sets = [f"stages.{longest}.enabled=true", "driver.enabled=false", *given_inputs(longest_info)]
+        sets = ["driver.enabled=false"]
         if run_id:
             sets.append(f"run.id={run_id}")
-        args = ["template", release, str(CHART), "--show-only", "templates/rayjobs.yaml"]
+        args = ["template", release, str(CHART), "--show-only", "templates/rayjobs.yaml", "-f", str(plan)]
         for s in sets:
             args += ["--set", s]
-        for i in infos:
-            if i.required_user_fields and i.name == longest:
-                args += ["-f", str(chart.JOBS_DIR / "values.yaml")]
         docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
         (rj,) = docs
         name = rj["metadata"]["name"]
@@ -479,11 +486,10 @@ def _train_info(infos):
 def test_training_group_autoscales_to_nnodes(infos):
     info = _train_info(infos)
     nodes_f, gpn_f = info.capacity["nodes"], info.capacity["gpusPerNode"]
-    alone = [f"stages.{info.name}.enabled=true", *given_inputs(info)]
-    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
-                             [*alone, f"stages.{info.name}.config.{nodes_f}=3",
-                              f"stages.{info.name}.config.{gpn_f}=4", f"stages.{info.name}.workers.gpus=4"],
-                             show_only="templates/rayjobs.yaml")
+    assert "." not in nodes_f + gpn_f   # top-level config fields (verl's names)
+    jobs = [chart.JOBS_DIR / "values.yaml"]
+    docs = chart.render_docs(jobs, [f"stages.{info.name}.workers.gpus=4"],
+                             values=alone(info, **{nodes_f: 3, gpn_f: 4}), show_only="templates/rayjobs.yaml")
     (rj,) = docs
     rcs = rj["spec"]["rayClusterSpec"]
     assert rcs["enableInTreeAutoscaling"] is True
@@ -494,13 +500,12 @@ def test_training_group_autoscales_to_nnodes(infos):
     assert words[:9] == ["memsifter", "k8s", "await-capacity", "--nodes", "3", "--gpus-per-node", "4",
                          "--timeout", words[8]]
     # the worker group follows the config's GPUs per node unless set
-    (rj,) = chart.render_docs([chart.JOBS_DIR / "values.yaml"], [*alone, f"stages.{info.name}.config.{gpn_f}=4"],
-                              show_only="templates/rayjobs.yaml")
+    (rj,) = chart.render_docs(jobs, values=alone(info, **{gpn_f: 4}), show_only="templates/rayjobs.yaml")
     (wg,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert wg["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     # a worker pod must be a whole training node
     with pytest.raises(ToolError, match="must equal"):
-        chart.render([chart.JOBS_DIR / "values.yaml"], [*alone, f"stages.{info.name}.workers.gpus=2"])
+        chart.render(jobs, [f"stages.{info.name}.workers.gpus=2"], values=alone(info))
 
 
 @pytest.mark.parametrize("nnodes", [1, 2, 4])
@@ -529,9 +534,7 @@ def test_training_placement_groups_fit_chart_and_trigger_scale_up(infos, nnodes)
     if not hasattr(mod, "placement_request"):
         pytest.skip(f"{info.name} has no placement_request()")
     nodes_f = info.capacity["nodes"]
-    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"],
-                             [f"stages.{info.name}.enabled=true", *given_inputs(info),
-                              f"stages.{info.name}.config.{nodes_f}={nnodes}"],
+    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"], values=alone(info, **{nodes_f: nnodes}),
                              show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
     (rj,) = [d for d in docs if d["kind"] == "RayJob"]
     cfg = stg.validate_config(info.name, config_of(docs, rj))
@@ -607,7 +610,7 @@ def test_notes_render(values):
     out = helm(*args).stdout
     notes = out[out.index("NOTES:"):]
     assert "run manifest: s3://" in notes
-    assert ("no stage is enabled" in notes) == (values is None)
+    assert ("the plan is empty" in notes) == (values is None)
 
 
 def test_model_cache_on_a_persistent_volume_and_train_restarts():
@@ -634,9 +637,22 @@ def test_model_cache_on_a_persistent_volume_and_train_restarts():
 
 
 # --------------------------------------------------------------------------- values refused (issue 41)
-_IMPORT = {"stages": {"import": {"enabled": True, "config": {"format": "longmemeval", "source": "s3://b/in"}},
-                      "embed": {"enabled": True}}}
+_IMPORT = {"pipeline": chart_plan({"run": "s3://bkt/runs/r", "stages": {
+    "import": {"format": "longmemeval", "source": "s3://b/in"}, "embed": {}}})}
 _SECRET = "pw" + "x" * 6   # built at run time: no key-shaped literal in the repository
+
+
+def _step(values: dict, name: str, **config) -> dict:
+    """``values`` with more keys in the config of the plan's step ``name`` (a plan edited by hand, or one whose
+    stage does not refuse what the chart must)."""
+    import copy as _copy
+
+    out = _copy.deepcopy(values)
+    steps = out["pipeline"]["steps"]
+    if name not in [s["name"] for s in steps]:
+        steps.append({"name": name, "stage": name, "config": {"output": f"{out['pipeline']['run']}/{name}"}})
+    next(s for s in steps if s["name"] == name)["config"].update(config)
+    return out
 
 
 def _with(values: dict, **more) -> dict:
@@ -658,9 +674,8 @@ BAD_VALUES = {
     "tag with a newline": (_with(_IMPORT, images__families__embed__tag="0.1.0\nrepository: x"),
                            "/images/families/embed/tag"),
     "stage image tag with a space": (_with(_IMPORT, stages__embed__image={"tag": "a b"}), "/stages/embed/image/tag"),
-    "1 MB config value": (_with(_IMPORT, stages__import__config={"format": "longmemeval",
-                                                                   "source": "s3://b/" + "x" * 1_000_000}),
-                          "/stages/import/config/source"),
+    "1 MB config value": (_step(_IMPORT, "import", source="s3://b/" + "x" * 1_000_000),
+                          "/pipeline/steps/0/config/source"),
     "1 MB env value": (_with(_IMPORT, env=[{"name": "BIG", "value": "x" * 1_000_000}]), "/env/0/value"),
     "fullnameOverride with /": ({"fullnameOverride": "a/b"}, "/fullnameOverride"),
     "fullnameOverride ..": ({"fullnameOverride": ".."}, "/fullnameOverride"),
@@ -679,8 +694,9 @@ BAD_VALUES = {
     "endpoint with a password": ({"s3": {"endpoint": f"http://user:{_SECRET}@seaweedfs:8333"}},
                                  "/s3/endpoint"),
     "endpoint with a path": ({"s3": {"endpoint": "http://seaweedfs:8333/x y"}}, "/s3/endpoint"),
-    "LLM base_url with a password": (_with(_IMPORT, stages__rank={"enabled": True, "config": {"endpoint": {
-        "base_url": f"http://user:{_SECRET}@llm:8000/v1"}}}), "/stages/rank/config/endpoint/base_url"),
+    "LLM base_url with a password": (_step(_IMPORT, "rank", input="s3://bkt/runs/r/import", embeddings="s3://bkt/runs/r/embed",
+                                           endpoint={"base_url": f"http://user:{_SECRET}@llm:8000/v1"}),
+                                     "/pipeline/steps/2/config/endpoint/base_url"),
     "service ranker URL with a password": ({"serve": {"enabled": True, "config": {"ranker": {"endpoint": {
         "base_url": f"http://user:{_SECRET}@llm:8000/v1"}}}}}, "/serve/config/ranker/endpoint/base_url"),
 }
@@ -718,8 +734,8 @@ _BIG_ENV = [{"name": f"E{i}", "value": "y" * 60000} for i in range(20)]   # each
 @pytest.mark.parametrize("case,values,msg", [
     ("RayJob over 1 MiB", _with(_IMPORT, env=_BIG_ENV, driver={"enabled": False}), ": the RayJob renders"),
     ("plan over 1 MiB", _with(_IMPORT, env=_BIG_ENV), "the driver's plan ConfigMap"),
-    ("password in a field not named *_url", _with(_IMPORT, stages__embed__config={
-        "input": f"s3://b/in?u=http://user:{_SECRET}@host/x"}), "stages.embed.config: a URL with user:password@"),
+    ("password in a field not named *_url", _step(_IMPORT, "embed", input=f"s3://b/in?u=http://user:{_SECRET}@host/x"),
+     "pipeline step embed: its config: a URL with user:password@"),
 ])
 def test_template_checks_what_the_schema_cannot(case, values, msg):
     """An object over 1 MiB made of strings each within the schema's bound, and a credential-bearing URL in a field
@@ -781,7 +797,8 @@ def test_job_inputs_optional_when_their_stage_is_not_run(stage):
     _, docs = _job(stage)
     doc = docs[0]["data"][f"{stage}.yaml"]
     cfg = yaml.safe_load(doc)
-    optional = {f for f, w in kinfo.wiring.items() if not chart.required(w)}
+    wired = {i.field: i for i in scenarios.wired(kinfo)}
+    optional = {f for f, i in wired.items() if not i.required}
     ran = chart.job_stages(kinfo, registry.stage_infos(), optional=False)
     # an optional input is wired only from a stage its required inputs run anyway (chat: embeddings from the
     # embed stage that rank reads), or where the config cannot do without one (sft: data or traces)
@@ -791,7 +808,7 @@ def test_job_inputs_optional_when_their_stage_is_not_run(stage):
     except Exception:
         needs_one = True
     for f in optional & set(cfg):
-        assert needs_one or set(kinfo.wiring[f]["from"]) & set(ran), (stage, f)
+        assert needs_one or set(wired[f].stages) & set(ran), (stage, f)
     assert info.config.model_validate(cfg)
     if optional:
         uncommented = yaml.safe_load("\n".join(ln[2:] if ln.startswith("# ") else ln for ln in doc.splitlines()

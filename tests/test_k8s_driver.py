@@ -26,7 +26,6 @@ from memsifter.k8s.driver import (
     StagePlan,
     published_hash,
 )
-from memsifter.errors import ConfigError
 
 NS = "ms-test"
 TOKEN = "test-token"
@@ -38,6 +37,8 @@ def rayjob(name: str) -> dict:
 
 
 def make_plan(stages: dict[str, list[str]], root: str = "s3://bucket/runs/r1") -> Plan:
+    """A plan of ``stages`` in the order given (values: the stages each reads from, as a plan.json of an older
+    chart carried them: the driver ignores them)."""
     return Plan.from_dict({"run": {"id": "r1", "root": root}, "stages": [
         {"name": n, "needs": needs, "config": {"output": f"{root}/{n}"}, "rayjob": rayjob(f"r1-{n}")}
         for n, needs in stages.items()]})
@@ -90,23 +91,24 @@ def driver(plan, backend, published=()):
 
 
 # --------------------------------------------------------------------------- ordering
-def test_plan_order_needs_first_and_ignores_disabled():
-    def order(needs: dict) -> list[str]:
-        return [st.name for st in make_plan(needs).ordered()]
+def test_runs_the_plan_in_its_order():
+    """The order is the plan's (memsifter.pipeline.plan's, computed once): the driver sorts nothing again, and a
+    step's stage is the one it uses (an instance: rank-trained uses rank)."""
+    plan = Plan.from_dict({"run": {"id": "r1", "root": "s3://b/r1"}, "stages": [
+        {"name": n, "stage": st, "config": {"output": f"s3://b/r1/{n}"}, "rayjob": rayjob(f"r1-{n}")}
+        for n, st in [("embed", "embed"), ("rank-trained", "rank"), ("rank", "rank"), ("chat", "chat")]]})
+    assert [(s.name, s.stage) for s in plan.stages] == [("embed", "embed"), ("rank-trained", "rank"),
+                                                        ("rank", "rank"), ("chat", "chat")]
+    be = MemoryBackend({f"r1-{n}": [OK] for n in ("embed", "rank-trained", "rank", "chat")})
+    m = driver(plan, be).run()
+    assert [c[1] for c in be.calls if c[0] == "create"] == ["r1-embed", "r1-rank-trained", "r1-rank", "r1-chat"]
+    assert m["stages"]["rank-trained"]["stage"] == "rank"
+    # an older plan.json's needs are not read: its list order is run as it is
+    assert [s.name for s in make_plan({"chat": ["rank"], "rank": []}).stages] == ["chat", "rank"]
 
-    got = order({"chat": ["rank", "import"], "rank": ["embed", "import"], "embed": ["import"],
-                 "import": [], "evaluate": ["chat", "rank", "embed"]})
-    assert got.index("import") < got.index("embed") < got.index("rank") < got.index("chat") \
-        < got.index("evaluate")
-    # a need that is not part of the plan (disabled stage) is read from the run root, not waited for
-    assert order({"rank": ["embed"], "chat": ["rank"]}) == ["rank", "chat"]
-    assert order({"b": [], "a": [], "c": ["a", "b"]}) == ["b", "a", "c"]   # ties: the plan's order
-    with pytest.raises(ConfigError, match="cycle"):
-        order({"a": ["b"], "b": ["a"]})
 
-
-def test_runs_in_dependency_order_and_succeeds():
-    plan = make_plan({"chat": ["rank"], "rank": ["embed"], "embed": []})
+def test_runs_in_order_and_succeeds():
+    plan = make_plan({"embed": [], "rank": ["embed"], "chat": ["rank"]})
     be = MemoryBackend({f"r1-{n}": [RUNNING, RUNNING, OK] for n in ("embed", "rank", "chat")})
     m = driver(plan, be).run()
     assert [c[1] for c in be.calls if c[0] == "create"] == ["r1-embed", "r1-rank", "r1-chat"]
@@ -338,12 +340,12 @@ def test_published_hash_and_run_manifest_on_s3(s3_root, kube):
     srv, backend = kube
     cfg = {"output": storage.join(s3_root, "synth"), "questions": 2, "sessions_per_question": 3}
     stg.get_stage("synth").run(cfg)
-    st = StagePlan("synth", [], cfg, rayjob("r1-synth"))
+    st = StagePlan("synth", "synth", cfg, rayjob("r1-synth"))
     assert published_hash(st)[0]
-    other = StagePlan("synth", [], {**cfg, "seed": 7}, rayjob("r1-synth"))
+    other = StagePlan("synth", "synth", {**cfg, "seed": 7}, rayjob("r1-synth"))
     ok, why = published_hash(other)
     assert not ok and "another config" in why
-    assert not published_hash(StagePlan("synth", [], {**cfg, "output": cfg["output"] + "x"}, rayjob("r")))[0]
+    assert not published_hash(StagePlan("synth", "synth", {**cfg, "output": cfg["output"] + "x"}, rayjob("r")))[0]
 
     plan = Plan.from_dict({"run": {"id": "r1", "root": s3_root},
                            "stages": [{"name": "synth", "needs": [], "config": cfg, "rayjob": rayjob("r1-synth")}]})

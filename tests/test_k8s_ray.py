@@ -34,6 +34,7 @@ from memsifter.k8s import registry
 from memsifter.k8s import validate
 from memsifter_dev.k8s import chart
 from memsifter.k8s.driver import Driver, Plan, RayBackend
+from memsifter.k8s.plan import chart_plan
 from memsifter.testing.servers import RAY_ENV, _kill_matching, _wait_port, env_vars, free_port
 
 pytestmark = pytest.mark.slow
@@ -167,21 +168,17 @@ def write_fsdp_checkpoint(model_dir: str, ckpt_uri: str, step: int = 1) -> None:
 
 
 def _values(infos, ctx, bucket, endpoint) -> dict:
-    """Every stage the pipeline runs together (the full scenario's: of two alternative producers of one
-    input, such as import and synth, the preferred one; the chart refuses both, as the pipeline does)."""
-    stages = {}
+    """The plan (`memsifter k8s plan`) of every stage the pipeline runs together (the full scenario's: of two
+    alternative producers of one input, such as import and synth, the preferred one; the pipeline refuses both),
+    with the multi-node stage's Kubernetes settings in its block."""
     together = chart.scenario_sets(infos)["full"]
-    for info in infos:
-        if info.name not in together:
-            continue
-        block: dict = {"enabled": True, "config": tiny_config(info, ctx)}
-        if info.capacity:
-            block["workers"] = {"gpus": GPUS}
-            block["capacityTimeoutSeconds"] = 120
-        stages[info.name] = block
-    return {"run": {"id": "t" + uuid.uuid4().hex[:6]},
-            "s3": {"bucket": bucket, "endpoint": endpoint, "runPrefix": "runs"},
-            "cacheVolume": {"mountPath": ctx["scratch"] + "/cache"}, "stages": stages}
+    run_id = "t" + uuid.uuid4().hex[:6]
+    spec = {"run": f"s3://{bucket}/runs/{run_id}",
+            "stages": {i.name: tiny_config(i, ctx) for i in infos if i.name in together}}
+    blocks = {i.name: {"workers": {"gpus": GPUS}, "capacityTimeoutSeconds": 120}
+              for i in infos if i.name in together and i.capacity}
+    return {"run": {"id": run_id}, "s3": {"bucket": bucket, "endpoint": endpoint, "runPrefix": "runs"},
+            "cacheVolume": {"mountPath": ctx["scratch"] + "/cache"}, "pipeline": chart_plan(spec), "stages": blocks}
 
 
 def _dry_run_stages(infos) -> set[str]:
@@ -331,7 +328,7 @@ def test_pod_env_reads_the_stage_configmaps_s3_settings(ray_cluster):
     (configMapKeyRef), resolved from the plan's run.settings, not from this process's environment."""
     values = {"run": {"id": "pe"}, "s3": {"bucket": "memsifter-ci", "endpoint": "http://s3.example.svc:8333",
                                           "region": "eu-west-3"},
-              "stages": {"synth": {"enabled": True}}}
+              "pipeline": chart_plan({"run": "s3://memsifter-ci/runs/pe", "stages": {"synth": {}}})}
     (plan_doc,) = [d for d in chart.render_docs([], values=values, show_only="templates/driver.yaml")
                    if d["kind"] == "ConfigMap"]
     plan = Plan.from_dict(json.loads(plan_doc["data"]["plan.json"]))

@@ -1,4 +1,4 @@
-"""How the chart learns about stages from the registry: input wiring and multi-node capacity."""
+"""How the chart learns about stages from the registry: the inputs a plan fills, multi-node capacity."""
 
 from __future__ import annotations
 
@@ -8,28 +8,17 @@ from memsifter.k8s import registry
 from memsifter.stage import StageConfig
 
 
-def test_wiring_table_is_what_the_pipeline_does():
-    """files/stages.json's wiring comes from memsifter.pipeline.wire, per set of enabled producers: the first
-    producer that runs, every one for wire="all", nothing from a stage that does not run, a refusal (the
-    chart's one-line message) for two alternatives or for a required input that nobody produces."""
+def test_registry_wires_nothing():
+    """The Kubernetes layer keeps no wiring of its own (a run's wiring is memsifter.pipeline.plan's, deployed by
+    the chart as it is): per stage it knows only which input fields a plan may fill from another stage, and the
+    required fields a plan cannot fill (the user sets them)."""
     infos = {i.name: i for i in registry.stage_infos()}
-    ev = infos["evaluate"].wiring
-    assert ev["rankings"] == {"from": ["embed", "rank"], "list": True, "cases": {
-        "": [], "embed": ["embed"], "rank": ["rank"], "embed,rank": ["embed", "rank"]}}
-    assert ev["answers"]["cases"] == {"": [], "chat": ["chat"], "agents": ["agents"],   # wire="all": every one
-                                      "chat,agents": ["chat", "agents"]}
-    emb = infos["embed"].wiring["input"]
-    assert emb["from"] == ["import", "synth"] and emb["cases"]["import"] == ["import"]
-    assert emb["cases"]["synth"] == ["synth"]
-    assert "stages.embed.config.input could read the output of import or of synth" in emb["cases"]["import,synth"]
-    assert "stages.embed needs the output of import or synth" in emb["cases"][""]
-    assert infos["chat"].wiring["rankings"]["cases"]["rank,embed"] == ["rank"]   # rank's if there, else embed's
+    assert infos["evaluate"].wired == ["input", "rankings", "answers"]
+    assert infos["embed"].wired == ["input"] and infos["import"].wired == []
     # wire="none" fields are never filled; a producer that runs later (collect for train) is not a candidate
-    assert "compare" not in infos["chat"].wiring and "init_adapter" not in infos["train"].wiring
-    # inputs: what each field reads when all its producers could run (the chart README's summary)
-    assert infos["evaluate"].inputs == {"input": "import", "rankings": ["embed", "rank"],
-                                        "answers": ["chat", "agents"]}
-    assert infos["import"].unwired == ["source"]
+    assert "compare" not in infos["chat"].wired and "init_adapter" not in infos["train"].wired
+    assert infos["import"].required_user_fields == ["format", "source"]
+    assert not hasattr(registry, "wire_cases") and not hasattr(infos["embed"], "wiring")
 
 
 class Inner(BaseModel):

@@ -7,8 +7,7 @@ Rendered with the real helm binary and checked against what KubeRay and Ray Serv
 * ``serveConfigV2`` parses as Ray Serve's own deploy schema; its one application's ``args`` validate as a
   :class:`memsifter.service.config.ServeConfig`, and its deployments' autoscaling and actor options are the ones
   ``memsifter.service.app`` derives from the same args (the builder run here, nothing deployed);
-* ``index`` is the embed stage's output as ``memsifter pipeline``'s plan wires it, and the install fails in one
-  line naming ``serve.config.index`` when no embed stage is enabled and none is given;
+* ``index`` is the output the plan (``memsifter k8s plan``) gives its embed step, else ``<run root>/embed``;
 * API keys only by reference (``secretKeyRef``): no env var of a key has a value, a grant naming a variable the
   chart does not set fails the install;
 * ``upgradeStrategy: auto`` picks NewCluster only where the GPU pool holds two clusters' GPU workers;
@@ -24,8 +23,8 @@ import re
 import pytest
 import yaml
 
-from memsifter import pipeline
 from memsifter.k8s import validate
+from memsifter.k8s.plan import chart_plan
 from memsifter_dev.k8s import chart
 from memsifter_dev.k8s.serve import DEFAULT_KEY, READINESS_PATH, STATE_PREFIX
 from memsifter_dev.k8s.tools import ToolError, helm
@@ -41,10 +40,10 @@ def crd(shared_dir):
     return validate.crd_schema(shared_dir / "crds" / "ray.io_rayservices.yaml")
 
 
-def base_values(**serve) -> dict:
-    """A run of synth -> embed with the service on (no ranker unless given)."""
+def base_values(embed: dict | None = None, **serve) -> dict:
+    """A plan of synth -> embed (``embed``: its section) with the service on (no ranker unless given)."""
     return {"run": {"id": "t"}, "s3": {"bucket": "memsifter-ci"},
-            "stages": {"synth": {"enabled": True}, "embed": {"enabled": True}},
+            "pipeline": chart_plan({"run": "s3://memsifter-ci/runs/t", "stages": {"synth": {}, "embed": embed or {}}}),
             "serve": {"enabled": True, **serve}}
 
 
@@ -210,15 +209,11 @@ def test_replicas_fit_the_node_types_rays_autoscaler_derives():
 # --------------------------------------------------------------------------- index wiring
 @pytest.mark.parametrize("case", ["default", "embed output set", "index set"])
 def test_index_wired_from_the_embed_output_as_the_plan_wires_it(case):
-    values = base_values()
-    if case == "embed output set":
-        values["stages"]["embed"]["config"] = {"output": "s3://memsifter-ci/elsewhere/embed"}
+    values = base_values({"output": "s3://memsifter-ci/elsewhere/embed"} if case == "embed output set" else None)
     if case == "index set":
         values["serve"]["config"] = {"index": "s3://memsifter-ci/runs/older/embed"}
     args = app_of(rayservice(values))["args"]
-    spec = {"run": f"s3://{values['s3']['bucket']}/runs/{values['run']['id']}",
-            "stages": {n: copy.deepcopy(b.get("config") or {}) for n, b in values["stages"].items()}}
-    embed = dict(pipeline.wire(spec))["embed"]
+    embed = next(s for s in values["pipeline"]["steps"] if s["stage"] == "embed")["config"]
     want = values["serve"].get("config", {}).get("index") or embed["output"]
     assert args["index"] == want
     if case == "default":
@@ -238,10 +233,10 @@ def test_index_defaults_to_this_runs_embed_output_without_the_stage():
 
 def test_scenario_serves_its_embed_output():
     scenario = yaml.safe_load(SCENARIO.read_text())
-    assert scenario["serve"]["enabled"] and scenario["stages"]["embed"]["enabled"]
+    assert scenario["serve"]["enabled"] and "embed" in [s["name"] for s in scenario["pipeline"]["steps"]]
     assert "index" not in scenario["serve"].get("config", {})
     args = app_of(rayservice(files=[SCENARIO]))["args"]
-    assert args["index"] == f"s3://{scenario['s3']['bucket']}/runs/{scenario['run']['id']}/embed"
+    assert args["index"] == f"{scenario['pipeline']['run']}/embed"
 
 
 # --------------------------------------------------------------------------- keys

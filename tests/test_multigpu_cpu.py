@@ -29,6 +29,7 @@ import pytest
 from memsifter import stage as stg
 from memsifter.k8s import capacity, registry
 from memsifter.k8s import validate
+from memsifter.k8s.plan import chart_plan
 from memsifter_dev.k8s import chart
 from memsifter.stages import train
 from memsifter.stages.train import TrainConfig, placement_request, verl_overrides
@@ -193,10 +194,10 @@ def _render_train(*more: str) -> tuple[dict, dict]:
     """The train stage's RayJob and config document, rendered with the jobs/ example values for 2 x 4."""
     info = next(i for i in registry.stage_infos() if i.name == "train")
     assert info.capacity == {"nodes": "nnodes", "gpusPerNode": "n_gpus_per_node"}
-    sets = ["stages.train.enabled=true", f"stages.train.config.nnodes={NODES}",
-            f"stages.train.config.n_gpus_per_node={GPN}", f"stages.train.workers.gpus={GPN}",
-            "stages.train.config.data=s3://my-bucket/runs/earlier/prepare-rl", *more]
-    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"], sets,
+    plan = chart_plan({"run": "s3://my-bucket/runs/example", "stages": {"train": {
+        "nnodes": NODES, "n_gpus_per_node": GPN, "data": "s3://my-bucket/runs/earlier/prepare-rl"}}})
+    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"], [f"stages.train.workers.gpus={GPN}", *more],
+                             values={"pipeline": plan},
                              show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
     (rj,) = [d for d in docs if d["kind"] == "RayJob"]
     return rj, chart.stage_config(docs, rj)

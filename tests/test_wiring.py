@@ -46,11 +46,13 @@ def test_needs_order_and_chart_wiring_follow_the_declaration(probe):
     assert order[:4] == ["import", "synth", "embed", "aa-probe"] and order.index("rank") > 3
     (info,) = [i for i in registry.stage_infos() if i.name == "aa-probe"]
     assert info.needs == ["import", "synth", "embed"]
-    assert info.inputs == {"dataset": "import", "sims": "embed"} and info.unwired == []
-    from memsifter_dev.k8s.values import stage_facts
+    assert info.wired == ["dataset", "sims"] and info.required_user_fields == []
+    # the chart deploys the plan: the probe's step carries the wiring memsifter.pipeline.plan gave it
+    from memsifter.k8s.plan import chart_plan
 
-    facts = stage_facts(registry.stage_infos())["aa-probe"]
-    assert facts["needs"] == ["import", "synth", "embed"] and facts["inputs"] == {"dataset": "import", "sims": "embed"}
+    steps = chart_plan({"run": "s3://b/r", "stages": {"aa-probe": {}, "embed": {}, "synth": {}}})["steps"]
+    assert steps[-1] == {"name": "aa-probe", "stage": "aa-probe",
+                         "config": {"output": "s3://b/r/aa-probe", "dataset": "s3://b/r/synth", "sims": "s3://b/r/embed"}}
 
 
 def test_pipeline_wires_the_probe_from_its_fields(probe):
@@ -70,7 +72,7 @@ def test_changing_the_field_moves_needs_order_and_wiring(probe, monkeypatch):
     order = stg.available_stages()
     assert order.index("aa-probe") == order.index("rank") + 1
     (info,) = [i for i in registry.stage_infos() if i.name == "aa-probe"]
-    assert info.inputs == {"dataset": "import", "sims": "rank"}
+    assert info.needs == ["import", "synth", "rank"] and info.wired == ["dataset", "sims"]
     plan = dict(pipeline.wire({"run": "r", "stages": {"synth": {}, "embed": {}, "rank": {}, "aa-probe": {}}}))
     assert plan["aa-probe"]["sims"] == "r/rank" and list(plan)[-1] == "aa-probe"
     # the required dataset declared as an embed output: without an embed stage the pipeline says so

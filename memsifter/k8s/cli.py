@@ -1,6 +1,8 @@
-"""``memsifter k8s ...``: the pipeline driver; chart generation and RayJob validation (repository tooling).
+"""``memsifter k8s ...``: the plan for the chart, the pipeline driver, RayJob validation; chart generation
+(repository tooling, memsifter_dev).
 
-  memsifter k8s drive --plan plan.json     create the stage RayJobs in dependency order and wait
+  memsifter k8s plan --config P.yaml       a pipeline config's plan as the chart's `pipeline` value
+  memsifter k8s drive --plan plan.json     create the plan's RayJobs in the plan's order and wait
   memsifter k8s await-capacity ... -- CMD  request GPU nodes from the autoscaler, wait, exec CMD
   memsifter k8s await-published URI        wait until a stage output is published (the RayService's init container)
   memsifter k8s gen-chart [--check]        the chart's generated files from the stage registry (and sizes)
@@ -44,10 +46,6 @@ def _gen(kind: str, argv: Sequence[str]) -> int:
         chart.gen_jobs(check=args.check, infos=infos)
     for line in out:
         print(line)
-    unwired = [(i.name, f) for i in infos if i.needs for f in i.unwired]
-    for name, f in unwired:
-        print(f"note: stage {name}: input field '{f}' is not wired to a stage output; users set it",
-              file=sys.stderr)
     if args.check and out:
         print(f"\n{len(out)} generated file(s) differ: run `memsifter k8s gen-{kind}`", file=sys.stderr)
         return 1
@@ -147,6 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         setup_logging(0)
         return capacity.main(rest)
+    if cmd == "plan":
+        from . import plan
+
+        cmds["plan"] = plan.main
     if cmd == "await-published":
         from . import published
 

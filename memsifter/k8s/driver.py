@@ -1,10 +1,11 @@
-"""``memsifter k8s drive``: run a pipeline's stage RayJobs in dependency order.
+"""``memsifter k8s drive``: run a pipeline's stage RayJobs in the plan's order.
 
-The plan (``plan.json``, rendered by the chart into a ConfigMap) lists the enabled stages with their
-``needs``, their config document (what differs from the stage's defaults, with output and wired inputs
-filled: the same document the chart mounts into the stage's head pod, where the RayJob's entrypoint
-reads it with ``memsifter run <stage> --config``) and their RayJob. For each stage, in dependency order,
-the driver:
+The plan (``plan.json``, rendered by the chart into a ConfigMap) lists the steps of
+:func:`memsifter.pipeline.plan` (``memsifter k8s plan``) in its order: each section's name, the stage it
+runs, its config document (what the section sets, with output and wired inputs filled: the same document
+the chart mounts into the head pod of its RayJob, whose entrypoint reads it with ``memsifter run <stage>
+--config``) and its RayJob. The order is the plan's: nothing is sorted again here. For each step the
+driver:
 
 1. skips it when its output is already published with the same config hash (``_SUCCESS`` manifest,
    :func:`memsifter.stage.config_hash`);
@@ -42,7 +43,6 @@ import yaml
 
 from ..store import storage
 from ..errors import MemsifterError
-from ..stage import derive_order
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ class DriveError(MemsifterError):
 
 @dataclass
 class StagePlan:
-    name: str
-    needs: list[str]
+    name: str              # the pipeline section (a stage's name, or a named instance's)
+    stage: str             # the stage it runs
     config: dict
     rayjob: dict
 
@@ -85,14 +85,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        stages = [StagePlan(s["name"], list(s.get("needs") or []), dict(s["config"]), s["rayjob"])
+        stages = [StagePlan(s["name"], s.get("stage") or s["name"], dict(s["config"]), s["rayjob"])
                   for s in data.get("stages") or []]
         return cls(dict(data.get("run") or {}), stages)
-
-    def ordered(self) -> list[StagePlan]:
-        by = {s.name: s for s in self.stages}
-        pos = {s.name: i for i, s in enumerate(self.stages)}   # ties: the order the plan lists
-        return [by[n] for n in derive_order({s.name: s.needs for s in self.stages}, key=pos.get)]
 
     @property
     def manifest_uri(self) -> str:
@@ -321,13 +316,13 @@ def published_hash(stage: StagePlan) -> tuple[bool, str]:
     manifest = storage.try_manifest(stage.output)
     if not manifest:
         return False, "not published"
-    if manifest.get("stage") != stage.name:
+    if manifest.get("stage") != stage.stage:
         return False, f"{stage.output} holds output of stage {manifest.get('stage')!r}"
     try:
         from .. import stage as stg
 
-        st = stg.get_stage(stage.name)
-        cfg = stg.validate_config(stage.name, stage.config, source="plan")
+        st = stg.get_stage(stage.stage)
+        cfg = stg.validate_config(stage.stage, stage.config, source="plan")
         want = stg.config_hash(cfg)
         if st.published(cfg):
             return True, f"published with the same config (hash {want}) and inputs"
@@ -380,12 +375,12 @@ class Driver:
         errors = []
         for st in self.plan.stages:
             try:
-                stg.get_stage(st.name)
+                stg.get_stage(st.stage)
             except Exception as e:  # noqa: BLE001 - the image lacks the stage's packages
                 log.info("%s: config not checked here (%s: %s)", st.name, type(e).__name__, e)
                 continue
             try:
-                stg.validate_config(st.name, st.config, source=f"stages.{st.name}.config")
+                stg.validate_config(st.stage, st.config, source=f"pipeline stage '{st.name}'")
             except ConfigError as e:
                 errors.append(str(e))
         return errors
@@ -419,12 +414,12 @@ class Driver:
 
         root = self.plan.run["root"].rstrip("/")
         try:
-            write_plan(root, [(s.name, s.output, s.name) for s in self.plan.ordered()])
+            write_plan(root, [(s.name, s.output, s.stage) for s in self.plan.stages])
         except MemsifterError as e:
             log.warning("could not write the run plan of %s: %s", root, e)
 
     def _run(self) -> dict:
-        order = self.plan.ordered()
+        order = self.plan.stages
         errors = self.preflight() if self.check_configs else []
         if errors:
             raise DriveError("invalid stage config(s); nothing was started:\n" + "\n".join(errors))
@@ -432,11 +427,11 @@ class Driver:
             "run": self.plan.run, "state": "running", "started_at": storage.utcnow(),
             "order": [s.name for s in order],
             "stages": {s.name: {"state": "pending", "rayjob": s.rayjob_name, "output": s.output,
-                                "needs": s.needs} for s in order},
+                                "stage": s.stage} for s in order},
         }
         self._save()
         if not order:
-            log.warning("the plan has no enabled stage: nothing to do")
+            log.warning("the plan has no step: nothing to do")
         for i, st in enumerate(order):
             try:
                 self._run_stage(st)

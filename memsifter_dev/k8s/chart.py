@@ -2,23 +2,24 @@
 
 ``memsifter k8s gen-chart`` writes, in ``charts/memsifter``:
 
-* ``values.yaml`` — global settings, family ``profiles``, ``common``/``multiNode`` RayJob settings and one
-  block per registered stage (``enabled``, ``config: {}``), every value with a ``# --`` doc comment
-  (:mod:`.values`);
-* ``values.schema.json`` — the same values' types, each stage's config schema from pydantic, unknown keys
-  rejected everywhere, repeated shapes in ``$defs`` (:mod:`.schema`);
-* ``files/stages.json`` — the stages' facts (family, GPUs, needs, input wiring, capacity fields) that the
-  templates read; ``files/serve.json`` — the memory service's (application, deployments, config defaults,
-  how its index is wired: :mod:`.serve`);
+* ``values.yaml`` — global settings, family ``profiles``, ``common``/``multiNode`` RayJob settings, the
+  (empty) ``pipeline`` a plan fills and ``stages: {}`` (per-section settings), every value with a ``# --`` doc
+  comment (:mod:`.values`);
+* ``values.schema.json`` — the same values' types, a plan step's config checked against its stage's schema
+  from pydantic, unknown keys rejected everywhere, repeated shapes in ``$defs`` (:mod:`.schema`);
+* ``files/stages.json`` — the stages' facts (family, GPUs, capacity fields) that the templates read;
+  ``files/serve.json`` — the memory service's (application, deployments, config defaults, the stage whose
+  output is its index: :mod:`.serve`);
 * ``README.md`` — what ``helm show readme`` prints: how a stage is configured, every value, every stage's
   config fields with defaults and descriptions;
-* ``ci/*.yaml`` — scenarios (inference-only, training-only, full, minimal-cpu, serve) (:mod:`.scenarios`).
+* ``ci/*.yaml`` — scenarios (inference-only, training-only, full, minimal-cpu, serve), each the plan of a
+  pipeline config (:mod:`.scenarios`).
 
 ``memsifter k8s gen-jobs`` renders each stage's config ConfigMap and RayJob with ``helm template``
-(``jobs/values.yaml``: documented example values; the stages it reads from enabled too, so that its inputs
-are wired, :func:`job_stages`) into ``jobs/<stage>.yaml``, the image named once (a YAML
-anchor), and the memory service's RayService into ``jobs/serve.yaml`` (its index wired from the embed stage
-of the example run, :func:`serve_job_text`). ``--check`` on either command reports drift instead of writing (the tests run it); gen-chart
+(``jobs/values.yaml``: documented example values, plus the plan of a pipeline of the stage and the stages it
+reads from, so that its inputs are wired: :func:`job_stages`) into ``jobs/<stage>.yaml``, the image named once
+(a YAML anchor), and the memory service's RayService into ``jobs/serve.yaml`` (its index the example run's
+embed output, :func:`serve_job_text`). ``--check`` on either command reports drift instead of writing (the tests run it); gen-chart
 also reports the sizes of the chart's files against their :data:`TARGETS` and fails above them.
 """
 
@@ -34,10 +35,12 @@ from typing import Any
 
 import yaml
 
+from memsifter import stage as stg
+from memsifter.errors import ConfigError
 from memsifter.k8s import registry
+from memsifter.k8s.plan import chart_plan
 from memsifter.k8s.registry import StageInfo
-from memsifter.k8s.registry import preferred
-from .scenarios import _SCENARIO_DOC, jobs_values, scenario_sets, scenario_values
+from .scenarios import _SCENARIO_DOC, job_spec, jobs_values, preferred, scenario_sets, scenario_values, wired
 from .schema import schema_text, values_schema
 from .serve import INDEX_STAGE, serve_facts
 from .tools import ToolError, helm
@@ -225,35 +228,21 @@ def anchor_image(text: str) -> str:
     return re.sub(r"^(\s*(?:- )?)image: (\S+)$", sub, text, flags=re.MULTILINE)
 
 
-def required(wiring: dict) -> bool:
-    """An input field the stage cannot run without (no enabled producer and no value fails the install)."""
-    return isinstance(wiring["cases"][""], str)
-
-
 def job_stages(info: StageInfo, infos: list[StageInfo], optional: bool = True) -> list[str]:
-    """The stages enabled to render ``jobs/<stage>.yaml``: the stage and, transitively, the stages its inputs
-    read from in a run where all could run (:func:`memsifter.k8s.registry.preferred`), in pipeline order;
-    with ``optional=False`` only the producers of its required inputs (and theirs): a job applied as it is
-    does not wait for outputs of stages the user may not run (its other inputs are listed as comments,
-    :func:`optional_inputs_text`), unless the stage's config needs one of them (:func:`job_text`). The chart wires an input
-    only from an enabled stage (as ``memsifter pipeline`` does), so they are enabled; only the stage's own
-    objects are kept."""
+    """The sections of the pipeline that renders ``jobs/<stage>.yaml``: the stage and, transitively
+    (:func:`memsifter.stage.upstream` over the producers its inputs prefer, :func:`.scenarios.preferred`), the
+    stages its inputs read from, in pipeline order; with ``optional=False`` only the producers of its required
+    inputs (and theirs): a job applied as it is does not wait for outputs of stages the user may not run (its
+    other inputs are listed as comments, :func:`optional_inputs_text`), unless the stage's config needs one of
+    them (:func:`job_text`). Only the stage's own objects are kept."""
     by = {i.name: i for i in infos}
-    todo, chain = [info.name], {info.name}
-    while todo:
-        for w in by[todo.pop()].wiring.values():
-            if not optional and not required(w):
-                continue
-            for p in preferred(w):
-                if p not in chain:
-                    chain.add(p)
-                    todo.append(p)
+    reads = {n: [p for inp in wired(i) if optional or inp.required for p in preferred(i, inp)] for n, i in by.items()}
+    chain = {info.name, *stg.upstream(info.name, reads)}
     return [i.name for i in infos if i.name in chain]
 
 
-def _stage_docs(info: StageInfo, on: list[str], chart_dir: Path, jobs_dir: Path) -> list[dict]:
-    sets = [f"stages.{n}.enabled=true" for n in on]
-    docs = render_docs([jobs_dir / "values.yaml"], sets, chart_dir,
+def _stage_docs(info: StageInfo, plan: dict, chart_dir: Path, jobs_dir: Path) -> list[dict]:
+    docs = render_docs([jobs_dir / "values.yaml"], [], chart_dir, values={"pipeline": plan},
                        show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
     return [d for d in docs if d["metadata"]["labels"].get("memsifter.io/stage") == info.name]
 
@@ -261,7 +250,8 @@ def _stage_docs(info: StageInfo, on: list[str], chart_dir: Path, jobs_dir: Path)
 def optional_inputs_text(info: StageInfo, minimal: dict, full: dict) -> str:
     """The optional inputs a run of every producer would wire, as YAML comments to append to the config document
     (the job runs without them; a user uncomments those whose stage ran)."""
-    extra = {k: v for k, v in full.items() if k not in minimal and k in info.wiring and not required(info.wiring[k])}
+    optional = {i.field for i in wired(info) if not i.required}
+    extra = {k: v for k, v in full.items() if k not in minimal and k in optional}
     if not extra:
         return ""
     body = yaml.safe_dump(extra, sort_keys=False, default_flow_style=False, width=1000)
@@ -271,30 +261,27 @@ def optional_inputs_text(info: StageInfo, minimal: dict, full: dict) -> str:
 
 def job_text(info: StageInfo, chart_dir: Path = CHART_DIR, jobs_dir: Path = JOBS_DIR,
              infos: list[StageInfo] | None = None) -> str:
-    from pydantic import ValidationError
-
     infos = registry.stage_infos() if infos is None else infos
     on, full_on = job_stages(info, infos, optional=False), job_stages(info, infos)
-    docs = _stage_docs(info, on, chart_dir, jobs_dir)
+    try:   # a stage that needs one of its optional inputs (e.g. sft: data or traces) gets them wired
+        plan = chart_plan(job_spec(infos, info.name, on))
+    except ConfigError:
+        on = full_on
+        plan = chart_plan(job_spec(infos, info.name, on))
+    docs = _stage_docs(info, plan, chart_dir, jobs_dir)
     key = f"{info.name}.yaml"
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
-    try:   # a stage that needs one of its optional inputs (e.g. sft: data or traces) gets them wired
-        info.config.model_validate(yaml.safe_load(cm["data"][key]))
-    except ValidationError:
-        on = full_on
-        docs = _stage_docs(info, on, chart_dir, jobs_dir)
-        cm = next(d for d in docs if d["kind"] == "ConfigMap")
     if full_on != on:
-        full_cm = next(d for d in _stage_docs(info, full_on, chart_dir, jobs_dir) if d["kind"] == "ConfigMap")
+        full = chart_plan(job_spec(infos, info.name, full_on))
         cm["data"][key] += optional_inputs_text(info, yaml.safe_load(cm["data"][key]),
-                                                yaml.safe_load(full_cm["data"][key]))
+                                                next(s["config"] for s in full["steps"] if s["name"] == info.name))
     body = "".join("---\n" + anchor_image(yaml.dump(d, Dumper=_JobDumper, sort_keys=False, width=110,
                                                      allow_unicode=True)) for d in docs)
     upstream = [n for n in on if n != info.name]
-    sets = " ".join(f"--set stages.{n}.enabled=true" for n in on)
     how = "".join(f"# {line}\n" for line in textwrap.wrap(
-        f"Its required inputs are wired from a run of {', '.join(upstream)}: rendered with those stages enabled "
-        f"too ({sets}).", 108, break_on_hyphens=False)) if upstream else ""
+        f"Its required inputs are wired from a plan of {', '.join(upstream)} and {info.name}: rendered with that "
+        f"plan (`memsifter k8s plan` of a pipeline config of those sections, -f plan.yaml).", 108,
+        break_on_hyphens=False)) if upstream else ""
     settings = " and ".join(k for k in cm["data"] if k != key)
     return (f"# GENERATED by `memsifter k8s gen-jobs` from charts/memsifter with jobs/values.yaml: do not edit.\n"
             f"# Stage '{info.name}': {info.help}\n"
@@ -311,10 +298,8 @@ SERVE_JOB = "serve"
 
 def serve_job_text(infos: list[StageInfo], chart_dir: Path = CHART_DIR, jobs_dir: Path = JOBS_DIR) -> str:
     """jobs/serve.yaml: the RayService of jobs/values.yaml's ``serve`` block, its index the output of the
-    example run's embed stage (rendered with that stage and its producers enabled, as :func:`job_stages`)."""
-    by = {i.name: i for i in infos}
-    on = job_stages(by[INDEX_STAGE], infos) if INDEX_STAGE in by else []
-    sets = ["serve.enabled=true", *[f"stages.{n}.enabled=true" for n in on]]
+    example run's embed stage (``<run root>/embed``: rendered without a plan, the chart's default)."""
+    sets = ["serve.enabled=true"]
     (rs,) = render_docs([jobs_dir / "values.yaml"], sets, chart_dir, release="memsifter",
                         show_only="templates/rayservice.yaml")
     name = rs["metadata"]["name"]
@@ -323,8 +308,8 @@ def serve_job_text(infos: list[StageInfo], chart_dir: Path = CHART_DIR, jobs_dir
     key = next(iter(keys.values()), "trainer")
     body = "---\n" + anchor_image(yaml.dump(rs, Dumper=_JobDumper, sort_keys=False, width=110, allow_unicode=True))
     how = "".join(f"# {line}\n" for line in textwrap.wrap(
-        f"Its index is the output of the example run's {INDEX_STAGE} stage: rendered with "
-        f"{' '.join('--set ' + s for s in sets)}.", 108, break_on_hyphens=False))
+        f"Its index is the output of the example run's {INDEX_STAGE} stage (<run root>/{INDEX_STAGE}): rendered "
+        f"with {' '.join('--set ' + s for s in sets)}.", 108, break_on_hyphens=False))
     return ("# GENERATED by `memsifter k8s gen-jobs` from charts/memsifter with jobs/values.yaml: do not edit.\n"
             "# The memory retrieval service (`memsifter serve`) as a KubeRay RayService: one Ray Serve application\n"
             "# (args: the service's config, in serveConfigV2; edit the bucket there), a head and a CPU worker group;\n"
@@ -339,13 +324,13 @@ def serve_job_text(infos: list[StageInfo], chart_dir: Path = CHART_DIR, jobs_dir
 
 def jobs_values_text(infos: list[StageInfo]) -> str:
     return (GENERATED.replace("gen-chart", "gen-jobs")
-            + "# Values that rendered jobs/<stage>.yaml (helm template with the stage and the stages it reads from\n"
-            "# enabled, driver off; its file names them). Re-render one with your own values instead of editing it:\n"
-            "#   scripts/helm template example charts/memsifter -f jobs/values.yaml -f my-values.yaml \\\n"
-            "#     --set stages.<stage>.enabled=true [--set stages.<producer>.enabled=true ...] \\\n"
+            + "# Values that rendered jobs/<stage>.yaml (helm template with the plan of a pipeline of the stage and the\n"
+            "# stages it reads from, driver off; its file names them). Re-render one with your own pipeline config\n"
+            "# instead of editing it:\n"
+            "#   memsifter k8s plan --config my-pipeline.yaml --run s3://my-bucket/runs/example -o plan.yaml\n"
+            "#   scripts/helm template example charts/memsifter -f jobs/values.yaml -f plan.yaml \\\n"
             "#     --show-only templates/configmaps.yaml --show-only templates/rayjobs.yaml\n"
-            f"# jobs/{SERVE_JOB}.yaml: --set serve.enabled=true (and the {INDEX_STAGE} stage's chain) "
-            "--show-only templates/rayservice.yaml\n"
+            f"# jobs/{SERVE_JOB}.yaml: --set serve.enabled=true --show-only templates/rayservice.yaml\n"
             + _dump(jobs_values(infos)))
 
 

@@ -1,11 +1,13 @@
 """Example values: the ``ci/`` scenarios of the chart and the values ``jobs/`` are rendered with.
 
 Scenarios (inference-only, training-only, full, minimal-cpu; serve: the memory service over the stages
-that publish its index) are derived from the stages' families, GPU counts and needs only, less the
-alternatives the pipeline refuses to run together (import and synth);
-each enabled stage gets placeholders for the config fields a user must set (and those its own
-cross-field validation asks for), and inputs produced by disabled stages point at an earlier run. Like
-``values.yaml``, configs hold only what differs from the stages' defaults.
+that publish its index) are derived from the stages' families, GPU counts and needs only (reachability:
+:func:`memsifter.stage.upstream`), less the alternatives a plan refuses to run together
+(:func:`memsifter.pipeline.alternatives`: import and synth). Each scenario is a pipeline config: every
+section gets placeholders for the config fields a user must set (and those its own cross-field validation
+asks for), inputs produced by stages outside the scenario point at an earlier run; its values hold the plan
+``memsifter k8s plan`` makes of it (:func:`memsifter.k8s.plan.chart_plan`). Like a user's pipeline config,
+sections hold only what differs from the stages' defaults.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from memsifter.k8s.registry import StageInfo, preferred
+from memsifter import pipeline
+from memsifter import stage as stg
+from memsifter.k8s.plan import chart_plan
+from memsifter.k8s.registry import StageInfo
 from .serve import INDEX_STAGE, jobs_serve, scenario_serve
 from .values import resources
 
@@ -93,89 +98,71 @@ def example_config(info: StageInfo, cfg: dict, wired: dict, bucket: str) -> dict
     return cfg
 
 
-def _uris(wiring: dict, prefix: str) -> Any:
-    uris = [f"{prefix}/{p}" for p in preferred(wiring)]
-    return uris if wiring["list"] else uris[0]
+def preferred(info: StageInfo, inp: stg.Input) -> list[str]:
+    """The producers a wired input of ``info`` reads in a run where all of them run: every one for
+    ``wire="all"``, else the first (of alternatives such as import and synth, the one the input prefers)."""
+    ps = [p for p in inp.stages if p in info.needs]
+    return ps if inp.wire == "all" else ps[:1]
+
+
+def wired(info: StageInfo) -> list[stg.Input]:
+    """The inputs of ``info`` that a plan fills from another stage's output."""
+    return [i for i in stg.get_stage(info.name).inputs if i.field in info.wired]
+
+
+def _uris(info: StageInfo, inp: stg.Input, prefix: str) -> Any:
+    uris = [f"{prefix}/{p}" for p in preferred(info, inp)]
+    return uris if inp.many else uris[0]
 
 
 def _wired_example(info: StageInfo, bucket: str) -> dict:
-    return {f: _uris(w, f"s3://{bucket}/x") for f, w in info.wiring.items()}
+    return {i.field: _uris(info, i, f"s3://{bucket}/x") for i in wired(info)}
+
+
+def needs_of(infos: list[StageInfo]) -> dict[str, list[str]]:
+    return {i.name: i.needs for i in infos}
 
 
 def without_refused(infos: list[StageInfo], enabled: set[str], prefer_ready: bool = False) -> set[str]:
-    """``enabled`` less the alternatives ``memsifter pipeline`` refuses to run together (two producers of
-    one input, such as import and synth): of each such group the stage preferred by the input's
-    declaration stays, or with ``prefer_ready`` the first one that needs no user-set field (a smoke test
-    runs without files of its own)."""
-    by = {i.name: i for i in infos}
+    """``enabled`` less the alternatives a plan refuses to run together (:func:`memsifter.pipeline.alternatives`:
+    two producers of one input, such as import and synth): of each such pair the one the input prefers stays,
+    or with ``prefer_ready`` the first one that needs no user-set field (a smoke test runs without files of its
+    own)."""
+    by, needs = {i.name: i for i in infos}, needs_of(infos)
     out = set(enabled)
-    changed = True
-    while changed:
-        changed = False
-        for i in infos:
-            if i.name not in out:
-                continue
-            for w in i.wiring.values():
-                on = [p for p in w["from"] if p in out]
-                if len(on) > 1 and isinstance(w["cases"][",".join(on)], str):
-                    keep = min(on, key=lambda p: (prefer_ready and bool(by[p].required_user_fields), on.index(p)))
-                    out -= set(on) - {keep}
-                    changed = True
-    return out
-
-
-def _downstream(infos: list[StageInfo], seeds: set[str]) -> set[str]:
-    out = set(seeds)
-    changed = True
-    while changed:
-        changed = False
-        for i in infos:
-            if i.name not in out and any(n in out for n in i.needs):
-                out.add(i.name)
-                changed = True
+    for i in infos:
+        for inp in (wired(i) if i.name in out else []):
+            for a, b in (pipeline.alternatives(i.name, inp, needs) if inp.wire == "first" else []):
+                if a in out and b in out:
+                    out.discard(max((a, b), key=lambda p: (prefer_ready and bool(by[p].required_user_fields),
+                                                           (a, b).index(p))))
     return out
 
 
 def scenario_sets(infos: list[StageInfo]) -> dict[str, set[str]]:
     """Stage sets of the ci/ scenarios, from families, GPU counts and needs only.
 
-    training = the train-family stages, what depends on them, and the stages only they need;
+    training = the train-family stages, what reads their outputs, and the stages only they read from;
     inference = the rest; minimal-cpu = the stages without GPUs. None holds alternatives that
     ``memsifter pipeline`` refuses to run together (:func:`without_refused`).
     """
-    by = {i.name: i for i in infos}
-    train = _downstream(infos, {i.name for i in infos if i.family == "train"})
-    # helpers only needed by training stages (e.g. RL data preparation)
-    changed = True
-    while changed:
-        changed = False
-        for i in infos:
-            users = [u for u in infos if i.name in u.needs]
-            if i.name not in train and users and all(u.name in train for u in users) and i.needs:
-                train.add(i.name)
-                changed = True
-    allnames = {i.name for i in infos}
+    by, needs = {i.name: i for i in infos}, needs_of(infos)
+    seeds = {i.name for i in infos if i.family == "train"}
+    train = {n for n in by if n in seeds or seeds & stg.upstream(n, needs)}
+    readers = {n: {u for u in by if n in stg.upstream(u, needs)} for n in by}
+    # helpers only read by training stages (e.g. RL data preparation)
+    train |= {n for n in by if by[n].needs and readers[n] and readers[n] <= train}
+    allnames = set(by)
     inference = allnames - train
+    index = {INDEX_STAGE, *stg.upstream(INDEX_STAGE, needs)} if INDEX_STAGE in by else set()
     return {
         "inference-only": without_refused(infos, inference),
         "training-only": without_refused(infos, train),
         "full": without_refused(infos, allnames),
         "minimal-cpu": without_refused(infos, {n for n in allnames if by[n].gpus == 0 and not by[n].capacity},
                                        prefer_ready=True),
-        "serve": without_refused(infos, _producers_of(infos, INDEX_STAGE), prefer_ready=True),
+        "serve": without_refused(infos, index, prefer_ready=True),
     }
-
-
-def _producers_of(infos: list[StageInfo], name: str) -> set[str]:
-    """``name`` and, transitively, every stage its inputs may read from."""
-    by = {i.name: i for i in infos}
-    out, todo = set(), [name] if name in by else []
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += [p for w in by[n].wiring.values() for p in w["from"]]
-    return out
 
 
 _SCENARIO_DOC = {
@@ -185,6 +172,24 @@ _SCENARIO_DOC = {
     "minimal-cpu": "only stages without GPUs, small CPU pods, no GPU pool: a smoke test on any cluster",
     "serve": "the memory service (RayService, ranker on GPUs) over the index its embed stage publishes",
 }
+
+
+def section(info: StageInfo, enabled: set[str], bucket: str, previous: str | None) -> dict:
+    """A pipeline config's section of ``info``: placeholders for what a user must set, the inputs whose
+    producers are not in ``enabled`` from the run ``previous`` (if given), and what its cross-field validation
+    asks for."""
+    cfg: dict[str, Any] = {f: _placeholder(info, f, bucket) for f in info.required_user_fields}
+    for inp in wired(info) if previous else []:
+        if not any(p in enabled for p in inp.stages):  # produced by an earlier run
+            cfg[inp.field] = _uris(info, inp, previous)
+    return example_config(info, cfg, _wired_example(info, bucket), bucket)
+
+
+def scenario_spec(infos: list[StageInfo], name: str, enabled: set[str], bucket: str = "memsifter-ci") -> dict:
+    """The pipeline config of scenario ``name``."""
+    return {"run": f"s3://{bucket}/runs/ci-{name}",
+            "stages": {i.name: section(i, enabled, bucket, f"s3://{bucket}/runs/previous-run")
+                       for i in infos if i.name in enabled}}
 
 
 def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dict:
@@ -201,33 +206,25 @@ def scenario_values(infos: list[StageInfo], name: str, enabled: set[str]) -> dic
         out["scratchVolume"] = {"sizeLimit": "5Gi"}
     if name == "training-only":
         out["driver"] = {"pollSeconds": 30}
-    out["stages"] = {}
-    for info in infos:
-        if info.name not in enabled:
-            continue
-        block: dict[str, Any] = {"enabled": True}
-        cfg: dict[str, Any] = {}
-        for f in info.required_user_fields:
-            cfg[f] = _placeholder(info, f, bucket)
-        for f, w in info.wiring.items():
-            if not any(p in enabled for p in w["from"]):  # produced by an earlier run
-                cfg[f] = _uris(w, f"s3://{bucket}/runs/previous-run")
-        cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
-        if cfg:
-            block["config"] = cfg
-        out["stages"][info.name] = block
     if name == "serve":
         out["serve"] = scenario_serve(bucket)
+    out["pipeline"] = chart_plan(scenario_spec(infos, name, enabled, bucket))
     return out
 
 
 def jobs_values(infos: list[StageInfo]) -> dict:
-    """Documented example values used to render jobs/: placeholders for what each stage needs."""
-    bucket = "my-bucket"
-    stages: dict[str, Any] = {}
-    for info in infos:
-        cfg = {f: _placeholder(info, f, bucket) for f in info.required_user_fields}
-        cfg = example_config(info, cfg, _wired_example(info, bucket), bucket)
-        stages[info.name] = {"config": cfg} if cfg else {}
-    return {"run": {"id": "example"}, "s3": {"bucket": bucket, "endpoint": "", "region": "us-east-1"},
-            "driver": {"enabled": False}, "stages": stages, "serve": jobs_serve()}
+    """Documented example values used to render jobs/ (each job adds the plan of its stage's pipeline)."""
+    return {"run": {"id": "example"}, "s3": {"bucket": JOBS_BUCKET, "endpoint": "", "region": "us-east-1"},
+            "driver": {"enabled": False}, "serve": jobs_serve()}
+
+
+JOBS_BUCKET = "my-bucket"
+
+
+def job_spec(infos: list[StageInfo], name: str, chain: list[str]) -> dict:
+    """The pipeline config of ``jobs/<name>.yaml``: the stages of ``chain`` (``name`` and those it reads from),
+    each with placeholders for what a user sets, under jobs/values.yaml's run root; inputs no section of the
+    chain produces are left out (optional: the job lists them as comments)."""
+    by = {i.name: i for i in infos}
+    return {"run": f"s3://{JOBS_BUCKET}/runs/example",
+            "stages": {n: section(by[n], set(chain), JOBS_BUCKET, None) for n in chain}}

@@ -10,10 +10,9 @@ with the RayJobs' pod conventions (``memsifter.podTemplate``).
 
 What the templates cannot compute is written here at gen time into ``files/serve.json`` (:func:`serve_facts`):
 the application's name, builder and deployment names (read from :mod:`memsifter.service.app`), the config
-defaults the deployment options fall back to (from the pydantic models), and how ``index`` is wired
-(:func:`index_wiring`): as ``memsifter pipeline``'s plan gives the embed stage its output (its
-``config.output``, else ``<run root>/embed``), in the shape of a stage input's wiring in ``files/stages.json``
-so that the same template code (``memsifter.wireInputs``) fills it.
+defaults the deployment options fall back to (from the pydantic models), and the stage whose output is the
+``index`` when ``serve.config`` leaves it out (``indexStage``): the template takes the output the plan gives
+that stage's step (``pipeline.steps``), else ``<run root>/embed`` (a later run publishes it; the head waits).
 """
 
 from __future__ import annotations
@@ -41,30 +40,6 @@ STATE_PREFIX = "serve-state"
 READINESS_PATH = "/readyz"
 
 
-def index_wiring() -> dict:
-    """``serve.config.index``'s wiring table (the shape of :attr:`memsifter.k8s.registry.StageInfo.wiring`):
-    filled from :data:`INDEX_STAGE`'s output, whether or not that stage is enabled in this release (the
-    RayService's head waits for its ``_SUCCESS``: the service starts once this run's embed stage publishes). The producer's output is the one :func:`memsifter.pipeline.plan` gives it; checked here to be the
-    rule the templates apply (``memsifter.stageOutput``: ``<run root>/<stage>`` unless its config sets one)."""
-    from memsifter import pipeline
-    from memsifter.store import storage
-    from memsifter import stage as stg
-    from memsifter.k8s.registry import WIRE_ROOT, _stand_in
-
-    st = stg.get_stage(INDEX_STAGE)
-    own = f"{WIRE_ROOT}/elsewhere"
-    for given in (None, own):
-        section = {i.field: _stand_in(i) for i in st.inputs if i.stages}
-        if given:
-            section["output"] = given
-        out = dict(pipeline.wire({"run": WIRE_ROOT, "stages": {INDEX_STAGE: section}}))[INDEX_STAGE]["output"]
-        want = given or storage.join(WIRE_ROOT, INDEX_STAGE)
-        if out != want:
-            raise RuntimeError(f"pipeline.plan gives {INDEX_STAGE} the output {out}, the chart's rule {want}: "
-                               "update memsifter.stageOutput and this wiring together")
-    return {"from": [INDEX_STAGE], "list": False, "cases": {"": [INDEX_STAGE], INDEX_STAGE: [INDEX_STAGE]}}
-
-
 def serve_facts() -> dict:
     """files/serve.json: what the RayService template knows about the service (code, not settings)."""
     from memsifter.service import app
@@ -78,7 +53,7 @@ def serve_facts() -> dict:
             "defaultKey": DEFAULT_KEY, "statePrefix": STATE_PREFIX, "readinessPath": READINESS_PATH,
             "defaults": defaults(ServeConfig, FIRST_STAGE_FIELDS),
             "rankerDefaults": defaults(RankerSettings, RANKER_FIELDS),
-            "wiring": {"index": index_wiring()}}
+            "indexStage": INDEX_STAGE}
 
 
 # --------------------------------------------------------------------------- values

@@ -3,10 +3,10 @@
 :data:`GLOBALS` is a tree of :class:`Group` / :class:`Value` nodes (default, one-line doc, schema). From it,
 and from the stage registry, come ``values.yaml`` (helm-docs style ``# --`` comments on every value),
 the non-stage part of ``values.schema.json`` (:mod:`.schema`) and the values tables of the chart's
-``README.md``. Per stage, ``values.yaml`` holds only ``enabled`` and ``config: {}`` (what differs from the
-pydantic defaults, which stay in the stage's config class); head/worker sizes come from the family
-``profiles`` and ``common``/``multiNode`` settings, overridable per stage. Facts that are code, not
-settings (family, GPUs per worker, needs, input wiring, multi-node capacity fields) go to
+``README.md``. What runs is ``pipeline``: the plan ``memsifter k8s plan`` makes from a pipeline config
+(:func:`memsifter.pipeline.plan`'s steps, in order, empty here); ``stages`` holds only Kubernetes settings per
+section of that plan (head/worker sizes come from the family ``profiles`` and ``common``/``multiNode``
+settings). Facts that are code, not settings (family, GPUs per worker, multi-node capacity fields) go to
 ``files/stages.json`` (:func:`stage_facts`), which the templates read.
 """
 
@@ -22,6 +22,7 @@ import yaml
 
 from memsifter import __version__
 from memsifter.k8s.registry import StageInfo
+from memsifter.pipeline import INSTANCE_NAME
 
 RAY_VERSION = "2.59.0"
 IMAGE_REPOSITORY = "ghcr.io/memsifter/memsifter-{family}"
@@ -119,10 +120,12 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
                               {"type": "string", "pattern": DNS1123_LABEL, "maxLength": 40}),
         "fullnameOverride": Value("", "Replaces <release>-<chart> in resource names.",
                                   {"type": "string", "pattern": DNS1123_LABEL, "maxLength": 63}),
-        "run": Group("Run identity: RayJob names, S3 prefixes and the run manifest are scoped by it.", {
-            "id": Value("", "Run id ('' = the release name). A new id starts a fresh run; the same id resumes.",
+        "run": Group("Run identity: RayJob and ConfigMap names and the run's labels are scoped by it.", {
+            "id": Value("", "Run id ('' = the release name): a new id creates new RayJobs (the plan's run root says "
+                        "where outputs go: published steps are skipped), the same id resumes.",
                         {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", "maxLength": 40})}),
-        "s3": Group("Where everything is published: s3://<bucket>/<runPrefix>/<run id>/<stage>/.", {
+        "s3": Group("S3 settings of every pod; bucket/runPrefix make the run root s3://<bucket>/<runPrefix>/<run id> "
+                    "when no plan gives one (pipeline.run), and the bucket holds the service's state.", {
             "endpoint": Value("", "S3 endpoint, http(s)://host[:port] ('' for AWS S3), e.g. "
                               "http://seaweedfs.memsifter.svc:8333.",
                               {"type": "string", "pattern": S3_ENDPOINT, "maxLength": 253,
@@ -189,8 +192,8 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
             "tolerations": Value([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                                  "Tolerations.", _ref("tolerations")),
             "affinity": Value({}, "Affinity.", {"type": "object"})}),
-        "driver": Group("The pipeline driver (`memsifter k8s drive`): a Job that creates the enabled stages' RayJobs "
-                        "in dependency order, waits for each, stops at the first failure and writes the run manifest.", {
+        "driver": Group("The pipeline driver (`memsifter k8s drive`): a Job that creates the plan's RayJobs in the "
+                        "plan's order, waits for each, stops at the first failure and writes the run manifest.", {
             "enabled": Value(True, "false: helm creates the RayJobs at once, unordered (as in jobs/).", _BOOL),
             "image": Value({"repository": "", "tag": ""}, "Overrides images.families.driver.", _ref("image")),
             "pollSeconds": Value(15, "Seconds between status checks.", _POS),
@@ -215,7 +218,7 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
         "profiles": Group("Head/worker pod sizes per stage family; a stage's own head/workers override them key by "
                           "key.", {f: profile_group(f, infos) for f in sorted({i.family for i in infos})},
                           required=sorted({i.family for i in infos})),
-        "common": Group("Settings of every stage's RayJob; a stage's block (stages.<name>) overrides each of them.", {
+        "common": Group("Settings of every step's RayJob; a section's block (stages.<name>) overrides each of them.", {
             "activeDeadlineSeconds": Value(86400, "Seconds a RayJob may run.", _POS),
             "backoffLimit": Value(0, "Re-runs of a failed RayJob's submitter.", _NONNEG),
             "ttlSecondsAfterFinished": Value(600, "Seconds a finished RayJob's cluster is kept.", _NONNEG),
@@ -231,6 +234,20 @@ def global_tree(infos: list[StageInfo]) -> dict[str, Value | Group]:
             "capacityTimeoutSeconds": Value(1800, "How long the entrypoint waits for the GPU nodes "
                                                   "(`memsifter k8s await-capacity`).", _POS)}),
         "serve": serve_group([f for f in families if f != "driver"]),
+        "pipeline": Group("What runs: the plan `memsifter k8s plan --config pipeline.yaml` makes from a pipeline config "
+                          "(the one `memsifter pipeline run` takes: sections, `uses:` instances, inputs naming a "
+                          "section), written with `-o plan.yaml` and given with `-f plan.yaml`. The chart deploys it as "
+                          "it is: one config ConfigMap and RayJob per step, created in this order.", {
+            "run": Value("", "The run root every output is under (s3://bucket/prefix).",
+                         {"type": "string", "pattern": "^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\\s]*)?)?$",
+                          "maxLength": 1024}),
+            "steps": Value([], "The plan's steps in order: {name (the section), stage (what it runs), config (its "
+                               "config: what the section sets, plus output and the wired inputs)}.",
+                           {"type": "array", "items": _ref("step")})}),
+        "stages": Value({}, "Kubernetes settings of a section of the plan (keys: section names, e.g. rank or an "
+                            "instance rank-trained), over common/multiNode/profiles: " + ", ".join(STAGE_KEYS) + ".",
+                        {"type": "object", "propertyNames": {"pattern": "^" + INSTANCE_NAME.pattern + "$"},
+                         "additionalProperties": _ref("stage")}),
     }
 
 
@@ -243,7 +260,7 @@ def _secret(*keys: str) -> dict:
             "properties": {"name": NAME, **{k: prop(k) for k in keys}}}
 
 
-# Keys a stage's block may set besides enabled/config (schema $defs/stage; README "Stage blocks").
+# Keys of a section's block, stages.<name> (schema $defs/stage).
 STAGE_KEYS: dict[str, str] = {
     "image": "{repository, tag}: overrides the family image.",
     "env": "Extra env vars of the stage's Ray containers.",
@@ -282,8 +299,7 @@ def stage_facts(infos: list[StageInfo]) -> dict:
         if i.capacity:
             cap = {**i.capacity, "defaultNodes": i.capacity_defaults["nodes"],
                    "defaultGpusPerNode": i.capacity_defaults["gpusPerNode"]}
-        out[i.name] = {"family": i.family, "gpus": i.gpus, "needs": list(i.needs), "inputs": dict(i.inputs),
-                       "wiring": dict(i.wiring), "capacity": cap, "required": i.required_user_fields, "help": i.help}
+        out[i.name] = {"family": i.family, "gpus": i.gpus, "capacity": cap, "help": i.help}
         serve_url = serve_url_field(i.config)
         if serve_url:
             out[i.name]["serveUrl"] = serve_url
@@ -339,25 +355,9 @@ def stage_summary(info: StageInfo) -> str:
 
 
 def values_text(infos: list[StageInfo], header: str) -> str:
-    out = [header, "# Values of the memsifter chart (helm show readme: every value, every stage's config fields).\n",
-           "# Validated by values.schema.json: unknown keys fail.\n\n", _tree_text(global_tree(infos), 0)]
-    out.append(_comment("One block per registered stage: enabled, config (only what differs from the stage's "
-                        "defaults) and, to override common/profiles for this stage: " + ", ".join(STAGE_KEYS) + ".",
-                        0))
-    out.append("stages:\n")
-    for info in infos:
-        req = info.required_user_fields
-        doc = f"{info.name}: {info.help.rstrip('.')}. ({stage_summary(info)}" + \
-              (f"; required: {', '.join('config.' + f for f in req)})" if req else ")")
-        out.append(_comment(doc, 2))
-        out.append(f"  {info.name}:\n")
-        out.append(_comment("Run this stage.", 4) + "    enabled: false\n")
-        wired = f" output comes from the run, {', '.join(info.inputs)} from its enabled stages." if info.inputs \
-            else " output comes from the run."
-        out.append(_comment(f"Only what differs from the defaults (its fields: `memsifter run {info.name} --help`, "
-                            f"helm show readme);{wired}", 4))
-        out.append("    config: {}\n")
-    return "".join(out)
+    return "".join([header, "# Values of the memsifter chart (helm show readme: every value, every stage's config "
+                    "fields).\n", "# Validated by values.schema.json: unknown keys fail.\n\n",
+                    _tree_text(global_tree(infos), 0)]).rstrip("\n") + "\n"
 
 
 # --------------------------------------------------------------------------- README.md
@@ -396,11 +396,13 @@ def _config_rows(cls: Any, prefix: str = "") -> Iterator[tuple[str, str, str]]:
             yield prefix + name, default, _cell(f.description or "")
 
 
-def _producers(wiring: dict) -> str:
-    """How the README shows an input's producers: ``a+b`` when every one that runs is read, ``a or b``
-    when the first one that runs is."""
-    every = wiring["cases"][",".join(wiring["from"])]
-    return ("+" if isinstance(every, list) and len(every) > 1 else " or ").join(wiring["from"])
+def wired_inputs(info: StageInfo) -> list[tuple[str, str]]:
+    """(field, its producers) of the inputs a plan fills from another stage: ``a+b`` when it reads every one
+    that runs (``wire="all"``), ``a or b`` when the first one that runs."""
+    from memsifter import stage as stg
+
+    return [(i.field, ("+" if i.wire == "all" else " or ").join(p for p in i.stages if p in info.needs))
+            for i in stg.get_stage(info.name).inputs if i.field in info.wired]
 
 
 def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
@@ -411,42 +413,40 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
              "Cluster prerequisites, install, progress, results, resume: "
              "[k8s/README.md](https://github.com/memsifter/memsifter/blob/main/k8s/README.md).\n\n"
              "```sh\nhelm install lme charts/memsifter -n memsifter -f my-run.yaml   # see ci/*.yaml for scenarios\n```\n\n"
-             "## How a stage is configured\n\n"
-             "- `stages.<name>.enabled` turns a stage on; `stages.<name>.config` holds **only what differs from the "
-             "stage's defaults** (they stay in its pydantic config class: `memsifter run <name> --help`). The chart "
-             "adds `output` (`s3://<bucket>/<runPrefix>/<run id>/<name>`) and, unless set, the inputs produced by the "
-             "other enabled stages, wired as `memsifter pipeline` wires them: the first producer that is enabled "
-             "(every one for an input declared `wire=\"all\"`); a disabled stage is referenced by nobody; two "
-             "alternative producers of one input enabled together, or a required input that no enabled stage "
-             "produces, fail the install with one line naming the field.\n"
-             "- That document travels as one file: a ConfigMap per stage (named like its RayJob) mounted into the "
-             "head pod at `/etc/memsifter/<name>.yaml`; the entrypoint is `memsifter run <name> --config "
-             "/etc/memsifter/<name>.yaml` (behind `memsifter k8s await-capacity` for multi-node stages).\n"
-             "- Pod sizes: `profiles.<family>` (head and workers), then the stage's own `head`/`workers`; other "
-             "RayJob settings: `common`, then `multiNode` for stages that span GPU nodes, then the stage's block. "
-             "Worker group sizes come from the stage (GPUs per worker; `nnodes`/`n_gpus_per_node` of multi-node "
-             "stages).\n"
-             "- Facts that are code (family, GPUs, needs, input wiring, capacity fields) are not values: "
-             "`files/stages.json`, generated with `values.yaml`, `values.schema.json`, `ci/` and this README by "
-             "`memsifter k8s gen-chart` from the stage registry.\n\n")
+             "## What runs: the plan of a pipeline config\n\n"
+             "- The chart runs what `memsifter pipeline run` runs. Write the pipeline config (sections, `uses:` "
+             "instances such as `rank-trained: {uses: rank}`, inputs naming a section; `memsifter pipeline schema`) "
+             "and make its plan: `memsifter k8s plan --config pipeline.yaml --run s3://<bucket>/<prefix> -o "
+             "plan.yaml`. That is `memsifter.pipeline.plan`, computed once: the value `pipeline` holds its run root "
+             "and its steps in order, each with the config the plan gives it (what the section sets, plus `output` "
+             "and the inputs wired from the other sections). Nothing is wired in the templates.\n"
+             "- Each step's config travels as one file: a ConfigMap per step (named like its RayJob) mounted into "
+             "the head pod at `/etc/memsifter/<section>.yaml`; the entrypoint is `memsifter run <stage> --config "
+             "/etc/memsifter/<section>.yaml` (behind `memsifter k8s await-capacity` for multi-node stages). The "
+             "driver creates the RayJobs in the plan's order; with `driver.enabled=false` helm creates them at once.\n"
+             "- Pod sizes: `profiles.<family>` (head and workers), then the section's own `stages.<section>.head`/"
+             "`workers`; other RayJob settings: `common`, then `multiNode` for stages that span GPU nodes, then the "
+             "section's block. Worker group sizes come from the stage (GPUs per worker; `nnodes`/`n_gpus_per_node` "
+             "of multi-node stages).\n"
+             "- Facts that are code (family, GPUs, capacity fields) are not values: `files/stages.json`, generated "
+             "with `values.yaml`, `values.schema.json`, `ci/` and this README by `memsifter k8s gen-chart` from the "
+             "stage registry.\n\n")
     out = [header, intro, "## Values\n\n| Key | Default | Description |\n| --- | --- | --- |\n"]
     for key, v in walk(global_tree(infos)):
         out.append(f"| `{key}` | {_md(v.default)} | {_cell(v.doc)} |\n")
-    out.append("| `stages.<name>.enabled` | `false` | Run this stage. |\n"
-               "| `stages.<name>.config` | `{}` | The stage's config: only what differs from its defaults (below). |\n")
     for k, doc in STAGE_KEYS.items():
         out.append(f"| `stages.<name>.{k}` | | {_cell(doc)} |\n")
-    out.append("\n## Stages\n\n| Stage | Family | GPUs per worker | Needs | Inputs wired from the run | "
+    out.append("\n## Stages\n\n| Stage | Family | GPUs per worker | Needs | Inputs a plan wires | "
                "Required |\n| --- | --- | --- | --- | --- | --- |\n")
     for i in infos:
         f = facts[i.name]
-        wired = ", ".join(f"`{k}` ← {_producers(v)}" for k, v in f["wiring"].items())
+        wired = ", ".join(f"`{k}` ← {producers}" for k, producers in wired_inputs(i))
         if f.get("serveUrl"):
             wired += (", " if wired else "") + f"`{f['serveUrl']}` ← the RayService's URL (serve.enabled)"
         gpus = f"{i.capacity_defaults['gpusPerNode']} × `{i.capacity['nodes']}` nodes" if i.capacity else str(i.gpus)
         out.append(f"| `{i.name}` | {i.family} | {gpus} | {', '.join(i.needs) or '-'} | {wired or '-'} | "
-                   f"{', '.join(f'`{r}`' for r in f['required']) or '-'} |\n")
-    out.append("\n## Stage configs\n\nEvery field of `stages.<name>.config` with its default "
+                   f"{', '.join(f'`{r}`' for r in i.required_user_fields) or '-'} |\n")
+    out.append("\n## Stage configs\n\nEvery field of a pipeline config's section of the stage, with its default "
                "(`memsifter run <name> --help`, `--schema`).\n")
     for i in infos:
         out.append(f"\n### {i.name}\n\n{_cell(i.help)}\n\n| Field | Default | Description |\n| --- | --- | --- |\n")
@@ -461,8 +461,8 @@ def readme_text(infos: list[StageInfo], chart_meta: dict, header: str) -> str:
                "the defaults below, `memsifter serve --help`); a head, a CPU worker group and, when `config.ranker` "
                "asks for GPUs, a GPU worker group, Ray-autoscaled. KubeRay's Service `<fullname>-serve-svc` listens "
                "on 8000 (`kubectl port-forward`, or `serve.ingress`).\n\nOut of the box (`--set serve.enabled=true` "
-               f"and nothing else; NOTES.txt prints the commands):\n\n- `index`: this run's {INDEX_STAGE} output "
-               "(its `config.output`, else `<run root>/embed`), enabled here or not: the head's init container "
+               f"and nothing else; NOTES.txt prints the commands):\n\n- `index`: the output of the plan's {INDEX_STAGE} "
+               "step, else `<run root>/embed` (a plan with two asks to set it): the head's init container "
                "(`memsifter k8s await-published`) holds the cluster until its `_SUCCESS` exists, so the service "
                f"starts once the {INDEX_STAGE} stage publishes (`serve.waitForIndex`).\n"
                f"- `state` (the memory API's store): `s3://<bucket>/{STATE_PREFIX}/<RayService name>`.\n"

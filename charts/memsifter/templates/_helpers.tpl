@@ -1,6 +1,6 @@
 {{/*
-Names, labels and paths of the memsifter chart. Nothing here names a stage: the stages and their
-facts come from files/stages.json (generated from the stage registry, see _stage.tpl).
+Names, labels and paths of the memsifter chart. Nothing here names a stage: the steps come from the plan
+(values pipeline), their stages' facts from files/stages.json (generated from the stage registry, see _stage.tpl).
 */}}
 
 {{- define "memsifter.name" -}}
@@ -38,7 +38,7 @@ app.kubernetes.io/part-of: memsifter
 memsifter.io/run: {{ include "memsifter.runId" . }}
 {{- end }}
 
-{{/* Labels of a stage's objects (RayJob, its config ConfigMap). dict root name */}}
+{{/* Labels of a step's objects (RayJob, its config ConfigMap); name: its section. dict root name */}}
 {{- define "memsifter.stageLabels" -}}
 {{ include "memsifter.labels" .root }}
 app.kubernetes.io/component: {{ .name }}
@@ -58,17 +58,13 @@ memsifter.io/stage: {{ .name }}
 {{- default .Release.Name .Values.run.id | lower | trunc 40 | trimSuffix "-" }}
 {{- end }}
 
-{{/* s3://bucket/runPrefix/runId */}}
+{{/* The run root: the plan's (pipeline.run), else s3://bucket/runPrefix/runId */}}
 {{- define "memsifter.runRoot" -}}
+{{- if .Values.pipeline.run }}{{ trimSuffix "/" .Values.pipeline.run }}{{ else }}
 {{- $parts := list .Values.s3.bucket }}
 {{- with (trimAll "/" (.Values.s3.runPrefix | default "")) }}{{ $parts = append $parts . }}{{ end }}
 {{- $parts = append $parts (include "memsifter.runId" .) }}
-{{- printf "s3://%s" (join "/" $parts) }}
-{{- end }}
-
-{{/* Output URI of a stage. dict root name */}}
-{{- define "memsifter.stageOutput" -}}
-{{- printf "%s/%s" (include "memsifter.runRoot" .root) .name }}
+{{- printf "s3://%s" (join "/" $parts) }}{{ end }}
 {{- end }}
 
 {{/* Where a stage's config document is mounted in its head pod (from its ConfigMap). */}}
@@ -87,7 +83,7 @@ memsifter.io/stage: {{ .name }}
 {{- end }}
 {{- end }}
 
-{{/* Name of a stage's RayJob and of its config ConfigMap (KubeRay: <= 47 characters, DNS-1035). dict root name */}}
+{{/* Name of a step's RayJob and of its config ConfigMap (KubeRay: <= 47 characters, DNS-1035). dict root name */}}
 {{- define "memsifter.rayjobName" -}}
 {{- $base := include "memsifter.fullname" .root }}
 {{- if .root.Values.run.id }}{{ $base = printf "%s-%s" $base (include "memsifter.runId" .root) }}{{ end }}

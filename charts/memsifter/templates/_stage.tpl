@@ -1,9 +1,10 @@
 {{/*
-A stage's settings, assembled from (lowest first) `common`, `multiNode` (stages that span GPU nodes),
-the family's `profiles` entry, worker sizes from the stage's facts, and the stage's own block in
-`stages`: each key comes from the highest layer that sets it; `resources` are merged key by key.
-The facts (family, GPUs per worker, needs, input wiring, multi-node capacity) are code, not settings:
-files/stages.json, generated from the stage registry by `memsifter k8s gen-chart`.
+A step of the plan (values `pipeline`: `memsifter k8s plan`) and its settings, assembled from (lowest first)
+`common`, `multiNode` (stages that span GPU nodes), the family's `profiles` entry, worker sizes from its
+stage's facts, and its section's own block in `stages`: each key comes from the highest layer that sets it;
+`resources` are merged key by key. The facts (family, GPUs per worker, multi-node capacity) are code, not
+settings: files/stages.json, generated from the stage registry by `memsifter k8s gen-chart`. Nothing is wired
+here: the plan's configs are deployed as they are.
 */}}
 
 {{- define "memsifter.facts" -}}
@@ -28,53 +29,44 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{- $cur }}
 {{- end }}
 
-{{/* The stage's config document, as JSON: its block's `config` (only what differs from the stage's
-     defaults, which stay in its pydantic model), plus `output` and, where not set, the inputs wired as
-     `memsifter pipeline` wires them. The rule is not computed here: files/stages.json holds (`wiring`), per input
-     field, what memsifter.pipeline.wire does for each set of its producers that run (`cases`, keyed by
-     the enabled producers in order of preference); this only looks the enabled ones up and fails with the
-     pipeline's refusal (two alternative producers enabled, or a required input no enabled stage makes).
-     A producer's output is its own `config.output` when set. A stage that reads the memory service's URL
-     (its facts' `serveUrl` field, e.g. agents' search_url) gets this release's RayService URL when
-     serve.enabled and its config leaves the field out. dict root name */}}
-{{- define "memsifter.stageConfig" -}}
-{{- $facts := index (include "memsifter.facts" .root | fromJson) .name }}
-{{- $cfg := deepCopy ((index .root.Values.stages .name | default dict).config | default dict) }}
-{{- if not (get $cfg "output") }}
-{{- $_ := set $cfg "output" (include "memsifter.stageOutput" .) }}
+{{/* The plan's steps (values `pipeline`, written by `memsifter k8s plan` from a pipeline config: the output of
+     memsifter.pipeline.plan, in its order), as JSON, after checking the values around them: a plan needs its run
+     root, a section is planned once, and every `stages.<name>` block (Kubernetes settings of a section) names a
+     section of the plan. root */}}
+{{- define "memsifter.steps" -}}
+{{- $steps := .Values.pipeline.steps | default list }}
+{{- $names := list }}
+{{- range $steps }}
+{{- if has .name $names }}{{ fail (printf "pipeline.steps: section %s is planned twice: re-generate the plan with `memsifter k8s plan`" .name) }}{{ end }}
+{{- $names = append $names .name }}
 {{- end }}
-{{- if and $facts.serveUrl .root.Values.serve.enabled (not (hasKey $cfg $facts.serveUrl)) }}
-{{- $_ := set $cfg $facts.serveUrl (include "memsifter.serveUrl" .root) }}
+{{- if and $steps (not .Values.pipeline.run) }}{{ fail "pipeline.run: the plan's run root is missing: re-generate the plan with `memsifter k8s plan`" }}{{ end }}
+{{- range $name, $_ := .Values.stages }}
+{{- if not (has $name $names) }}{{ fail (printf "stages.%s: not a section of the plan (%s): a stages block holds the Kubernetes settings of a section that pipeline.steps runs" $name (join ", " $names | default "no steps: pipeline.steps is empty")) }}{{ end }}
 {{- end }}
-{{- include "memsifter.wireInputs" (dict "root" .root "cfg" $cfg "wiring" $facts.wiring) }}
+{{- toJson $steps }}
 {{- end }}
 
-{{/* A config document (JSON) with its unset input fields wired from the enabled stages' outputs, by a
-     wiring table of files/stages.json (or files/serve.json); see memsifter.stageConfig. dict root cfg wiring */}}
-{{- define "memsifter.wireInputs" -}}
-{{- $cfg := .cfg }}
-{{- range $field, $in := (.wiring | default dict) }}
-{{- if not (hasKey $cfg $field) }}
-{{- $on := list }}
-{{- range $in.from }}{{ if (index $.root.Values.stages . | default dict).enabled }}{{ $on = append $on . }}{{ end }}{{ end }}
-{{- $case := index $in.cases (join "," $on) }}
-{{- if kindIs "string" $case }}{{ fail $case }}{{ end }}
-{{- $uris := list }}
-{{- range $case }}
-{{- $own := (index $.root.Values.stages . | default dict).config | default dict }}
-{{- $uris = append $uris (get $own "output" | default (include "memsifter.stageOutput" (dict "root" $.root "name" .))) }}
-{{- end }}
-{{- if $uris }}{{ $_ := set $cfg $field (ternary $uris (first $uris) $in.list) }}{{ end }}
-{{- end }}
+{{/* A step's config document, as JSON: the config the plan gives it (only what its section sets, which stays
+     on top of the stage's defaults in its pydantic model, plus `output` and the inputs the plan wired), as it
+     is. The one key added here: a stage that reads the memory service's URL (its facts' `serveUrl` field, e.g.
+     agents' search_url) gets this release's RayService URL when serve.enabled and its config leaves the field
+     out (a plan made without a cluster cannot know it). dict root step */}}
+{{- define "memsifter.stageConfig" -}}
+{{- $facts := index (include "memsifter.facts" .root | fromJson) .step.stage }}
+{{- $cfg := deepCopy (.step.config | default dict) }}
+{{- if and $facts.serveUrl .root.Values.serve.enabled (not (hasKey $cfg $facts.serveUrl)) }}
+{{- $_ := set $cfg $facts.serveUrl (include "memsifter.serveUrl" .root) }}
 {{- end }}
 {{- toJson $cfg }}
 {{- end }}
 
-{{/* A stage's settings as JSON: the keys of a stage block (`config`: the config document) plus `family`,
-     `needs` and `capacity` ({nodes, gpusPerNode, gpusPerNodeField} read from the config, or {}). dict root name */}}
+{{/* A step's settings as JSON: the keys of its section's block (stages.<name>) plus `config` (the config
+     document), `family`, `stage` and `capacity` ({nodes, gpusPerNode, gpusPerNodeField} read from the config,
+     or {}). dict root name step */}}
 {{- define "memsifter.stage" -}}
 {{- $v := .root.Values }}
-{{- $f := index (include "memsifter.facts" .root | fromJson) .name }}
+{{- $f := index (include "memsifter.facts" .root | fromJson) .step.stage }}
 {{- $own := index $v.stages .name | default dict }}
 {{- $cfg := include "memsifter.stageConfig" . | fromJson }}
 {{- $cap := dict }}
@@ -106,7 +98,7 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{- end }}
 {{- $_ := set $s "config" $cfg }}
 {{- $_ := set $s "family" $f.family }}
-{{- $_ := set $s "needs" ($f.needs | default list) }}
+{{- $_ := set $s "stage" .step.stage }}
 {{- $_ := set $s "capacity" $cap }}
 {{- toJson $s }}
 {{- end }}
@@ -114,7 +106,7 @@ files/stages.json, generated from the stage registry by `memsifter k8s gen-chart
 {{/* Fails when a rendered text is larger than Kubernetes stores: a ConfigMap holds at most 1 MiB (1048576 bytes:
      keys and values), and the chart keeps every other object it renders under the same bound (etcd refuses a
      request over ~1.5 MiB). A stage's config document is bounded at 256 KiB (max), so that the driver's plan,
-     which holds every enabled stage's, stays within 1 MiB too. The schema bounds the strings it can; this
+     which holds every step's, stays within 1 MiB too. The schema bounds the strings it can; this
      catches a large value anywhere (a config field, an env value). dict what text [max] */}}
 {{- define "memsifter.checkSize" -}}
 {{- $max := int (.max | default 1048576) }}
