@@ -11,7 +11,7 @@ What is scanned (one checkov run, frameworks ``kubernetes`` and ``dockerfile``):
 checkov does not look inside custom resources, so the pods KubeRay creates from each RayJob (head with its
 autoscaler sidecar, workers, the submitter Job) are added as core kinds
 (:func:`memsifter.k8s.validate.workload_manifests`). checkov's helm framework would render the chart with its
-default values only (no stage enabled, so no pod at all): rendering every scenario here covers more.
+default values only (no plan, so no pod at all): rendering every scenario here covers more.
 
 Every failed check must be fixed or justified in ``k8s/policy/checkov-skips.yaml`` (check id, the resources and
 files it applies to, the reason; mirrored in ``k8s/SECURITY.md``). Offline, checkov reports no severities, so
