@@ -26,10 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-try:   # the first stage's scoring is moving from the embed stage into retrieval/ (issue 45 item 1)
-    from . import first_stage as E
-except ImportError:   # pragma: no cover - before the move
-    from ..stages import embed as E   # type: ignore[no-redef]
+from . import first_stage as E   # the first stage's scoring (issue 45 item 1: out of the embed stage)
 
 
 def phrase_tokens(tokens: list[str]) -> list[str]:
@@ -39,7 +36,7 @@ def phrase_tokens(tokens: list[str]) -> list[str]:
 
 class Legs:
     """``bm25_dated`` and ``bm25_window`` of one haystack, the documents the embed stage's
-    :class:`~memsifter.stages.embed.HaystackLexical` indexes (a session's date + its units; each window of three
+    :class:`~memsifter.retrieval.first_stage.HaystackLexical` indexes (a session's date + its units; each window of three
     consecutive units + the date), scored with BM25 ``k1`` / ``b`` as chosen. BM25 is
     bm25s' Lucene variant computed here term by term (idf log(1 + (N - df + 0.5) / (df + 0.5)), tf / (tf + k1
     (1 - b + b dl / avgdl)); an empty document has length 1), so that a question can carry term weights and
@@ -188,7 +185,7 @@ def _porter():  # noqa: ANN202 - nltk's PorterStemmer, made once
 
 
 class Tokens:
-    """Per session, the BM25 tokens of each unit (:func:`memsifter.stages.embed.turn_units`) as counts, with and
+    """Per session, the BM25 tokens of each unit (:func:`memsifter.retrieval.first_stage.turn_units`) as counts, with and
     without phrase keys, stemmed as the stage does (the S-stemmer, plurals only) or with Porter's stemmer
     (``porter``: "researching" and "research", "camped" and "camping" become one word); a session's tokens do
     not depend on the question: kept across questions."""
