@@ -57,7 +57,7 @@ from ..retrieval.metrics import exact_match, token_f1
 from ..security.redact import bare_url, redact, redact_known, redact_obj, url_auth
 from ..stage import StageConfig, config_hash, runtime_field, stage, uri_field
 from ..store import storage
-from ..testing import faults
+from ..store import hooks
 
 log = logging.getLogger(__name__)
 
@@ -506,7 +506,7 @@ def run(config: AgentsConfig, out: storage.Publication) -> dict:
         done.update({(r["method"], r["question_id"]): r for r in rows})
         shards += 1
         pending = []
-        faults.checkpoint("saved", done=shards)
+        hooks.checkpoint("saved", done=shards)
 
     try:
         with cf.ThreadPoolExecutor(max_workers=max(1, config.endpoint.concurrency),

@@ -37,7 +37,7 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from ..testing import faults
+from ..store import hooks
 from ..models import registry as models
 from ..retrieval import rankings
 from ..store import storage
@@ -254,7 +254,7 @@ def run(config: ChatConfig, out: storage.Publication) -> dict:
             rankings.write_partial(work, shards, rows)
             done.update({(r["method"], r["question_id"]): r for r in rows})
             shards += 1
-            faults.checkpoint("saved", done=shards)
+            hooks.checkpoint("saved", done=shards)
     bar.close()
     seconds = time.time() - t0
     total = len(ds.questions) * len(methods)

@@ -86,7 +86,7 @@ import pyarrow as pa
 from pydantic import Field, model_validator
 
 from ..models import embedding
-from ..testing import faults
+from ..store import hooks
 from ..retrieval import rankings
 from ..store import storage
 from ..data.model import Dataset, read_dataset
@@ -260,7 +260,7 @@ def run(config: EmbedConfig, out: storage.Publication) -> dict:
                     c_units[sid] = [add(t) for t in cascade_units(ds.sessions[sid].turns, config.turn_words)]
 
     def crash(n: int) -> None:
-        faults.checkpoint("saved", done=n)
+        hooks.checkpoint("saved", done=n)
 
     emb_stats = embedding.embed_missing(
         store, items.items(), workers=config.workers, gpus_per_worker=config.gpus_per_worker,

@@ -73,7 +73,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..testing import faults
+from ..store import hooks
 from ..retrieval import rankings
 from ..store import storage
 from ..data.model import read_dataset
@@ -251,7 +251,7 @@ def run(config: EvaluateConfig, out: storage.Publication) -> dict:
     report["question_sets"] = question_sets(per_method, changes)
     report["side_by_side"] = side_by_side(rows_by_label, {k: v["cost"] for k, v in report["answers"].items()})
     out.write_json("report.json", report)
-    faults.checkpoint("saved", done=1)
+    hooks.checkpoint("saved", done=1)
     figures = plots(report, config.curve_max_k)
     out.write_text("report.md", markdown(report, config.ks, list(figures)))
     for name, data in figures.items():

@@ -55,7 +55,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 from pydantic import Field
 
-from ..testing import faults
+from ..store import hooks
 from ..models import registry as models
 from ..retrieval import rankings
 from ..store import storage
@@ -304,7 +304,7 @@ def run(config: RankConfig, out: storage.Publication) -> dict:
                 rankings.write_partial(work, shards, buf)
                 done.update({r["question_id"]: r for r in buf})
                 buf, shards = [], shards + 1
-                faults.checkpoint("saved", done=shards)
+                hooks.checkpoint("saved", done=shards)
         if buf:
             rankings.write_partial(work, shards, buf)
             done.update({r["question_id"]: r for r in buf})
