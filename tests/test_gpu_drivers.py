@@ -556,6 +556,68 @@ def test_agents_driver_sft_chat_reference_rows_are_a_valid_chat_config(tmp_path,
     assert p.returncode == 2 and "randm" in p.stderr
 
 
+def _agent_rows(method: str, f1s: list[float], datasets: list[str], **extra) -> list[dict]:
+    return [{"question_id": f"q{i}", "method": method, "dataset": d, "status": "ok", "f1": f, "answer": "x",
+             "format_ok": True, "searches": 1, "llm_calls": 2, "prompt_tokens": 100, "completion_tokens": 10,
+             "seconds": 1.0, **extra} for i, (f, d) in enumerate(zip(f1s, datasets))]
+
+
+def test_agents_grpo_table_pairs_the_same_questions_by_dataset_and_metric(tmp_path):
+    """agents_grpo_table.py: GRPO − SFT and each agent − the one-call first stage, paired on the questions both
+    answered (a failed row is left out, as evaluate counts), overall and per dataset; LoCoMo's F1 only where the
+    rows carry it; labels from the three answer files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = importlib.import_module("agents_grpo_table")
+    ds = ["longmemeval_s", "locomo", "locomo", "longmemeval_s"]
+    (tmp_path / "answers").mkdir()
+    sft = _agent_rows("agent:search", [0.0, 0.5, 0.0, 0.2], ds)
+    grpo = _agent_rows("agent:search", [0.5, 0.5, 0.25, 0.2], ds)
+    grpo[3]["status"] = "failed"
+    chat = _agent_rows("embed:bm25", [0.1, 0.1, 0.1, 0.1], ds) + _agent_rows("no memory", [0, 0, 0, 0], ds)
+    for name, rows in (("agents-sft", sft), ("agents-grpo", grpo), ("chat-sft", chat)):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "answers" / f"{name}.parquet")
+    by = t.rows_by_label(str(tmp_path / "answers"))
+    assert sorted(by) == ["agent:search, GRPO", "agent:search, SFT", "one call, embed:bm25", "one call, no memory"]
+    for rs in by.values():  # evaluate's locomo_scores sets it on LoCoMo rows only
+        for r in rs:
+            r["locomo_f1"] = r["f1"] if r["dataset"] == "locomo" else None
+    rows = {(r["a"], r["b"], r["metric"], r["dataset"]): r for r in t.paired_rows(
+        by, [("agent:search, GRPO", "agent:search, SFT"), ("agent:search, SFT", "one call, embed:bm25")])}
+    g = rows[("agent:search, GRPO", "agent:search, SFT", "f1", "all")]
+    assert g["n"] == 3 and g["diff"] == round((0.5 + 0 + 0.25) / 3, 4) and g["mean_b"] == round(0.5 / 3, 4)
+    assert rows[("agent:search, GRPO", "agent:search, SFT", "f1", "longmemeval_s")]["n"] == 1
+    lo = rows[("agent:search, GRPO", "agent:search, SFT", "locomo_f1", "locomo")]
+    assert lo["n"] == 2 and lo["diff"] == 0.125
+    assert rows[("agent:search, SFT", "one call, embed:bm25", "f1", "all")]["n"] == 4
+    md = t.markdown(list(rows.values()))
+    assert md[2].startswith("| agent:search, GRPO − agent:search, SFT | F1 (SQuAD-style) | all | 3 |")
+    ep = t.episodes(by)
+    assert len(ep) == 4 and "| agent:search, SFT | 4 | 100.0% | 100.0% | 100.0% | 2.00 |" in ep[2]
+
+
+def test_agents_grpo_curves_read_steps_and_the_held_out_points(tmp_path):
+    """agents_grpo_curves.py: per-step metrics from train_metrics.jsonl, the step collect took from agents.md, and
+    the held-out F1 of the SFT start (step 0) and of that step from the answers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    c = importlib.import_module("agents_grpo_curves")
+    (tmp_path / "answers").mkdir()
+    (tmp_path / "train_metrics.jsonl").write_text("\n".join(json.dumps(
+        {"step": s, "critic/score/mean": 0.1 * s, "actor/entropy": 4.0 - s}) for s in (1, 2)) + "\n")
+    (tmp_path / "agents.md").write_text("| phase | seconds |\n\n- collect: step 2 of [1, 2]\n")
+    ds = ["locomo"] * 2
+    pq.write_table(pa.Table.from_pylist(_agent_rows("agent:search", [0.0, 0.5], ds)),
+                   tmp_path / "answers" / "agents-sft.parquet")
+    pq.write_table(pa.Table.from_pylist(_agent_rows("agent:search", [0.5, 0.5], ds)),
+                   tmp_path / "answers" / "agents-grpo.parquet")
+    assert sorted(c.steps(str(tmp_path))) == [1, 2] and c.steps(str(tmp_path))[2]["actor/entropy"] == 2.0
+    assert c.collected_step(str(tmp_path)) == 2
+    assert c.heldout_f1(str(tmp_path)) == {"agent:search": {"sft": {"n": 2, "f1": 0.25}, "grpo": {"n": 2, "f1": 0.5}}}
+
+
 def test_snapshot_freezes_the_commit_whatever_the_working_tree_holds(tmp_path):
     """snapshot.py: the host's copy of the checkout is the commit's content (edited files put back, deleted ones
     restored, files added since the commit removed, untracked ones kept), checked file by file against git's blob
@@ -585,6 +647,19 @@ def test_snapshot_freezes_the_commit_whatever_the_working_tree_holds(tmp_path):
     assert (src / "pkg" / "a.py").read_text() == "A = 'half-done edit'\n"  # the checkout itself is untouched
     (dest / "pkg" / "b.py").write_text("B = 2\n")
     assert snapshot.verify(str(dest), doc["files"]) == ["pkg/b.py"]
+
+
+def test_agents_driver_names_the_base_of_a_collected_adapter_that_names_none(tmp_path):
+    """run_agents.py: GRPO's collected adapter (verl's LoRA checkpoint through collect) said
+    base_model_name_or_path: null and the registry refused to serve it (2026-11-27); the driver names the base it
+    trained from, and leaves an adapter that names one as it is."""
+    run_agents = importlib.import_module("run_agents")
+    cfg = tmp_path / "adapter_config.json"
+    cfg.write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": None, "r": 16}))
+    assert run_agents.fill_adapter_base(str(tmp_path), "/models/base") is True
+    assert json.loads(cfg.read_text()) == {"peft_type": "LORA", "base_model_name_or_path": "/models/base", "r": 16}
+    assert run_agents.fill_adapter_base(str(tmp_path), "/other") is False
+    assert json.loads(cfg.read_text())["base_model_name_or_path"] == "/models/base"
 
 
 def test_agents_driver_refuses_an_unknown_phase():

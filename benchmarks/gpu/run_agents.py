@@ -375,6 +375,21 @@ def phase_grpo(a, notes: list[str]) -> None:
     notes.append(f"collect: step {max(done)} of {sorted(done)}")
 
 
+def fill_adapter_base(adapter_dir: str, base: str) -> bool:
+    """Name ``base`` in an adapter's ``adapter_config.json`` where it names no base model (``collect`` of a verl LoRA
+    checkpoint wrote ``base_model_name_or_path: null`` on 2026-11-27, and the registry refuses to merge such an
+    adapter); True when it wrote it."""
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("base_model_name_or_path"):
+        return False
+    cfg["base_model_name_or_path"] = base
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return True
+
+
 def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) -> None:
     """One phase of ``--phases`` (answers outputs it publishes are appended to ``answers``). ``ready`` (a
     threading.Event) is set once the phase holds what it takes of the GPU: an answers phase when its vLLM server is
@@ -414,6 +429,9 @@ def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) ->
             notes.append("grpo-answers: no collected adapter")
             return
         local = storage.download_dir(src, f"{a.work}/grpo-adapter")
+        from memsifter.models import registry
+
+        fill_adapter_base(local, registry.resolve(BASE))
         answers += served_answers(a, local, "grpo", ready)
 
 
