@@ -17,12 +17,6 @@ from memsifter.store import hooks, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Stage modules that still call memsifter.testing.faults directly for their "saved" point (not this
-# area's files: they move to hooks.checkpoint with the retrieval work of issue 45).
-STILL_IMPORTING = {"memsifter/stages/agents.py", "memsifter/stages/chat.py", "memsifter/stages/embed.py",
-                   "memsifter/stages/evaluate.py", "memsifter/stages/rank.py"}
-
-
 def _imported(path: Path) -> set[str]:
     """Absolute names of the modules an import in ``path`` may load (``from pkg import name``: both)."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
@@ -41,7 +35,7 @@ def test_no_runtime_module_imports_the_fault_injection():
     bad = []
     for path in sorted((ROOT / "memsifter").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("memsifter/testing/") or rel in STILL_IMPORTING or "faults" not in path.read_text():
+        if rel.startswith("memsifter/testing/") or "faults" not in path.read_text():
             continue
         if hooks.FAULT_HOOKS in _imported(path):
             bad.append(rel)

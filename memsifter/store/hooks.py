@@ -11,7 +11,7 @@ The crash-resume tests' fault injection (``MEMSIFTER_KILL_AT``, ``MEMSIFTER_PAUS
 ``MEMSIFTER_CRASH_AFTER``: :mod:`memsifter.testing.faults`) is such a hook: the testing package
 registers it when imported. A process started with one of those variables set (a stage run as its own
 process, killed part-way) gets it at its first fault point, by name (:data:`FAULT_HOOKS`): the runtime
-never imports the testing package otherwise.
+never imports it otherwise.
 """
 
 from __future__ import annotations
