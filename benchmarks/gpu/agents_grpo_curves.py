@@ -25,7 +25,8 @@ COLS = [("critic/score/mean", "train reward", "{:.3f}"), ("response_length/mean"
         ("actor/entropy", "entropy", "{:.3f}"), ("timing_s/step", "step s", "{:.1f}"), ("timing_s/gen", "rollout s",
         "{:.1f}"), ("timing_s/old_log_prob", "old log-prob s", "{:.1f}"), ("timing_s/ref", "ref s", "{:.1f}"),
         ("timing_s/update_actor", "update s", "{:.1f}"), ("timing_s/save_checkpoint", "save s", "{:.1f}"),
-        ("rollout_tokens_per_s", "response tok/s (rollout)", "{:,.0f}"), ("perf/throughput", "verl tok/s", "{:,.0f}")]
+        ("rollout_tokens_per_s", "response tok/s (rollout)", "{:,.0f}"), ("perf/throughput", "verl tok/s", "{:,.0f}"),
+        ("actor/perf/max_memory_allocated_gb", "actor peak GB", "{:.1f}")]
 
 
 def steps(folder: str) -> dict[int, dict]:
@@ -62,6 +63,13 @@ def heldout_f1(folder: str) -> dict[str, dict]:
     return out
 
 
+def train_seconds(folder: str) -> float | None:
+    """The train stage's wall seconds as the driver noted them (``train: … after Ns``)."""
+    path = os.path.join(folder, "agents.md")
+    m = re.search(r"train: .*? after (\d+)s", open(path).read()) if os.path.exists(path) else None
+    return float(m.group(1)) if m else None
+
+
 def collected_step(folder: str) -> int | None:
     path = os.path.join(folder, "agents.md")
     m = re.search(r"collect: step (\d+)", open(path).read()) if os.path.exists(path) else None
@@ -89,6 +97,11 @@ def main() -> int:
     for row in doc["steps"]:
         print(f"| {row['step']} | " + " | ".join(fmt.format(row[k]) if row[k] is not None else "–"
                                                  for k, _, fmt in COLS) + " |")
+    stepped = sum(r["timing_s/step"] or 0 for r in doc["steps"])
+    total = train_seconds(a.folder)
+    if total:
+        print(f"\ntrain stage {total:.0f} s: {len(doc['steps'])} steps {stepped:.0f} s, outside the steps (verl's start, "
+              f"the deadline's cut) {total - stepped:.0f} s")
     for m, v in doc["heldout_f1"].items():
         print(f"\nheld-out F1, {m}: " + ", ".join(f"step {s}: {f:.3f}" for s, f in v["points"])
               + f" (n {v['sft']['n']}" + (f" / {v['grpo']['n']}" if "grpo" in v else "") + ")")
