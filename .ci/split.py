@@ -1,7 +1,9 @@
 """Deal the test files into N groups of about equal time, for N pytest processes side by side (.ci/run).
 
-A file stays whole in one group (its module fixtures are built once). Files are taken heaviest first, each
-to the group with the least time so far, by .ci/test-seconds (a file's seconds in a CI run: its tests'
+A file stays whole in one group (its module fixtures are built once), and the files that use one of the
+costly session fixtures of tests/conftest.py (:data:`SHARED`: a vLLM server) stay together, so that each is
+started in one group only. Those units are taken heaviest first, each to the group with the least time so far,
+by .ci/test-seconds (a file's seconds in a CI run: its tests'
 setup, call and teardown from ``pytest --durations=0``); a file not listed there counts DEFAULT seconds.
 Prints one line per group: its files, space-separated. Usage: ``python .ci/split.py N``.
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT = 20.0
+SHARED = ("vllm_endpoint",)   # session fixtures worth starting once: the files naming one stay in one group
 
 
 def weights(path: Path = HERE / "test-seconds") -> dict[str, float]:
@@ -35,13 +38,27 @@ def weights(path: Path = HERE / "test-seconds") -> dict[str, float]:
     return out
 
 
+def units(files: list[str], root: Path = HERE.parent) -> list[list[str]]:
+    """The files, one unit each, but those naming a fixture of :data:`SHARED`: one unit per fixture."""
+    out: list[list[str]] = []
+    for name in SHARED:
+        users = [f for f in files if name in (root / f).read_text()]
+        if users:
+            out.append(users)
+            files = [f for f in files if f not in users]
+    return out + [[f] for f in files]
+
+
 def split(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
+    def cost(unit: list[str]) -> float:
+        return sum(seconds.get(f, DEFAULT) for f in unit)
+
     groups: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for f in sorted(files, key=lambda f: (-seconds.get(f, DEFAULT), f)):
+    for unit in sorted(units(files), key=lambda u: (-cost(u), u)):
         i = load.index(min(load))
-        groups[i].append(f)
-        load[i] += seconds.get(f, DEFAULT)
+        groups[i].extend(unit)
+        load[i] += cost(unit)
     return [sorted(g) for g in groups]
 
 
