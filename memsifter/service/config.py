@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import ConfigError
 from ..retrieval.ranker import RankerOptions
+from .extract import ExtractSettings
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Corpus and user ids: what a URL path segment and a storage key can hold safely.
@@ -125,6 +126,10 @@ class ServeConfig(_Model):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: Limits = Field(default_factory=Limits)
     ranker: RankerSettings | None = Field(None, description="the ranker (mode ranked); null: ranked falls back")
+    # mem0-compatible adds with fact extraction (issue 46; memsifter.service.extract)
+    extract: ExtractSettings | None = Field(None, description="mem0 adds (infer): the facts in the messages, "
+                                            "through this OpenAI-compatible endpoint; null: each message stored "
+                                            "as sent and nothing is sent anywhere")
     num_cpus: float = Field(1.0, gt=0, description="CPUs of a first-stage replica")
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(1, ge=1, description="first-stage replicas at most (each holds the whole index; "

@@ -4,7 +4,8 @@ A mem0 client points its base URL at ``<service>/mem0``: ``POST /memories`` (``m
 ``user_id`` / ``agent_id`` / ``run_id`` and ``metadata``), ``GET /memories`` (list), ``GET|PUT|DELETE
 /memories/{memory_id}``, ``GET /memories/{memory_id}/history``, ``DELETE /memories`` (all of an owner),
 ``POST /search`` (``filters``, ``limit``, ``threshold``) and ``POST /reset`` (an owner's memories and
-history). No LLM is called: each message is one memory, stored as sent.
+history). Each message is one memory, stored as sent; with ``extract`` configured, an add asks an LLM for
+the facts in the messages and what they do to the stored memories instead (:mod:`memsifter.service.extract`).
 
 Owner and tenancy. A memory belongs to its ``user_id``, else its ``agent_id``, else its ``run_id`` (the
 *owner*); an API key's grant is checked against the owner's id (read: list, get, history, search; write:
@@ -12,11 +13,13 @@ add, update, delete, reset). A memory id names its owner (``<kind>-<owner>~<rand
 a delete by id is authorised before anything is read.
 
 Storage, under ``<state>/mem0/<kind>-<owner>/``: an append-only log of event files
-(``ev-<time_ns>-<random>.json``, each one atomic write, done before the call returns: an add, update or
-delete is durable and searchable when its answer arrives). The owner's memories are the log replayed in
-name order: ``ADD`` (ignored when a memory of the same content and scope exists: the same content twice
-is one memory, also when two replicas race), ``UPDATE`` (the text replaced; the old one stays in the
-history) and ``DELETE``. ``POST /reset`` removes the owner's folder.
+(``ev-<time_ns>-<random>.json``, each an atomic write). An add, update or delete is durable and searchable
+when its answer arrives: the writes that arrive together are committed together (:class:`Committer`: on a
+local disk one journal append and one ``fdatasync`` per batch, the event files written after; on S3 the
+batch's objects PUT in parallel). The owner's memories are the log replayed in name order: ``ADD``
+(ignored when a memory of the same content and scope exists: the same content twice is one memory, also
+when two replicas race), ``UPDATE`` (the text replaced; the old one stays in the history) and ``DELETE``;
+an event read twice (its ``eid`` seen) changes nothing. ``POST /reset`` removes the owner's folder.
 
 Search: the owner's memories as a corpus (one session of one turn per memory), scored by the service's
 first stage (the embed stage's method: BM25 views and the dense leg); ``filters`` then apply (``AND`` /
@@ -30,7 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +51,8 @@ from .core import ApiError
 from .index import DENSE_METHODS, Corpus, build_lexical
 
 ROOT = "mem0"
+EID_PREFIX = uuid.uuid4().hex[:16]   # events' ids: this process's random prefix and a counter
+_eids = itertools.count(1)
 KINDS = ("user", "agent", "run")
 OPS = ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin", "contains", "icontains")
 
@@ -92,11 +100,19 @@ class Owner:
     version: int = 0
     corpus: Corpus | None = None
     corpus_version: int = -1
+    seen: set = field(default_factory=set)   # eids applied (an event file read again changes nothing)
+    by_key: dict = field(default_factory=dict)   # scope_hash -> a memory id (find_same without a scan)
+
+    def __post_init__(self) -> None:
+        if self.memories and not self.by_key:
+            for mid, m in self.memories.items():
+                self.by_key.setdefault(self.scope_hash(m), mid)
 
     def copy(self) -> "Owner":
-        """A copy to change beside this one (a reader in flight keeps iterating the original)."""
+        """A copy to change beside this one."""
         return Owner(self.kind, self.oid, list(self.files), {k: dict(v) for k, v in self.memories.items()},
-                     {k: list(v) for k, v in self.history.items()}, self.checked_at, self.version)
+                     {k: list(v) for k, v in self.history.items()}, self.checked_at, self.version,
+                     seen=set(self.seen), by_key=dict(self.by_key))
 
     @property
     def prefix_key(self) -> str:
@@ -106,31 +122,48 @@ class Owner:
         return (rec.get("agent_id"), rec.get("run_id"), rec.get("user_id"), rec["hash"])
 
     def find_same(self, rec: dict) -> dict | None:
-        key = self.scope_hash(rec)
-        for m in self.memories.values():
-            if self.scope_hash(m) == key:
-                return m
-        return None
+        mid = self.by_key.get(self.scope_hash(rec))
+        return self.memories.get(mid) if mid is not None else None
+
+    def _unindex(self, m: dict) -> None:
+        key = self.scope_hash(m)
+        if self.by_key.get(key) == m["id"]:
+            del self.by_key[key]
+            for other in self.memories.values():   # another memory of the same content (after an UPDATE)
+                if other is not m and self.scope_hash(other) == key:
+                    self.by_key[key] = other["id"]
+                    break
 
     def apply(self, ev: dict) -> bool:
-        """Replay one event; False when it changes nothing (an ADD of content already there)."""
+        """Replay one event; False when it changes nothing (an ADD of content already there, an event
+        applied before)."""
         mid, kind = ev["id"], ev["event"]
+        eid = ev.get("eid")
+        if eid is not None:
+            if eid in self.seen:
+                return False
+            self.seen.add(eid)
         if kind == "ADD":
             if mid in self.memories or self.find_same(ev):
                 return False
             self.memories[mid] = {k: ev.get(k) for k in ("id", "memory", "hash", "metadata", "user_id", "agent_id",
                                                          "run_id", "role")}
             self.memories[mid].update(created_at=ev["at"], updated_at=None)
+            self.by_key[self.scope_hash(ev)] = mid
         elif kind == "UPDATE":
             m = self.memories.get(mid)
             if m is None:
                 return False
+            self._unindex(m)
             m.update(memory=ev["memory"], hash=ev["hash"], updated_at=ev["at"])
             if ev.get("metadata") is not None:
                 m["metadata"] = ev["metadata"]
+            self.by_key.setdefault(self.scope_hash(m), mid)
         elif kind == "DELETE":
-            if self.memories.pop(mid, None) is None:
+            m = self.memories.pop(mid, None)
+            if m is None:
                 return False
+            self._unindex(m)
         self.version += 1
         h = self.history.setdefault(mid, [])
         h.append({"id": f"{mid}.{len(h) + 1}", "memory_id": mid, "old_memory": ev.get("old_memory"),
@@ -161,11 +194,320 @@ def read_log(state: str, owner: Owner) -> Owner:
     return owner
 
 
-def write_events(state: str, owner: Owner, events: list[dict]) -> str:
-    name = f"ev-{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.json"
-    storage.write_atomic(storage.join(owner_prefix(state, owner.kind, owner.oid), name),
-                         json.dumps(events).encode("utf-8"))
-    return name
+def event_name() -> str:
+    return f"ev-{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.json"
+
+
+# --------------------------------------------------------------------------- group commit
+WAL = "_wal"
+CHECKPOINT_BYTES = 8 << 20      # a journal segment is checkpointed past this size ...
+CHECKPOINT_S = 30.0             # ... or this age
+FILES_EVERY_S = 0.2             # journalled events written to event files at most this often
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _syncfs(path: str) -> None:
+    """Every file written on ``path``'s filesystem on disk (``syncfs(2)``; ``sync(2)`` where it is missing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    os.sync()
+
+
+def _write_local(path: str, data: bytes) -> None:
+    """A file, atomically (temp file + rename), without an fsync of its own."""
+    storage.check_no_symlink(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _owner_dir(name: str) -> bool:
+    kind, _, oid = name.partition("-")
+    return kind in KINDS and bool(ID_RE.match(oid))
+
+
+class Committer:
+    """Group commit of one process's writes to a state (one per state and process: :meth:`of`).
+
+    The writes that arrive while a batch is being written form the next batch, written by one thread
+    call; a write's caller awaits its batch (acknowledged = on disk).
+
+    * ``s3://`` state: the batch's event files PUT in parallel (each durable when its PUT returns).
+    * Local state: a write-ahead journal, ``<state>/mem0/_wal/<segment>.log`` (one segment per process,
+      held with ``flock``): the batch's records appended, then one ``fdatasync``: the batch is on disk
+      and acknowledged. A background thread then writes each owner's journalled events as one event
+      file (file creation, not the fsync, is what a disk does a few hundred of per second: one file per
+      owner and pass, whatever the number of adds), without an fsync of its own. Until then the events
+      are *pending*: every read of the owner in this process applies them (:meth:`pending_of`), and an
+      event file read again later changes nothing (events carry an ``eid``, applied once). A checkpoint
+      (the segment past :data:`CHECKPOINT_BYTES` or :data:`CHECKPOINT_S`, and before a reset) starts a
+      new segment, writes what is pending, syncs the filesystem and removes the old segments. Segments no
+      live process holds (it died) are recovered before this process's first read or write: the events
+      missing from their owner's files written as one file per owner.
+    """
+
+    _all: dict[str, "Committer"] = {}
+    _all_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, state: str) -> "Committer":
+        key = state if storage.is_s3(state) else os.path.realpath(storage.resolve(state)[1])
+        with cls._all_lock:
+            c = cls._all.get(key)
+            if c is None:
+                c = cls._all[key] = cls(state)
+            return c
+
+    def __init__(self, state: str):
+        self.state = state
+        self.local = not storage.is_s3(state)
+        self.root = storage.resolve(storage.join(state, ROOT))[1] if self.local else ""
+        self.wal_dir = os.path.join(self.root, WAL) if self.local else ""
+        # per event loop: (owner dir, events, file name, caller) waiting for the next batch, and its task
+        self._queues: dict[Any, list[tuple[str, list[dict], str, asyncio.Future]]] = {}
+        self._tasks: dict[Any, asyncio.Task] = {}
+        self._seg_lock = threading.Lock()        # the segment: a batch's append and sync, a rotation
+        self._lock = threading.Lock()            # pending (held briefly: readers on the event loop take it)
+        self._wake = threading.Condition(self._lock)
+        self._start_lock = threading.Lock()
+        self._files_lock = threading.Lock()    # one pass of event files at a time (a checkpoint waits for it)
+        self._started = False
+        self._writer: threading.Thread | None = None
+        self.pending: dict[str, list[dict]] = {}  # owner dir -> events journalled, not yet in an event file
+        self.fd: int | None = None
+        self.segment = ""
+        self.size = 0
+        self.opened = 0.0
+        self.old: list[tuple[int, str]] = []
+        self.recovered = 0
+        self.batches = self.writes = self.files = 0
+        self.failed: BaseException | None = None
+
+    # ------------------------------------------------------------------ the callers' side (event loop)
+    async def write(self, owner_dir: str, events: list[dict]) -> str | None:
+        """``events`` of the owner ``<state>/mem0/<owner_dir>`` on disk when this returns; the name of their
+        event file when it is written now (``s3://``), None when it is journalled (local)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        name = None if self.local else event_name()
+        self._queues.setdefault(loop, []).append((owner_dir, events, name or "", fut))
+        if loop not in self._tasks:
+            self._tasks[loop] = loop.create_task(self._run(loop))
+        await fut
+        return name
+
+    async def _run(self, loop: Any) -> None:
+        try:
+            while True:
+                batch = self._queues.pop(loop, [])
+                if not batch:
+                    return
+                try:
+                    errors = await asyncio.to_thread(self._commit, [q[:3] for q in batch])
+                except BaseException as e:  # noqa: BLE001 - every caller of the batch gets it
+                    errors = [e] * len(batch)
+                for (*_, fut), err in zip(batch, errors):
+                    if not fut.done():
+                        fut.set_result(None) if err is None else fut.set_exception(err)
+        finally:
+            self._tasks.pop(loop, None)
+
+    async def ready(self) -> None:
+        """Before this process's first read or write: what a dead process journalled is in place."""
+        if not self._started:
+            await asyncio.to_thread(self.start)
+
+    def pending_of(self, owner_dir: str) -> list[dict]:
+        with self._lock:
+            return list(self.pending.get(owner_dir, ()))
+
+    async def checkpoint(self) -> None:
+        """Every write so far in an event file on disk, and no journal segment refers to it any more
+        (before a reset removes a folder: nothing may write it again)."""
+        await self.ready()
+        if self.local:
+            await asyncio.to_thread(self._checkpoint)
+
+    # ------------------------------------------------------------------ the threads' side
+    def start(self) -> None:
+        with self._start_lock:
+            if self._started:
+                return
+            if self.local:
+                storage.check_no_symlink(self.wal_dir)
+                os.makedirs(self.wal_dir, exist_ok=True)
+                self.recovered = self._recover()
+                with self._seg_lock:
+                    self._open_segment()
+                self._writer = threading.Thread(target=self._materialize_loop, name="mem0-files", daemon=True)
+                self._writer.start()
+            self._started = True
+
+    def _commit(self, items: list[tuple[str, list[dict], str]]) -> list[BaseException | None]:
+        self.start()
+        errors: list[BaseException | None] = [None] * len(items)
+        for i, (d, _, _) in enumerate(items):
+            if not _owner_dir(d):
+                errors[i] = ValueError(f"not an owner's folder: {d[:100]!r}")
+        ok = [it for it, e in zip(items, errors) if e is None]
+        if not self.local:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def put(item: tuple[str, list[dict], str]) -> None:
+                storage.write_atomic(storage.join(self.state, ROOT, item[0], item[2]),
+                                     json.dumps(item[1]).encode("utf-8"))
+            with ThreadPoolExecutor(max(1, min(16, len(ok)))) as pool:
+                futs = iter([pool.submit(put, it) for it in ok])
+            for i, e in enumerate(errors):
+                if e is None:
+                    errors[i] = next(futs).exception()
+            self.batches += 1
+            self.writes += len(items)
+            return errors
+        buf = b"".join(b'{"f": ' + json.dumps(d).encode() + b', "d": ' + json.dumps(ev).encode("utf-8") + b"}\n"
+                       for d, ev, _ in ok)
+        with self._seg_lock:   # appended and pending before a rotation can start: a checkpoint sees both
+            view = memoryview(buf)
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fdatasync(self.fd)
+            self.size += len(buf)
+            with self._lock:
+                for d, ev, _ in ok:
+                    self.pending.setdefault(d, []).extend(ev)
+                self.batches += 1
+                self.writes += len(items)
+                self._wake.notify()
+        return errors
+
+    def _open_segment(self) -> None:
+        """A new segment (the caller holds the segment lock); the current one joins ``old``."""
+        import fcntl
+
+        path = os.path.join(self.wal_dir, f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for d in (self.wal_dir, self.root):   # the segment findable after a power cut
+            _fsync_dir(d)
+        if self.fd is not None:
+            self.old.append((self.fd, self.segment))
+        self.fd, self.segment, self.size, self.opened = fd, path, 0, time.time()
+
+    def _materialize(self) -> None:
+        """Write what is pending: one event file per owner (then it is no longer pending)."""
+        with self._files_lock:
+            with self._lock:   # a copy: the batch thread appends to the lists meanwhile
+                todo = {d: list(events) for d, events in self.pending.items()}
+            failed: dict[str, list[dict]] = {}
+            for d, events in todo.items():
+                try:
+                    _write_local(os.path.join(self.root, d, event_name()), json.dumps(events).encode("utf-8"))
+                    self.files += 1
+                except Exception as e:  # noqa: BLE001 - kept pending (and journalled); retried on the next pass
+                    failed[d] = events
+                    self.failed = e
+            with self._lock:   # what was written is no longer pending (only appended to: its head), the rest is
+                for d, events in todo.items():
+                    if d not in failed:
+                        rest = self.pending[d][len(events):]
+                        if rest:
+                            self.pending[d] = rest
+                        else:
+                            del self.pending[d]
+            if failed:
+                raise RuntimeError(f"mem0: event files not written (kept in the journal): {self.failed}")
+
+    def _checkpoint(self) -> None:
+        with self._seg_lock:
+            if self.size:
+                self._open_segment()
+            old, self.old = self.old, []
+        if not old:
+            return
+        self._materialize()   # everything the old segments hold is pending or written by now
+        _syncfs(self.root)
+        for fd, path in old:
+            os.unlink(path)
+            os.close(fd)
+        _fsync_dir(self.wal_dir)
+
+    def _materialize_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self.pending and not (self.size and time.time() - self.opened > CHECKPOINT_S):
+                    self._wake.wait(CHECKPOINT_S / 3)
+                due = self.size > CHECKPOINT_BYTES or (self.size and time.time() - self.opened > CHECKPOINT_S)
+            try:
+                self._checkpoint() if due else self._materialize()
+            except Exception:  # noqa: BLE001 - the journal still holds it; the next pass retries
+                time.sleep(1.0)
+            time.sleep(FILES_EVERY_S)   # what comes meanwhile goes into the same files
+
+    def _recover(self) -> int:
+        """Replay the segments of dead processes: each owner's events missing from its event files
+        written as one file; returns the events written again."""
+        import fcntl
+
+        fixed = 0
+        for name in sorted(os.listdir(self.wal_dir)):
+            if not name.endswith(".log"):
+                continue
+            path = os.path.join(self.wal_dir, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:   # a live process's segment
+                    continue
+                journalled: dict[str, list[dict]] = {}
+                with open(path, "rb") as f:
+                    for line in f.read().split(b"\n"):
+                        try:
+                            rec = json.loads(line)
+                            d, events = rec["f"], rec["d"]
+                        except (ValueError, KeyError, TypeError):
+                            break   # a torn tail: that batch was never acknowledged
+                        if isinstance(d, str) and _owner_dir(d) and isinstance(events, list):
+                            journalled.setdefault(d, []).extend(e for e in events if isinstance(e, dict))
+                for d, events in journalled.items():
+                    have = set()
+                    folder = os.path.join(self.root, d)
+                    for n in os.listdir(folder) if os.path.isdir(folder) else []:
+                        if n.startswith("ev-") and n.endswith(".json"):
+                            try:
+                                with open(os.path.join(folder, n), "rb") as f:
+                                    have.update(e.get("eid") for e in json.loads(f.read()))
+                            except (OSError, ValueError, AttributeError):
+                                os.unlink(os.path.join(folder, n))   # torn by the power cut: rewritten below
+                    missing = [e for e in events if e.get("eid") not in have]
+                    if missing:
+                        _write_local(os.path.join(folder, event_name()), json.dumps(missing).encode("utf-8"))
+                        fixed += len(missing)
+                _syncfs(self.root)
+                os.unlink(path)
+            finally:
+                os.close(fd)
+        _fsync_dir(self.wal_dir)
+        return fixed
 
 
 # --------------------------------------------------------------------------- filters
@@ -251,9 +593,16 @@ class Mem0API:
         self.svc = service
         self._owners: dict[tuple[str, str], Owner] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._committer: Committer | None = None
 
     def _state(self) -> str:
         return self.svc._need_state()
+
+    @property
+    def committer(self) -> Committer:
+        if self._committer is None:
+            self._committer = Committer.of(self._state())
+        return self._committer
 
     def _lock(self, key: tuple[str, str]) -> asyncio.Lock:
         lock = self._locks.get(key)
@@ -268,9 +617,19 @@ class Mem0API:
         cur = self._owners.get((kind, oid))
         if cur is not None and time.time() - cur.checked_at < self.svc.cfg.memory_refresh_s:
             return cur
-        new = await asyncio.to_thread(read_log, self._state(), cur or Owner(kind, oid))
+        await self.committer.ready()
+        new = self._with_pending(await asyncio.to_thread(read_log, self._state(), cur or Owner(kind, oid)))
         self._owners[(kind, oid)] = new
         return new
+
+    def _with_pending(self, owner: Owner) -> Owner:
+        """``owner`` with this process's writes that are on disk in the journal, not yet in an event file."""
+        todo = [e for e in self.committer.pending_of(owner.prefix_key) if e.get("eid") not in owner.seen]
+        if todo:
+            owner = owner.copy()
+            for ev in todo:
+                owner.apply(ev)
+        return owner
 
     async def owner(self, kind: str, oid: str, fresh: bool = False) -> Owner:
         """The owner's memories, re-read from the store when older than ``memory_refresh_s`` (other
@@ -280,9 +639,10 @@ class Mem0API:
         cur = self._owners.get(key)
         if cur and not fresh and time.time() - cur.checked_at < self.svc.cfg.memory_refresh_s:
             return cur
+        await self.committer.ready()
         async with self._lock(key):
             cur = self._owners.get(key) or Owner(kind, oid)
-            new = await asyncio.to_thread(read_log, state, cur)
+            new = self._with_pending(await asyncio.to_thread(read_log, state, cur))
             self._owners[key] = new
             return new
 
@@ -295,7 +655,10 @@ class Mem0API:
         return out
 
     async def add(self, p: Principal, messages: list[dict], user_id: str | None, agent_id: str | None,
-                  run_id: str | None, metadata: dict | None) -> dict:
+                  run_id: str | None, metadata: dict | None, infer: bool | None = None) -> dict:
+        """mem0's add: each message one memory, stored as sent; with ``extract`` configured and ``infer``
+        not false, the facts an LLM finds in the messages, added to or changing the owner's memories
+        (:mod:`memsifter.service.extract`)."""
         kind, oid = owner_of(user_id, agent_id, run_id)
         p.require("write", oid)
         self._state()   # 503 without a state store
@@ -307,31 +670,135 @@ class Mem0API:
             if len(msg["content"]) > lim.max_turn_chars:
                 raise Mem0Error(413, f"messages[{i}].content: {len(msg['content'])} characters, at most "
                                 f"{lim.max_turn_chars} (limits.max_turn_chars)")
+        settings = getattr(self.svc.cfg, "extract", None)
+        if settings is not None and infer is not False:
+            return await self._add_inferred(settings, kind, oid, messages, user_id, agent_id, run_id, metadata)
+        return {"results": await self._add_as_sent(kind, oid, [(m["content"], m.get("role")) for m in messages],
+                                                   user_id, agent_id, run_id, metadata)}
+
+    async def _add_as_sent(self, kind: str, oid: str, texts: list[tuple[str, str | None]], user_id: str | None,
+                           agent_id: str | None, run_id: str | None, metadata: dict | None) -> list[dict]:
+        """``texts`` ((text, role) pairs) added, each one memory; the same content twice is one."""
+        lim = self.svc.cfg.limits
         async with self._lock((kind, oid)):
             owner = await self._held(kind, oid)
-            if len(owner.memories) + len(messages) > lim.max_user_sessions:
+            if len(owner.memories) + len(texts) > lim.max_user_sessions:
                 raise Mem0Error(413, f"{kind} '{oid}' would hold more than {lim.max_user_sessions} memories "
                                 "(limits.max_user_sessions)")
             at = now()
             events, results = [], []
-            trial = Owner(kind, oid, memories=dict(owner.memories))   # what this request's messages add up to
-            for msg in messages:
-                text = msg["content"]
+            here: dict[tuple, dict] = {}   # this request's own messages: the same content twice is one memory
+            for text, role in texts:
                 if not text.strip():
                     continue
-                ev = {"event": "ADD", "id": f"{kind}-{oid}~{uuid.uuid4().hex}", "memory": text,
-                      "hash": text_hash(text), "metadata": metadata, "user_id": user_id, "agent_id": agent_id,
-                      "run_id": run_id, "role": msg.get("role"), "at": at}
-                same = trial.find_same(ev)
+                ev = self._add_event(kind, oid, text, role, metadata, user_id, agent_id, run_id, at)
+                same = owner.find_same(ev) or here.get(owner.scope_hash(ev))
                 if same is not None:
                     results.append({"id": same["id"], "memory": same["memory"], "event": "NONE"})
                     continue
-                trial.apply(ev)
+                here[owner.scope_hash(ev)] = ev
                 events.append(ev)
                 results.append({"id": ev["id"], "memory": text, "event": "ADD"})
             if events:
                 await self._write(owner, events)
-        return {"results": results}
+        return results
+
+    @staticmethod
+    def _add_event(kind: str, oid: str, text: str, role: str | None, metadata: dict | None, user_id: str | None,
+                   agent_id: str | None, run_id: str | None, at: str) -> dict:
+        return {"event": "ADD", "id": f"{kind}-{oid}~{uuid.uuid4().hex}", "memory": text, "hash": text_hash(text),
+                "metadata": metadata, "user_id": user_id, "agent_id": agent_id, "run_id": run_id, "role": role,
+                "at": at}
+
+    # ------------------------------------------------------------------ adds with fact extraction
+    def _extractor(self, settings: Any) -> Any:
+        from .extract import Extractor
+
+        ex = getattr(self, "_ex", None)
+        if ex is None or ex.settings is not settings:
+            ex = self._ex = Extractor(settings)
+        return ex
+
+    async def _similar(self, owner: Owner, facts: list[str], k: int) -> list[dict]:
+        """The owner's memories shown to the model: all of them up to ``k``, else the most similar to each
+        fact by the first stage (in turn, until ``k``)."""
+        mems = list(owner.memories.values())
+        if len(mems) <= k:
+            return mems
+        corpus = await self._corpus(owner)
+        ranked = [(await self.svc.first_stage(self.svc.state, corpus, f))[0] for f in facts]
+        out: dict[str, dict] = {}
+        for rank in range(len(mems)):
+            for order in ranked:
+                if rank < len(order) and len(out) < k:
+                    m = owner.memories.get(corpus.sessions[order[rank]].session_id)
+                    if m is not None:
+                        out.setdefault(m["id"], m)
+            if len(out) >= k:
+                break
+        return list(out.values())
+
+    async def _add_inferred(self, settings: Any, kind: str, oid: str, messages: list[dict], user_id: str | None,
+                            agent_id: str | None, run_id: str | None, metadata: dict | None) -> dict:
+        from .extract import Malformed
+
+        ex = self._extractor(settings)
+        lim = self.svc.cfg.limits
+        info: dict[str, Any] = {"status": "ok", "llm_calls": 1}
+        try:
+            facts = await ex.facts(messages, lim.max_turn_chars)
+            info["facts"] = facts
+            ops = [{"event": "ADD", "ref": None, "text": f} for f in facts]
+            stored: list[dict] = []
+            if facts:
+                owner = await self.owner(kind, oid)
+                stored = await self._similar(owner, facts, settings.similar) if owner.memories else []
+            if stored:
+                info["llm_calls"] = 2
+                ops, dropped = await ex.decisions([m["memory"] for m in stored], facts, lim.max_turn_chars)
+                if dropped:
+                    info["ignored"] = dropped
+        except Malformed as e:
+            info = {"status": "fallback", "llm_calls": info["llm_calls"],
+                    "detail": f"{e}; the messages were stored as sent"}
+            results = await self._add_as_sent(kind, oid, [(m["content"], m.get("role")) for m in messages],
+                                              user_id, agent_id, run_id, metadata)
+            return {"results": results, "extraction": info}
+        async with self._lock((kind, oid)):
+            owner = await self._held(kind, oid)
+            at = now()
+            events, results = [], []
+            trial = Owner(kind, oid, memories={k: dict(v) for k, v in owner.memories.items()})
+            for op in ops:
+                ref = stored[int(op["ref"])]["id"] if op["ref"] is not None else None
+                m = trial.memories.get(ref) if ref else None
+                event = op["event"]
+                if event == "UPDATE" and m is None:   # gone meanwhile: the fact is added
+                    event = "ADD"
+                if event == "ADD":
+                    if len(trial.memories) >= lim.max_user_sessions:
+                        raise Mem0Error(413, f"{kind} '{oid}' would hold more than {lim.max_user_sessions} "
+                                        "memories (limits.max_user_sessions)")
+                    ev = self._add_event(kind, oid, op["text"], "user", metadata, user_id, agent_id, run_id, at)
+                    if trial.find_same(ev) is not None:
+                        continue
+                    results.append({"id": ev["id"], "memory": op["text"], "event": "ADD"})
+                elif event == "UPDATE":
+                    if m["memory"] == op["text"]:
+                        continue
+                    ev = {"event": "UPDATE", "id": ref, "memory": op["text"], "hash": text_hash(op["text"]),
+                          "old_memory": m["memory"], "metadata": None, "role": m.get("role"), "at": at}
+                    results.append({"id": ref, "memory": op["text"], "event": "UPDATE", "previous_memory": m["memory"]})
+                elif event == "DELETE" and m is not None:
+                    ev = {"event": "DELETE", "id": ref, "old_memory": m["memory"], "role": m.get("role"), "at": at}
+                    results.append({"id": ref, "memory": m["memory"], "event": "DELETE"})
+                else:
+                    continue
+                trial.apply(ev)
+                events.append(ev)
+            if events:
+                await self._write(owner, events)
+        return {"results": results, "extraction": info}
 
     async def _memory(self, p: Principal, memory_id: str, action: str) -> tuple[Owner, dict]:
         kind, oid = owner_of_memory(memory_id)
@@ -354,14 +821,17 @@ class Mem0API:
         return {"results": [self.public(m) for m in owner.memories.values() if matches(m, scope)]}
 
     async def _write(self, owner: Owner, events: list[dict]) -> Owner:
-        """``events`` written (one atomic file), then applied to a copy of ``owner`` that replaces it."""
-        name = await asyncio.to_thread(write_events, self._state(), owner, events)
-        new = owner.copy()
+        """``events`` written (one event file, on disk when this returns: :class:`Committer`), then applied
+        to a copy of ``owner`` that replaces it."""
         for ev in events:
-            new.apply(ev)
-        new.files.append(name)
-        self._owners[(owner.kind, owner.oid)] = new
-        return new
+            ev["eid"] = f"{EID_PREFIX}{next(_eids):x}"
+        name = await self.committer.write(owner.prefix_key, events)
+        for ev in events:   # in place (the caller holds the owner's lock; a reader iterates without awaiting)
+            owner.apply(ev)
+        if name:
+            owner.files.append(name)
+        self._owners[(owner.kind, owner.oid)] = owner
+        return owner
 
     async def update(self, p: Principal, memory_id: str, text: str, metadata: dict | None) -> dict:
         kind, oid = owner_of_memory(memory_id)
@@ -408,9 +878,18 @@ class Mem0API:
         kind, oid = owner_of(user_id, agent_id, run_id)
         p.require("write", oid)
         async with self._lock((kind, oid)):
-            await asyncio.to_thread(storage.delete, owner_prefix(self._state(), kind, oid))
+            await self.committer.checkpoint()   # no journal record left that would write the folder again
+            await asyncio.to_thread(self._delete_owner, kind, oid)
             self._owners.pop((kind, oid), None)
         return {"message": f"Reset all memories of {kind} '{oid}'"}
+
+    def _delete_owner(self, kind: str, oid: str) -> None:
+        prefix = owner_prefix(self._state(), kind, oid)
+        storage.delete(prefix)
+        if self.committer.local:   # the removal on disk before the answer
+            parent = storage.resolve(storage.join(self._state(), ROOT))[1]
+            if os.path.isdir(parent):
+                _fsync_dir(parent)
 
     async def history(self, p: Principal, memory_id: str) -> list[dict]:
         kind, oid = owner_of_memory(memory_id)
