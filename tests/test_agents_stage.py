@@ -489,12 +489,13 @@ def test_chart_wires_the_memory_service_url_into_the_agents_stage():
     from memsifter import pipeline
     from memsifter_dev.k8s import chart
 
+    from memsifter.k8s.plan import chart_plan
+
     def values(serve: bool, agents_cfg: dict | None = None) -> dict:
-        stages = {n: {"enabled": True} for n in ("import", "embed", "agents")}
-        stages["import"]["config"] = {"format": "locomo", "source": "s3://bkt/raw/locomo.json"}
-        if agents_cfg:
-            stages["agents"]["config"] = agents_cfg
-        return {"run": {"id": "r1"}, "s3": {"bucket": "bkt"}, "stages": stages, "serve": {"enabled": serve}}
+        spec = {"run": "s3://bkt/runs/r1", "stages": {
+            "import": {"format": "locomo", "source": "s3://bkt/raw/locomo.json"}, "embed": {},
+            "agents": dict(agents_cfg or {})}}
+        return {"run": {"id": "r1"}, "s3": {"bucket": "bkt"}, "pipeline": chart_plan(spec), "serve": {"enabled": serve}}
 
     def rendered(v: dict) -> tuple[dict, list[dict]]:
         docs = chart.render_docs([], values=v, namespace="mem")

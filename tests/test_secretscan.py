@@ -159,7 +159,8 @@ def test_rendered_manifests(tmp_path):
         assert secretscan.scan_text(chart.render([f]), f.name) == [], f
     keys = fake_keys()
     # a key pasted into values (instead of a Secret reference) shows up in the rendered manifests
-    values = {"stages": {"synth": {"enabled": True, "env": [
+    from memsifter.k8s.plan import chart_plan
+    values = {"pipeline": chart_plan({"run": "s3://bkt/runs/r", "stages": {"synth": {}}}), "stages": {"synth": {"env": [
         {"name": "AWS_ACCESS_KEY_ID", "value": keys["aws-access-key-id"]},
         {"name": "AWS_SECRET_ACCESS_KEY", "value": keys["aws-secret-access-key"]},
         {"name": "OPENAI_API_KEY", "value": keys["openai-api-key"]},
