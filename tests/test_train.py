@@ -15,8 +15,12 @@ from memsifter.store import storage
 from memsifter.errors import ConfigError
 from memsifter.stage import code_version
 from memsifter.stages import train
-from memsifter.stages.train import (COMPLETE_MARKER, TRACKER, S3CheckpointCallback, TrainConfig, complete_steps,
-                                    missing_files, placement_request, verl_overrides)
+from memsifter.stages.train import TrainConfig
+from memsifter.training import checkpoints, placement, verl_config, verl_settings
+from memsifter.training.checkpoints import (COMPLETE_MARKER, TRACKER, S3CheckpointCallback, complete_steps,
+                                            missing_files)
+from memsifter.training.placement import placement_request
+from memsifter.training.verl_config import verl_overrides
 
 
 def fake_prepare_rl(uri: str) -> str:
@@ -188,7 +192,7 @@ DEFAULT_OVERRIDES = [
 def test_default_verl_command_is_unchanged(monkeypatch):
     import importlib.util
 
-    for k in (*train.FORWARD_ENV, "VERL_USE_EXTERNAL_MODULES", "VLLM_USE_FLASHINFER_SAMPLER"):
+    for k in (*verl_config.FORWARD_ENV, "VERL_USE_EXTERNAL_MODULES", "VLLM_USE_FLASHINFER_SAMPLER"):
         monkeypatch.delenv(k, raising=False)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -229,22 +233,22 @@ def test_verl_block_merges_over_the_recipe_in_verls_names(tmp_path):
 def test_every_recipe_key_is_a_key_of_verls_config():
     """The recipe and the names of the former `dapo:` settings point at keys verl's composed config has (or
     the few it reads without declaring), so a verl upgrade that renames one fails here."""
-    schema = train.verl_schema()
+    schema = verl_settings.verl_schema()
     if schema is None:
         pytest.skip("verl is not installed")
-    for path, value in train.leaves(train.merged()):
-        train.check_key(path, value, f"recipe {path}")
+    for path, value in verl_settings.leaves(verl_settings.merged()):
+        verl_settings.check_key(path, value, f"recipe {path}")
     import yaml as _yaml
     from importlib import resources
 
-    legacy = _yaml.safe_load(resources.files("memsifter").joinpath(*train.LEGACY).read_text())
+    legacy = _yaml.safe_load(resources.files("memsifter").joinpath(*verl_settings.LEGACY).read_text())
     for old, new in legacy.items():
         for path in ([new] if isinstance(new, str) else new if isinstance(new, list) else []):
-            train.check_key(path, None, f"legacy {old}")
+            verl_settings.check_key(path, None, f"legacy {old}")
 
 
 def test_a_typo_under_verl_is_one_line_with_a_suggestion(tmp_path):
-    if train.verl_schema() is None:
+    if verl_settings.verl_schema() is None:
         pytest.skip("verl is not installed")
     with pytest.raises(ConfigError) as e:
         TrainConfig(output="o", data="d", verl={"actor_rollout_ref": {"rollout": {"tensor_parallel_size": 2}}})
@@ -327,7 +331,7 @@ def test_a_users_verl_override_file_works_as_is(tmp_path):
     ov = dict(o.split("=", 1) for o in ovs)
     assert ov["actor_rollout_ref.rollout.max_model_len"] == str(135168 + 2048)  # derived from the file's value
     assert ov["+reward.reward_kwargs.max_resp_len"] == "2048"
-    composed = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
+    composed = yaml.safe_load(verl_config.compose(cfg, ovs, in_process=True))
     assert composed["actor_rollout_ref"]["rollout"]["n"] == 12 and composed["trainer"]["save_freq"] == 7
     assert composed["trainer"]["test_freq"] == 3 and composed["data"]["max_response_length"] == 2048
     assert composed["reward"]["reward_kwargs"]["overlong_buffer_cfg"]["len"] == 256
@@ -339,7 +343,7 @@ def test_a_users_verl_override_file_works_as_is(tmp_path):
     f.write_text("# ok\ntrainer.nnodes=2\n")
     with pytest.raises(ConfigError, match=rf"^{f}: line 2: trainer.nnodes: set by the train config's `nnodes`"):
         verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
-    if train.verl_schema() is not None:
+    if verl_settings.verl_schema() is not None:
         f.write_text("actor_rollout_ref.rollout.temprature=0.5\n")
         with pytest.raises(ConfigError, match=rf"^{f}: line 1: actor_rollout_ref.rollout.temprature: .*'temperature'"):
             verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"])
@@ -357,7 +361,7 @@ def test_the_former_dapo_section_is_refused_with_its_replacement():
     assert "fast_logprobs: false" in msg
     with pytest.raises(ConfigError, match=r"train.dapo.rollout_tp: no such former setting \(did you mean 'rollout_top_p'"):
         TrainConfig(output="o", data="d", dapo={"rollout_tp": 1})
-    block, fields = train.from_dapo({"use_kl": True, "grad_clip": 0.5})
+    block, fields = verl_settings.from_dapo({"use_kl": True, "grad_clip": 0.5})
     assert block == {"algorithm": {"use_kl_in_reward": True}, "actor_rollout_ref": {"actor": {
         "use_kl_loss": True, "optim": {"clip_grad": 0.5}}}} and fields == {}
 
@@ -409,7 +413,7 @@ def test_dry_run_composes_a_config_verl_accepts(tmp_path):
         TrainConfig(output=out, data=data, extra_overrides=["actor_rollout_ref.actor.no_such_knob=1"])
     good = TrainConfig(output=out, data=data)
     with pytest.raises(ConfigError, match="Could not override 'actor_rollout_ref.actor.no_such_knob'"):
-        train.compose(good, [*verl_overrides(good, ["/x/train.parquet"], ["/x/test.parquet"]),
+        verl_config.compose(good, [*verl_overrides(good, ["/x/train.parquet"], ["/x/test.parquet"]),
                              "actor_rollout_ref.actor.no_such_knob=1"], in_process=True)
 
 
@@ -461,7 +465,7 @@ def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_
     local = str(tmp_path / "node" / "checkpoints")
     write_fake_step(local, 5)
     write_fake_step(local, 10, skip=("actor/model_world_size_2_rank_1.pt",))  # a node's upload is missing
-    monkeypatch.setenv(train.ENV_CHECKPOINT_URI, ckpt)
+    monkeypatch.setenv(checkpoints.ENV_CHECKPOINT_URI, ckpt)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     # a real (local, one-node) Ray cluster: the per-node upload and staging run as Ray tasks
@@ -475,7 +479,7 @@ def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_
         fresh = {"root": str(tmp_path / "fresh"), "data": str(tmp_path / "fresh" / "data"),
                  "model": str(tmp_path / "fresh" / "model"), "checkpoints": str(tmp_path / "fresh" / "ckpt")}
         data = fake_prepare_rl(storage.join(s3_root, "rl"))
-        staged = train.on_every_node(train._stage_node, data, ["train_00000.parquet", "test.parquet"], None,
+        staged = placement.on_every_node(train._stage_node, data, ["train_00000.parquet", "test.parquet"], None,
                                      fresh, ckpt, complete_steps(ckpt)[-1])
     finally:
         ray.shutdown()
@@ -506,7 +510,7 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
         tracker = os.path.join(local, TRACKER)
         start = int(open(tracker).read()) if os.path.exists(tracker) else 0  # verl's resume_mode=auto
         seen.append(start)
-        monkeypatch.setenv(train.ENV_CHECKPOINT_URI, ov["ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI"].strip("'"))
+        monkeypatch.setenv(checkpoints.ENV_CHECKPOINT_URI, ov["ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI"].strip("'"))
         for step in (start + 5, start + 10):
             d = write_fake_step(local, step)
             with open(tracker, "w") as f:
@@ -535,7 +539,7 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
         train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod3"), "experiment_name": "one",
                    "model": model, "n_gpus_per_node": 1}, force=True, replace=True)
     assert seen == [0, 10], "verl never started"
-    assert train.checkpoint_world_size(storage.join(out, "checkpoints"), 20) == 2
+    assert checkpoints.checkpoint_world_size(storage.join(out, "checkpoints"), 20) == 2
 
 
 def test_example_train_config_validates_and_matches_the_defaults():
@@ -546,8 +550,8 @@ def test_example_train_config_validates_and_matches_the_defaults():
     data = load_config_file(str(resources.files("memsifter").joinpath("configs", "train_example.yaml")))
     c = validate_config("train", data)
     assert c.nnodes == 2 and c.reward.mode == "task" and c.reward.api_key_env == "WORKING_LLM_API_KEY"
-    recipe, shown = train.merged(), list(train.leaves(data["verl"]))
-    assert shown and all(train.get(recipe, k) == v for k, v in shown), "the example repeats the recipe's values"
+    recipe, shown = verl_settings.merged(), list(verl_settings.leaves(data["verl"]))
+    assert shown and all(verl_settings.get(recipe, k) == v for k, v in shown), "the example repeats the recipe's values"
     collect_merge = load_config_file(str(resources.files("memsifter").joinpath("configs",
                                                                               "collect_merge_example.yaml")))
     validate_config("collect", collect_merge["collect"])
@@ -644,9 +648,9 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
     assert [o for o in ovs if "attn_implementation" in o] == cfg.extra_overrides
     import yaml
 
-    composed = yaml.safe_load(train.compose(cfg, ovs, in_process=True))
+    composed = yaml.safe_load(verl_config.compose(cfg, ovs, in_process=True))
     assert composed["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] == "eager"
-    composed = yaml.safe_load(train.compose(cfg.model_copy(update={"extra_overrides": []}),
+    composed = yaml.safe_load(verl_config.compose(cfg.model_copy(update={"extra_overrides": []}),
                                             verl_overrides(cfg.model_copy(update={"extra_overrides": []}),
                                                            ["/x/train.parquet"], ["/x/test.parquet"]),
                                             in_process=True))
@@ -658,7 +662,7 @@ def test_base_model_by_name_resolves_to_the_materialized_directory():
     """`model: smollm2-135m-instruct` (memsifter models) is what verl loads, as a local HF directory."""
     from memsifter.models import registry as models
     from memsifter.errors import ConfigError
-    from memsifter.stages.train import TrainConfig, model_path
+    from memsifter.training.verl_config import model_path
 
     try:
         want = models.resolve("smollm2-135m-instruct")
@@ -768,7 +772,7 @@ def test_collapse_guard_on_the_recorded_collapsing_run():
     through 3,561 discarded groups (306 s). The guard stops at the first step over 10 x 32 prompts."""
     recs = _recorded_steps()
     assert [r["step"] for r in recs] == list(range(0, 9))  # step 0: validation before training
-    d = train.merged({"actor_rollout_ref.rollout.n": 8, "data": {"train_batch_size": 16, "gen_batch_size": 32}})
+    d = verl_settings.merged({"actor_rollout_ref.rollout.n": 8, "data": {"train_batch_size": 16, "gen_batch_size": 32}})
     check = train.collapse_guard(d)
     verdicts = [check(r) for r in recs]
     assert verdicts[:6] == [None] * 6  # 2 … 192 discarded groups: under 320 - 16
@@ -776,7 +780,7 @@ def test_collapse_guard_on_the_recorded_collapsing_run():
     assert "10 x 32 = 320" in verdicts[6] and "actor/entropy 0.056" in verdicts[6]
     # the bound follows the settings; 0 or no dynamic sampling turns it off
     def with_(**fg):
-        return train.merged({"actor_rollout_ref.rollout.n": 8, "algorithm": {"filter_groups": fg}})
+        return verl_settings.merged({"actor_rollout_ref.rollout.n": 8, "algorithm": {"filter_groups": fg}})
 
     assert train.collapse_guard(with_(max_num_gen_batches=200))(recs[-1]) is None
     assert train.collapse_guard(with_(max_num_gen_batches=2))(recs[4])  # 55 + 16 > 64
@@ -808,7 +812,7 @@ def test_run_verl_stops_a_collapsing_child_and_keeps_its_metrics(tmp_path):
               f"for ln in open({str(feed)!r}):\n    print(ln, end=''); sys.stdout.flush(); time.sleep(0.05)\n"
               "time.sleep(30)\n")
     sink = trainmetrics.MetricsSink(str(tmp_path / "metrics.jsonl"), flush_every_s=0)
-    d = train.merged({"actor_rollout_ref": {"rollout": {"n": 8}}})
+    d = verl_settings.merged({"actor_rollout_ref": {"rollout": {"n": 8}}})
     import time as _t
 
     t0 = _t.time()
@@ -832,7 +836,7 @@ def test_train_stage_reports_a_collapse_stop_and_publishes(s3_env, s3_root, tmp_
     def fake_verl(overrides, sink=None, guard=None):
         ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
         local = ov["trainer.default_local_dir"].strip("'")
-        monkeypatch.setenv(train.ENV_CHECKPOINT_URI,
+        monkeypatch.setenv(checkpoints.ENV_CHECKPOINT_URI,
                            ov["ray_kwargs.ray_init.runtime_env.env_vars.MEMSIFTER_CHECKPOINT_URI"].strip("'"))
         d = write_fake_step(local, 4)
         S3CheckpointCallback().on_save(global_step=4, checkpoint_dir=d)

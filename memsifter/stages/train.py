@@ -88,12 +88,10 @@ from ..training.reward_settings import RewardSettings
 from ..training.verl_config import (adapter_source, check_loggers, checkpoint_uri, compose, data_files, dry_run,
                                     local_paths, verl_overrides)
 from ..training.verl_settings import _flow, from_dapo, get, override_lines, settings
-# Names other modules import from this one (tests, benchmarks); they live in memsifter/training now.
-from ..training.checkpoints import (COMPLETE_MARKER, ENV_CHECKPOINT_URI, TRACKER,  # noqa: F401
-                                    S3CheckpointCallback, checkpoint_world_size, mark_complete, missing_files,
-                                    sync_checkpoint)
-from ..training.verl_config import FORWARD_ENV, agent_names, model_path, validate_composed  # noqa: F401
-from ..training.verl_settings import LEGACY, check_key, leaves, merged, verl_schema  # noqa: F401
+# Names tests and benchmarks outside the stage's area import from here (they live in memsifter/training)
+from ..training.checkpoints import COMPLETE_MARKER, TRACKER, mark_complete, sync_checkpoint  # noqa: F401
+from ..training.verl_config import agent_names, validate_composed  # noqa: F401
+from ..training.verl_settings import merged  # noqa: F401
 
 log = logging.getLogger(__name__)
 
