@@ -70,16 +70,17 @@ def test_batches_respect_the_token_budget_and_cover_every_row():
 def test_sft_full_fine_tune_lowers_the_loss(rl_direct, tiny_model_dir, tmp_path):
     out = str(tmp_path / "sft-full")
     m = get_stage("sft").run({"output": out, "model": tiny_model_dir, "data": rl_direct, "lora_rank": 0,
-                              "lr": 3e-3, "epochs": 8, "batch_tokens": 2048, "eval_generate": 2, "device": "cpu"})
+                              "lr": 3e-3, "epochs": 4, "batch_tokens": 2048, "eval_generate": 1, "device": "cpu"})
     st = m["stats"]
     assert st["artifact"] == "model" and st["rows"] == 10 and st["eval_rows"] == 4
     recs = [json.loads(line) for line in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
-    assert len(evals) == 9 and {"valid_format", "ndcg@10", "first_stage_ndcg@10", "eval_loss"} <= set(evals[0])
+    # before training and after each epoch; one greedy answer each (most of an evaluation's time on the CPU)
+    assert len(evals) == 5 and {"valid_format", "ndcg@10", "first_stage_ndcg@10", "eval_loss"} <= set(evals[0])
     first = sum(r["loss"] for r in train[:2]) / 2
     last = sum(r["loss"] for r in train[-2:]) / 2
-    assert last < 0.6 * first, (first, last)  # it learns the targets
+    assert last < 0.6 * first, (first, last)  # it learns the targets (measured: 5.75 -> 2.53 in 4 epochs)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert storage.exists(storage.join(out, "model", "config.json"))
     assert storage.exists(storage.join(out, "sft_curves.png"))
