@@ -201,15 +201,26 @@ def table_agents_sft_paired() -> list[str]:
     return lines
 
 
-def stage_seconds(tarball: str, log: str) -> float:
-    """The ``seconds`` of the stats a stage printed last in ``log`` inside a committed ``logs.tar.gz``."""
-    import json
+def log_text(tarball: str, log: str) -> str:
+    """A log inside a committed ``logs.tar.gz``."""
     import tarfile
 
     with tarfile.open(os.path.join(ROOT, tarball)) as t:
-        text = t.extractfile(log).read().decode()
+        return t.extractfile(log).read().decode(errors="replace")
+
+
+def stage_stats(tarball: str, log: str) -> dict:
+    """The stats a stage printed last in ``log`` inside a committed ``logs.tar.gz``."""
+    import json
+
+    text = log_text(tarball, log)
     start = text.rindex("\n{") + 1
-    return float(json.loads(text[start:text.index("\n}", start) + 2])["seconds"])
+    return json.loads(text[start:text.index("\n}", start) + 2])
+
+
+def stage_seconds(tarball: str, log: str) -> float:
+    """The ``seconds`` of the stats a stage printed last in ``log`` inside a committed ``logs.tar.gz``."""
+    return float(stage_stats(tarball, log)["seconds"])
 
 
 def tokens(x: float) -> str:
@@ -1231,7 +1242,54 @@ def agents_card_figures() -> list[str]:
             f"{m['longmemeval_s']:.3f} / {m['locomo']:.3f}",
             f"Searching minus one call is {one_call()['paired'][SEARCH_VS_ONE_CALL]}",
             f"Exact match stays at {100 * em[0]:.0f}–{100 * em[1]:.0f}%",
-            f"on multi-hop LoCoMo questions agent:search scores {mean(hops):.3f} F1"]
+            f"on multi-hop LoCoMo questions agent:search scores {mean(hops):.3f} F1", *agents_grpo_figures()]
+
+
+AGENTS_GRPO = f"{GPU}/2026-11-27-h100-agents-grpo"
+
+
+def agents_grpo_figures() -> list[str]:
+    """The GRPO run of issue 44 as the agents card states it: its settings (the train stage's verl overrides and the
+    sft stage's stats in ``logs.tar.gz``, the steps in ``train_steps.json``), the held-out questions and the paired
+    differences (``agents_grpo_table.paired_rows`` over its answers; LoCoMo's F1 scored against the committed LoCoMo
+    sample), the one-call reference, and the earlier adapter's search F1 on its older split."""
+    import re
+
+    from memsifter.data.importers.locomo import convert_locomo
+    from memsifter.retrieval.scoring import locomo_scores
+
+    grpo_table = gpu_script("agents_grpo_table")
+    by = grpo_table.rows_by_label(os.path.join(ROOT, AGENTS_GRPO, "answers"))
+    qmap = {q.question_id: q for q in convert_locomo(os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
+                                                     "locomo")[0].questions}
+    for rs in by.values():
+        locomo_scores(rs, qmap)
+    pairs = {(r["metric"], r["dataset"]): r for r in grpo_table.paired_rows(by, [("agent:search, GRPO",
+                                                                                     "agent:search, SFT")])}
+    sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
+    ci = lambda r: f"{sign(r['diff'])} [{sign(r['ci_low'])}, {sign(r['ci_high'])}], n = {r['n']}"  # noqa: E731
+    logs = f"{AGENTS_GRPO}/logs.tar.gz"
+    train = log_text(logs, "logs/train.log")
+    opt = {k: re.search(rf"{re.escape(k)}=([0-9.e-]+)", train).group(1)
+           for k in ("data.train_batch_size", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.optim.lr",
+                     "reward_kwargs.agent_format_score")}
+    fmt = float(opt["reward_kwargs.agent_format_score"])
+    qs = {r["question_id"]: r["dataset"] for r in by["agent:search, SFT"]}
+    convs = sorted({q.rsplit("_q", 1)[0] for q, d in qs.items() if d == "locomo"})
+    one = mean([float(r["f1"] or 0) for r in ok(by["one call, embed:bm25"])])
+    allf1 = pairs[("f1", "all")]
+    earlier = agent_stats(answers(AGENTS_SFT)["agent:search, SFT"])["f1"]
+    return [f"from a search-only SFT warm start ({stage_stats(logs, 'logs/sft.log')['rows']} traces), "
+            f"{len(load_json(f'{AGENTS_GRPO}/train_steps.json'))} GRPO steps of {opt['data.train_batch_size']} "
+            f"prompts × {opt['actor_rollout_ref.rollout.n']} samples (LoRA, lr "
+            f"{float(opt['actor_rollout_ref.actor.optim.lr']):.0e}".replace("e-0", "e-") + f", reward "
+            f"{1 - fmt:.1f} F1 + {fmt:.1f} format), on {len(qs)} held-out questions "
+            f"({sum(d == 'longmemeval_s' for d in qs.values())} LongMemEval_S, "
+            f"{sum(d == 'locomo' for d in qs.values())} LoCoMo {', '.join(convs)}; split by session text)",
+            f"GRPO {allf1['mean_a']:.3f} F1 against SFT {allf1['mean_b']:.3f}: paired {ci(allf1)} — not better",
+            f"LoCoMo's F1 {ci(pairs[('locomo_f1', 'locomo')])}",
+            f"Both below the same adapter answering in one call from the first stage ({one:.3f})",
+            f"this adapter's {earlier:.3f}", f"a search-only SFT scores {allf1['mean_b']:.3f}"]
 
 
 def ranker_card_figures() -> list[str]:
