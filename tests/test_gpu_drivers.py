@@ -4,6 +4,7 @@ CPU only and fast: the drivers' GPU runs are smoke-tested by hand (``--tiny``), 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib
 import json
@@ -11,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, SHARED
@@ -486,7 +488,7 @@ def test_agents_driver_grpo_search_only_sizes_rows_and_validates_on_the_held_out
     run_agents = importlib.import_module("run_agents")
     monkeypatch.setattr(run_agents, "RUN", str(tmp_path / "run"))
     p = run_agents.build_parser()
-    a = p.parse_args(["start", "--agents", "agent:search", "--max-prompt", "1024", "--mini-batch", "8",
+    a = p.parse_args(["run", "--agents", "agent:search", "--max-prompt", "1024", "--mini-batch", "8",
                       "--test-freq", "2", "--n", "5", "--lr", "1e-4", "--steps", "4", "--save-freq", "1"])
     a.work = str(tmp_path)
     v = run_agents.grpo_config(a)["verl"]
@@ -495,7 +497,7 @@ def test_agents_driver_grpo_search_only_sizes_rows_and_validates_on_the_held_out
     assert v["trainer"]["test_freq"] == 2 and v["trainer"]["val_before_train"] is True
     assert v["trainer"]["save_freq"] == 1 and v["trainer"]["total_training_steps"] == 4
     TrainConfig(**run_agents.grpo_config(a))
-    d = run_agents.grpo_config(argparse.Namespace(**{**vars(p.parse_args(["start"])), "work": str(tmp_path)}))["verl"]
+    d = run_agents.grpo_config(argparse.Namespace(**{**vars(p.parse_args(["run"])), "work": str(tmp_path)}))["verl"]
     assert d["data"]["max_prompt_length"] == 6144 and d["trainer"]["test_freq"] == -1
     assert d["trainer"]["val_before_train"] is False and d["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 16
 
@@ -739,3 +741,245 @@ def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name,
     assert cfg["actor_rollout_ref"]["rollout"]["mode"] == "async" and cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
     file_cfg = yaml.safe_load(open(path))
     assert "filter_groups" not in file_cfg["verl"].get("algorithm", {}), "the file keeps the recipe's dynamic sampling"
+
+
+# --- one vLLM launcher, one detached-run helper (issue 45 item 3) ---
+
+GPU_CONFIGS = REPO / "benchmarks" / "gpu" / "configs"
+
+
+def test_one_vllm_launcher_no_other_module_builds_a_vllm_command_line():
+    """memsifter.models.vllm_server is the only place that names vLLM's OpenAI server entrypoint: the tests' and
+    the demo's servers (testing/servers.py), `models serve` (registry.py) and the GPU drivers build their argv
+    there (before: four launchers, each with its own command line)."""
+    entry = "vllm.entrypoints" + ".openai.api_server"  # split: this file does not name it
+    found = []
+    for root in ("memsifter", "benchmarks", "tests"):
+        for path in (REPO / root).rglob("*.py"):
+            if "results" in path.parts:
+                continue
+            if entry in path.read_text(errors="replace"):
+                found.append(str(path.relative_to(REPO)))
+    assert found == ["memsifter/models/vllm_server.py"]
+
+
+def test_every_vllm_caller_gets_its_argv_from_the_launcher(monkeypatch, tmp_path):
+    """The CPU servers (testing.servers.vllm_server, `models serve`) and the GPU drivers' servers (run_agents,
+    run_ranker) start exactly the argv and environment the launcher builds from their config."""
+    import argparse
+
+    from memsifter.models import registry, vllm_server
+    from memsifter.testing import servers
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        started.append((cmd, kw["env"]))
+        raise Stop
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    with pytest.raises(Stop), servers.vllm_server(str(tmp_path), "tiny", port=4321, extra_args=["--seed", "1"]):
+        pass
+    cmd, env = started[-1]
+    want = vllm_server.VllmServerConfig(model=str(tmp_path), served_name="tiny", port=4321, extra_args=["--seed", "1"])
+    assert cmd == vllm_server.argv(want) and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[-2:] == ["--seed", "1"]
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    with pytest.raises(Stop):
+        registry.serve(str(tmp_path), "127.0.0.1", 4322, None, "m")
+    cmd, _ = started[-1]
+    assert cmd[cmd.index("--max-model-len") + 1] == "2048" and cmd[cmd.index("--served-model-name") + 1] == "m"
+
+    run_agents = importlib.import_module("run_agents")
+    run_ranker = importlib.import_module("run_ranker")
+    monkeypatch.setattr(registry, "resolve", lambda name, s3=False: f"/models/{name}")
+    a = argparse.Namespace(llm_port=8200, out=str(tmp_path))
+    with pytest.raises(Stop):
+        run_agents.vllm(a, "smollm2-135m-instruct", "base")
+    cmd, env = started[-1]
+    assert cmd == vllm_server.argv(run_agents.vllm_config(a, "smollm2-135m-instruct", "base"))
+    assert cmd[cmd.index("--model") + 1] == "/models/smollm2-135m-instruct"
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3" and "VLLM_TARGET_DEVICE" not in env
+    monkeypatch.setattr(run_ranker, "RES", str(tmp_path))
+    with pytest.raises(Stop):
+        with run_ranker.served("/m", "ranker", 8300, 0.5, lora=True):
+            pass
+    cmd, env = started[-1]
+    assert cmd == vllm_server.argv(run_ranker.served_config("/m", "ranker", 8300, 0.5, lora=True))
+    assert "--enable-lora" in cmd and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+# A stand-in for vLLM's server (no model here): answers /v1/models on the port it is given, like the real one.
+STANDIN_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *a):
+        print("GET", self.path, flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_vllm_launcher_waits_for_models_logs_and_stops_the_group(monkeypatch, tmp_path):
+    """start -> wait_ready (on /v1/models) -> url -> stop: the server's process group is gone after stop, its output
+    in log_path; a server that exits before it is ready is an error naming its log. The server is a stand-in
+    (a loopback HTTP server answering /v1/models): the real vLLM CPU server is test_models_serve's."""
+    import psutil
+
+    from memsifter.models import vllm_server
+
+    monkeypatch.setattr(vllm_server, "argv", lambda cfg, port=None: [sys.executable, "-c", STANDIN_SERVER, str(port)])
+    log = tmp_path / "logs" / "server.log"
+    srv = vllm_server.VllmServer(vllm_server.VllmServerConfig(model="m", served_name="s", log_path=str(log),
+                                                              poll_s=0.1, timeout_s=30)).start()
+    url = srv.wait_ready()
+    import urllib.request
+
+    assert url == f"http://127.0.0.1:{srv.port}/v1"
+    assert urllib.request.urlopen(url + "/models", timeout=5).status == 200
+    pid = srv.proc.pid
+    srv.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "GET /v1/models" in log.read_text()
+
+    monkeypatch.setattr(vllm_server, "argv", lambda cfg, port=None: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match=r"exited with 3.*server\.log"):
+        with vllm_server.serve(vllm_server.VllmServerConfig(model="m", served_name="s", log_path=str(log),
+                                                            poll_s=0.1)):
+            pass
+
+
+def _standin(tmp_path, name: str, code: str, **sets) -> "object":
+    """A committed run config with its command replaced by a tiny stand-in (the GPU drivers cannot run here) and
+    its work folder under tmp_path."""
+    from memsifter.runs import detached
+
+    extra = [f"work={tmp_path / 'work'}", "command=['{python}', '-c', " + json.dumps(code) + ", '{dir}']"]
+    return detached.load(str(GPU_CONFIGS / name), extra + [f"{k}={v}" for k, v in sets.items()])
+
+
+def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts():
+    """Each committed GPU run config names a driver in benchmarks/gpu and arguments its own parser accepts; its
+    run writes into the run folder that `wait` collects from."""
+    from memsifter.runs import detached
+
+    drivers = {"dapo_4b.yaml": "run_dapo_4b", "agents.yaml": "run_agents", "multigpu.yaml": "run_multigpu",
+               "train.yaml": "run_train", "ranker.yaml": "run_ranker"}
+    assert sorted(p.name for p in GPU_CONFIGS.glob("*.yaml")) == sorted(drivers)
+    for name, driver in drivers.items():
+        cfg = detached.load(str(GPU_CONFIGS / name))
+        argv = detached.argv(cfg)
+        assert argv[0] == sys.executable and (REPO / argv[1]).is_file() and argv[1].endswith(f"{driver}.py")
+        a = importlib.import_module(driver).build_parser().parse_args(argv[2:])
+        if driver == "run_ranker":  # its folders come from the environment; `poll` writes what comes back
+            assert a.action == "run" and cfg.env == {"MEMSIFTER_RANKER_WORK": "{work}"}
+            assert detached._subst(cfg, cfg.before_collect[-1]) == os.path.join(cfg.dir, "collected")
+        else:
+            assert getattr(a, "what", "run") == "run" and a.out == cfg.dir and a.work == cfg.work
+    dapo = detached.load(str(GPU_CONFIGS / "dapo_4b.yaml"))
+    for c in importlib.import_module("run_dapo_4b").build_parser().parse_args(detached.argv(dapo)[2:]).configs.split(","):
+        assert (REPO / c).is_file(), c
+
+
+def test_a_detached_run_from_a_committed_config_reaches_done_and_is_collected(tmp_path):
+    """start -> poll -> wait -> collect, the CLI as a GPU call runs it, from the committed DAPO config (the command
+    a tiny stand-in writing the driver's result files): state done, exit 0, the collected files in --out and the
+    run folder archived without what the config excludes; a second start clears the last run's result files."""
+    from memsifter.runs import detached
+
+    code = ("import json, os, sys, time; d = sys.argv[1]; time.sleep(0.5)\n"
+            "open(os.path.join(d, 'steps.jsonl'), 'a').write(json.dumps({'step': 1}) + '\\n')\n"
+            "open(os.path.join(d, 'runs.jsonl'), 'a').write(json.dumps({'exit': 0}) + '\\n')\n"
+            "print('] done', flush=True)")
+    cfg = _standin(tmp_path, "dapo_4b.yaml", code)
+    sets = ["--set", f"work={cfg.work}", "--set", f"command={json.dumps(cfg.command)}"]
+    cfg_path = str(GPU_CONFIGS / "dapo_4b.yaml")
+    out = tmp_path / "out"
+    cli = [sys.executable, "-m", "memsifter.runs.detached"]
+    r = subprocess.run([*cli, "start", cfg_path, *sets], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert detached.poll(cfg)["state"] in ("starting", "running", "done")
+    r = subprocess.run([*cli, "wait", cfg_path, *sets, "--out", str(out), "--max-s", "60", "--poll-s", "0.2"],
+                       capture_output=True, text=True, cwd=REPO, timeout=90)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads(r.stdout.strip().splitlines()[-1])
+    assert st["state"] == "done" and st["rc"] == 0 and "] done" in r.stdout
+    detached.start(cfg)  # again, in-process: the same helper the CLI calls
+    assert detached.wait(cfg, str(out), 60, poll_s=0.2)["state"] == "done"
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 1, "start clears the last run's rows"
+    assert (out / "runs.jsonl").is_file() and "] done" in (out / "driver.log").read_text()
+    import tarfile
+
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "run.json" in names and "steps.jsonl" in names and "driver.log" not in names
+
+
+def test_a_detached_run_records_failure_death_and_stop(tmp_path):
+    """The supervisor records a failing command's exit code (state failed, wait exits 1); a run whose supervisor
+    is killed is 'died'; stop ends the command's whole group ('stopped'); a second start while one runs is
+    refused; a bad config is one line naming the file and the field, exit 2."""
+    import psutil
+
+    from memsifter.runs import detached
+
+    cfg = _standin(tmp_path, "agents.yaml", "print('boom'); raise SystemExit(5)")
+    detached.start(cfg)
+    st = detached.wait(cfg, str(tmp_path / "out"), 30, poll_s=0.1)
+    assert st["state"] == "failed" and st["rc"] == 5 and (tmp_path / "out" / "results.tar.gz").is_file()
+
+    cfg = _standin(tmp_path, "agents.yaml", "import time; time.sleep(60)")
+    detached.start(cfg)
+    with pytest.raises(SystemExit, match="still going"):
+        detached.start(cfg)
+    t = time.time()
+    while detached.poll(cfg).get("command_pid") is None and time.time() - t < 20:
+        time.sleep(0.1)
+    child = detached.poll(cfg)["command_pid"]
+    st = detached.stop(cfg, grace_s=10)
+    assert st["state"] == "stopped"
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+    detached.start(cfg)
+    os.kill(int((tmp_path / "work" / "detached" / "pid").read_text()), 9)
+    t = time.time()
+    while detached.poll(cfg)["state"] != "died" and time.time() - t < 10:
+        time.sleep(0.1)
+    assert detached.poll(cfg)["state"] == "died"
+    assert detached.wait(cfg, None, 1)["state"] == "died"
+    with contextlib.suppress(Exception):  # the orphaned stand-in (its supervisor was killed above)
+        os.kill(detached.poll(cfg)["command_pid"], 9)
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nwork: /tmp/x\ncommand: []\n")
+    r = subprocess.run([sys.executable, "-m", "memsifter.runs.detached", "poll", str(bad)], capture_output=True,
+                       text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and f"{bad}: command:" in r.stderr
+
+
+def test_the_ranker_run_brings_back_what_its_driver_polls_into_the_run_folder(tmp_path):
+    """The committed ranker config: the command sees its work folder through the environment ({work}
+    substituted), and `wait` first runs the real `run_ranker.py poll` (before_collect), then brings back its
+    ranker.tgz, status.json and table.md. The command is a stand-in writing what the ranker's run writes."""
+    import tarfile
+
+    from memsifter.runs import detached
+
+    code = ("import json, os; r = os.path.join(os.environ['MEMSIFTER_RANKER_WORK'], 'results'); os.makedirs(r)\n"
+            "json.dump({'state': 'finished'}, open(os.path.join(r, 'status.json'), 'w'))\n"
+            "open(os.path.join(r, 'table.md'), 'w').write('| ranker | ndcg |')")
+    cfg = _standin(tmp_path, "ranker.yaml", code)
+    detached.start(cfg)
+    st = detached.wait(cfg, str(tmp_path / "out"), 60, poll_s=0.2)
+    assert st["state"] == "done", (tmp_path / "work" / "detached" / "driver.log").read_text()
+    out = tmp_path / "out"
+    assert json.loads((out / "status.json").read_text())["state"] == "finished"
+    assert (out / "table.md").read_text() == "| ranker | ndcg |"
+    with tarfile.open(out / "ranker.tgz") as tar:
+        assert "results/table.md" in tar.getnames()

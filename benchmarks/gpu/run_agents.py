@@ -3,9 +3,9 @@
 split beside the same model answering with no memory, from the first stage, and from the gold sessions.
 
     source benchmarks/gpu/install.sh
-    python3 benchmarks/gpu/run_agents.py start --lme DATA/longmemeval_s_train348.json.gz \\
-        --locomo DATA/locomo_dev2.json.gz --out "$OUT"          # detached (setsid); then, as often as needed:
-    python3 benchmarks/gpu/run_agents.py wait --out "$OUT"          # results.tar.gz and pub.NN parts
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/agents.yaml -- \\
+        --lme DATA/longmemeval_s_train348.json.gz --locomo DATA/locomo_dev2.json.gz   # detached; then, as often as needed:
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/agents.yaml --out "$OUT"   # results.tar.gz, pub.NN
 
 The test data are arguments (any LongMemEval_S-format and LoCoMo-format files). Every step is a ``memsifter``
 CLI call against a SeaweedFS started here, as a user runs it:
@@ -157,18 +157,25 @@ class Server:
                 continue
 
 
-def vllm(a, model: str, tag: str) -> Server:
-    """vLLM's OpenAI server on this GPU for a model name or directory (an adapter directory is merged onto its
-    base first, as the stages load it); ``memsifter models serve`` is the CPU build's server."""
+def vllm_config(a, model: str, tag: str):
+    """The agents' vLLM server on this GPU (memsifter.models.vllm_server, the one launcher) for a model name or
+    directory (an adapter directory is merged onto its base first, as the stages load it)."""
     from memsifter.models import registry
-    from memsifter.models.vllm_env import engine_env
+    from memsifter.models.vllm_server import VllmServerConfig
 
-    os.environ.update({k: v for k, v in engine_env().items() if k not in os.environ})
-    path = registry.resolve(model)
-    return Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                   "--served-model-name", "agent", "--host", "127.0.0.1", "--port", str(a.llm_port),
-                   "--dtype", "bfloat16", "--max-model-len", "8192", "--gpu-memory-utilization", "0.3",
-                   "--max-num-seqs", "256", "--enforce-eager"], f"{a.out}/vllm-{tag}.log", a.llm_port, "/v1/models")
+    return VllmServerConfig(model=registry.resolve(model), served_name="agent", device="gpu", port=a.llm_port,
+                            max_model_len=8192, gpu_memory_utilization=0.3, max_num_seqs=256, timeout_s=600,
+                            poll_s=3, log_path=f"{a.out}/vllm-{tag}.log")
+
+
+def vllm(a, model: str, tag: str):
+    """The server of :func:`vllm_config`, started and ready (``.stop()`` stops it)."""
+    from memsifter.models.vllm_server import VllmServer
+
+    srv = VllmServer(vllm_config(a, model, tag)).start()
+    srv.wait_ready()
+    print(f"vLLM server up in {time.time() - srv.t0:.0f}s: {model}", flush=True)
+    return srv
 
 
 def endpoint(a) -> dict:
@@ -590,42 +597,9 @@ def restore(src: str, work: str) -> None:
             print(f"restored {name} from {src}", flush=True)
 
 
-def alive(pidfile: str) -> bool:
-    try:
-        os.kill(int(open(pidfile).read()), 0)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def wait(det: str, out: str, seconds: float) -> None:
-    """Until the detached run is done (or ``seconds``), then into ``out``: ``results.tar.gz`` (the tables, plots,
-    curves and logs so far) and the ``pub.NN`` parts (what the next machine restores): the device returns at
-    most 8 files of 16 MiB each."""
-    import glob
-
-    t = time.time()
-    log = os.path.join(det, "driver.log")
-    while time.time() - t < seconds:
-        if os.path.exists(log) and "] done" in open(log, errors="replace").read():
-            break
-        if not alive(os.path.join(det, "driver.pid")):
-            print("wait: the driver is no longer running", flush=True)
-            break
-        time.sleep(10)
-    os.makedirs(out, exist_ok=True)
-    subprocess.run(f"tar czf {out}/results.tar.gz -C {det} --exclude='pub.*' .", shell=True, check=False)
-    for p in sorted(glob.glob(os.path.join(det, "pub.[0-9][0-9]"))):
-        shutil.copy(p, out)
-    for f in ("agents.md", "report.md"):
-        if os.path.exists(os.path.join(det, f)):
-            print(open(os.path.join(det, f)).read()[-3000:])
-    print(open(log, errors="replace").read()[-4000:] if os.path.exists(log) else "no driver.log yet")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("what", choices=["run"], help="run here (detached: benchmarks/gpu/configs/agents.yaml)")
     ap.add_argument("--lme", help="a LongMemEval_S-format file (.json or .json.gz)")
     ap.add_argument("--locomo", help="a LoCoMo-format file")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -660,7 +634,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--serve-port", type=int, default=8100)
     ap.add_argument("--llm-port", type=int, default=8200)
-    ap.add_argument("--wait-s", type=float, default=540)
     ap.add_argument("--published", help="a folder with the pub.NN parts another machine's run returned (its answers "
                     "and adapters): restored, their phases skipped, evaluated with the rest")
     ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
@@ -679,29 +652,6 @@ def main() -> None:
     unknown = {n for g in a.phases for n in g.split("+")} - set(PHASES)
     if unknown:
         ap.error(f"--phases: unknown {sorted(unknown)}; known: {', '.join(PHASES)} (A+B: side by side)")
-    det = os.path.join(a.work, "detached")
-    if a.what == "start":
-        os.makedirs(det, exist_ok=True)
-        argv = [sys.executable, os.path.abspath(__file__), "run", *sys.argv[2:]]
-        argv = [x for x in argv]
-        if "--out" in argv:
-            i = argv.index("--out")
-            argv[i + 1] = det
-        else:
-            argv += ["--out", det]
-        for p in ("lme", "locomo", "published"):
-            v = getattr(a, p)
-            if v:
-                argv[argv.index(v)] = os.path.abspath(v)
-        with open(os.path.join(det, "driver.log"), "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        with open(os.path.join(det, "driver.pid"), "w") as f:
-            f.write(str(p.pid))
-        print(f"started pid {p.pid}; logs in {det}", flush=True)
-        return
-    if a.what == "wait":
-        wait(det, a.out, a.wait_s)
-        return
     main_run(a)
 
 

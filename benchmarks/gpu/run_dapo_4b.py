@@ -3,8 +3,8 @@
 config per prompt length, on a randomly initialised model of Qwen3-4B's exact architecture.
 
     source benchmarks/gpu/install.sh
-    python3 benchmarks/gpu/run_dapo_4b.py start --configs memsifter/configs/train_4b_8k_1gpu.yaml,memsifter/configs/train_4b_32k_1gpu.yaml
-    python3 benchmarks/gpu/run_dapo_4b.py wait --out "$OUT" --max-s 540     # poll back to back
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/dapo_4b.yaml    # the committed run config
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/dapo_4b.yaml --out "$OUT" --max-s 540  # again
     # afterwards, anywhere: python3 benchmarks/gpu/dapo_4b_table.py RESULTS_DIR
 
 What runs on the host, every step a ``memsifter`` CLI call against a SeaweedFS started here:
@@ -141,30 +141,9 @@ def main_run(a) -> None:
     print("] done", flush=True)
 
 
-def wait(det: str, out: str, seconds: float) -> None:
-    """Until the detached run is done, dead, or ``seconds`` passed; then its files into ``out``."""
-    from run_agents import alive
-
-    t = time.time()
-    log = os.path.join(det, "driver.log")
-    while time.time() - t < seconds:
-        if os.path.exists(log) and "] done" in open(log, errors="replace").read():
-            break
-        if not alive(os.path.join(det, "driver.pid")):
-            print("wait: the driver is no longer running", flush=True)
-            break
-        time.sleep(5)
-    os.makedirs(out, exist_ok=True)
-    for f in ("steps.jsonl", "runs.jsonl", "driver.log"):
-        if os.path.exists(os.path.join(det, f)):
-            shutil.copy(os.path.join(det, f), out)
-    subprocess.run(f"tar czf {out}/logs.tar.gz -C {det} --exclude=driver.log .", shell=True, check=False)
-    print(open(log, errors="replace").read()[-6000:] if os.path.exists(log) else "no driver.log yet")
-
-
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("what", choices=["run"], help="run here (detached: benchmarks/gpu/configs/dapo_4b.yaml)")
     ap.add_argument("--configs", default="memsifter/configs/train_4b_8k_1gpu.yaml,memsifter/configs/train_4b_32k_1gpu.yaml")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-dapo4b")
@@ -174,31 +153,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="one more train setting KEY=VALUE (all configs)")
     ap.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                     help="keep the configs' dynamic sampling (a random model then discards every group)")
-    ap.add_argument("--max-s", type=float, default=540)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     a.configs = [os.path.abspath(c) for c in a.configs.split(",") if c]
-    det = os.path.join(a.work, "detached")
-    if a.what == "start":
-        os.makedirs(det, exist_ok=True)
-        for f in ("steps.jsonl", "runs.jsonl"):
-            if os.path.exists(os.path.join(det, f)):
-                os.remove(os.path.join(det, f))
-        keep, src = [], iter(sys.argv[2:])
-        for x in src:  # the detached run writes into det; wait copies from there into --out
-            if x == "--out":
-                next(src, None)
-            elif not x.startswith("--out="):
-                keep.append(x)
-        argv = [sys.executable, os.path.abspath(__file__), "run", *keep, "--out", det]
-        with open(os.path.join(det, "driver.log"), "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        with open(os.path.join(det, "driver.pid"), "w") as f:
-            f.write(str(p.pid))
-        print(f"started pid {p.pid}; logs in {det}", flush=True)
-        return
-    if a.what == "wait":
-        wait(det, a.out, a.max_s)
-        return
     main_run(a)
 
 

@@ -2,8 +2,9 @@
 """The train stage on 1 and 2 GPUs of one host (issue 35): FSDP sharding, rollout TP 1 and 2, LoRA and full
 fine-tuning, kill and resume from S3, a resume on another GPU count, collect of sharded checkpoints.
 
-    source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_multigpu.py start --out "$OUT"
-    python3 benchmarks/gpu/run_multigpu.py wait --out "$OUT"      # as often as needed (setsid keeps it running)
+    source benchmarks/gpu/install.sh
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/multigpu.yaml [-- --steps 4]
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/multigpu.yaml --out "$OUT"   # as often as needed
 
 Every step is a ``memsifter`` CLI call, as a user runs it, against a SeaweedFS started here. The model is a
 random Qwen3 of SmolLM2-135M's size (hidden 576, 30 layers, MLP 1536, vocabulary 49,152) but with 8 query
@@ -249,9 +250,9 @@ def main_run(a) -> None:
     event("done")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["start", "run", "wait"])
+    ap.add_argument("what", choices=["run"], help="run here (detached: benchmarks/gpu/configs/multigpu.yaml)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-multigpu")
     ap.add_argument("--steps", type=int, default=4)
@@ -261,30 +262,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=3072)
     ap.add_argument("--only", nargs="*", default=[])
     ap.add_argument("--resume-tp", type=int, default=2, help="rollout TP of the resumed 2-GPU run")
-    ap.add_argument("--wait-s", type=float, default=540)
     ap.add_argument("--no-collect", action="store_true")
-    a = ap.parse_args()
-    det = os.path.join(a.work, "detached")
-    if a.what == "start":
-        os.makedirs(det, exist_ok=True)
-        argv = [sys.executable, os.path.abspath(__file__), "run", "--out", det, "--work", a.work,
-                "--steps", str(a.steps), "--batch", str(a.batch), "--n", str(a.n), "--response", str(a.response),
-                "--prompt", str(a.prompt), "--resume-tp", str(a.resume_tp), *(["--only", *a.only] if a.only else [])]
-        with open(os.path.join(det, "driver.log"), "w") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        print(f"started pid {p.pid}; logs in {det}", flush=True)
-        return
-    if a.what == "wait":
-        t = time.time()
-        while time.time() - t < a.wait_s:
-            if os.path.exists(os.path.join(det, "driver.log")) and "] done" in open(os.path.join(det, "driver.log")).read():
-                break
-            time.sleep(10)
-        os.makedirs(a.out, exist_ok=True)
-        subprocess.run(f"cp {det}/multigpu.md {det}/multigpu.json {a.out}/ 2>/dev/null; "
-                       f"tar czf {a.out}/multigpu-logs.tar.gz -C {det} .", shell=True)
-        print(open(os.path.join(det, "driver.log"), errors="replace").read()[-6000:])
-        return
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     main_run(a)
 
 

@@ -7,13 +7,15 @@ machine by ``prepare_ranker.py`` copied to ``.gpu/ranker`` (or elsewhere: ``MEMS
 Every step is a platform stage run through the ``memsifter`` CLI with a YAML config (kept in the
 results), as a user runs it.
 
-The whole chain takes 20 minutes to hours, so it runs **detached** (``setsid``, work and results under
-``MEMSIFTER_RANKER_WORK``, default ``/root/gpu-ranker``) and later commands poll it:
+The whole chain takes 20 minutes to hours, so it runs **detached** from its committed run config (work and
+results under ``MEMSIFTER_RANKER_WORK``, the config's ``work``, default ``/root/gpu-ranker``) and later
+commands poll it:
 
-    python3 benchmarks/gpu/run_ranker.py start --phases base,sft,dcg,eval   # returns at once
-    python3 benchmarks/gpu/run_ranker.py wait --out "$OUT" --max-s 540      # waits, copies results to $OUT
-    python3 benchmarks/gpu/run_ranker.py poll --out "$OUT"                  # copies results, no wait
-    bash benchmarks/gpu/stop_ranker.sh                                      # stop it and all it started
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/ranker.yaml -- --phases base,sft,dcg,eval
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/ranker.yaml --out "$OUT" --max-s 540
+    python3 -m memsifter.runs.detached collect benchmarks/gpu/configs/ranker.yaml --out "$OUT"   # no wait
+    python3 benchmarks/gpu/run_ranker.py poll --out DIR     # what `collect` runs first: the results so far -> DIR
+    bash benchmarks/gpu/stop_ranker.sh                      # stop it and all it started
 
 Phases (each stage skips work it already published, so ``start`` again after a crash resumes; the
 train stage resumes from its last complete checkpoint in S3):
@@ -44,7 +46,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -127,34 +128,25 @@ def config(name: str, data: dict) -> str:
     return path
 
 
+def served_config(model_dir: str, name: str, port: int, util: float, lora: bool = False):
+    """vLLM's OpenAI-compatible server for a model on this GPU (memsifter.models.vllm_server, the one launcher);
+    with ``lora`` trained rankers are loaded into it as they appear (one server for every ranker)."""
+    from memsifter.models.vllm_server import VllmServerConfig
+
+    return VllmServerConfig(model=model_dir, served_name=name, device="gpu", port=port, max_model_len=8192,
+                            gpu_memory_utilization=util, max_num_seqs=256, lora=lora, timeout_s=400, poll_s=2,
+                            log_path=os.path.join(RES, "logs", f"vllm-{name}.log"))
+
+
 @contextlib.contextmanager
 def served(model_dir: str, name: str, port: int, util: float, lora: bool = False):
-    """vLLM's OpenAI-compatible server for a model on this GPU; yields the base URL."""
-    from memsifter.testing.servers import wait_openai_server
+    """The server of :func:`served_config` for the block; yields the base URL."""
+    from memsifter.models.vllm_server import serve
 
-    logf = open(os.path.join(RES, "logs", f"vllm-{name}.log"), "ab")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-           name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "8192",
-           "--gpu-memory-utilization", str(util), "--max-num-seqs", "256", "--enforce-eager"]
-    if lora:  # trained rankers are loaded into this server as they appear (one server for every ranker)
-        cmd += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"]
     t0 = time.time()
-    from memsifter.models.vllm_env import engine_env  # VLLM_USE_FLASHINFER_SAMPLER=0 without FlashInfer, as the stages do
-
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**engine_env(), **os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    try:
-        wait_openai_server(proc, port, 400, f"server {name}, log: {logf.name}", poll_s=2)
+    with serve(served_config(model_dir, name, port, util, lora)) as url:
         log(f"vLLM server {name} ready in {time.time() - t0:.0f}s")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(Exception):
-            proc.wait(30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        logf.close()
+        yield url
 
 
 def rank(tag: str, ds: str, url: str, served_name: str, model_ref: str, structured: bool,
@@ -522,9 +514,10 @@ def copy_results(out: str) -> None:
             shutil.copy(os.path.join(RES, f), os.path.join(out, f))
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=["start", "run", "wait", "poll"])
+    ap.add_argument("action", choices=["run", "poll"], help="run: here (detached: benchmarks/gpu/configs/ranker.yaml); "
+                    "poll: copy the results so far into --out")
     ap.add_argument("--phases", default="base,sft,dcg,task,eval")
     ap.add_argument("--order", default="first_stage", choices=ORDERS,
                     help="the listing order of phases named without @ORDER (issue 34: shuffled cannot be copied)")
@@ -541,20 +534,12 @@ def main() -> int:
     ap.add_argument("--no-answers", action="store_true", help="eval: rankings and their table only (no chat, no evaluate)")
     ap.add_argument("--tag", default="", help="suffix of the train phases' outputs (train-dcg<TAG>)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--max-s", type=float, default=540)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    a = build_parser().parse_args()
     os.makedirs(RES, exist_ok=True)
-    if a.action == "start":
-        for p in a.phases.split(","):
-            phase_order(p, a.order)  # a bad item stops here, not in the detached run
-        args = [sys.executable, os.path.abspath(__file__), "run", "--phases", a.phases, "--order", a.order, "--dcg-steps", str(a.dcg_steps),
-                "--task-steps", str(a.task_steps), "--full-lr", str(a.full_lr)] + (["--full"] if a.full else []) + sum((["--test", t] for t in a.test or []), [])
-        args += sum((["--train-extra", o] for o in a.train_extra or []), []) + (["--tag", a.tag] if a.tag else [])
-        args += sum((["--set", o] for o in a.set or []), []) + (["--no-answers"] if a.no_answers else [])
-        with open(os.path.join(RES, "driver.log"), "ab") as f:
-            p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        print(f"started pid {p.pid}: {' '.join(args[2:])}; poll with: run_ranker.py wait --out $OUT")
-        return 0
     if a.action == "run":
         try:
             run_all(a)
@@ -562,14 +547,6 @@ def main() -> int:
             status(state="crashed", error=f"{type(e).__name__}: {e}"[:500])
             raise
         return 0
-    t0 = time.time()
-    while a.action == "wait" and time.time() - t0 < a.max_s:
-        st = json.load(open(os.path.join(RES, "status.json"))) if os.path.exists(os.path.join(RES, "status.json")) else {}
-        if st.get("state") in ("finished", "crashed"):
-            break
-        if st.get("pid") and not os.path.exists(f"/proc/{st['pid']}"):
-            break  # the driver died without saying so
-        time.sleep(10)
     copy_results(a.out)
     print(open(os.path.join(RES, "status.json")).read() if os.path.exists(os.path.join(RES, "status.json")) else "no status")
     for name in ("progress.log", "driver.log"):

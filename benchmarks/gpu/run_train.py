@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A real DAPO run of our train stage on one GPU, then resume from S3, collect and merge.
 
-    source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_train.py --out "$OUT"
+    source benchmarks/gpu/install.sh && python3 benchmarks/gpu/run_train.py --out "$OUT"    # in the foreground, or:
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/train.yaml [-- --steps 4]
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/train.yaml --out "$OUT"
 
 On a GPU host staged as README.md here says. Every step goes through the ``memsifter`` CLI, as a user
 runs it; the object store is a SeaweedFS (``weed mini``) started here:
@@ -126,7 +128,7 @@ def prepare(a, run: str, model: str) -> None:
     print("prepare-rl:", json.dumps(rl.get("stats", {}))[:800], flush=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-train")
@@ -143,7 +145,11 @@ def main() -> None:
     ap.add_argument("--table-from", nargs=4, metavar=("LOG", "NAME", "EXIT", "WALL_S"),
                     help="only rebuild train.md from a run's verl log, with the run's name, exit status and "
                          "wall seconds as the driver printed them (when the call was cut off before the table)")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     if a.table_from:
         log, name, rc, wall = a.table_from
         os.makedirs(a.out, exist_ok=True)

@@ -619,7 +619,7 @@ def _verify(name: str, repair: bool) -> int:
 def serve(name: str, host: str, port: int, max_model_len: int | None, served_name: str | None) -> int:
     """A local OpenAI-compatible vLLM server (CPU build on a machine without GPU) for a model by name or
     directory: the server the demo starts, for the rank stage's ``--engine endpoint`` and the chat stage."""
-    from ..testing.servers import vllm_server
+    from .vllm_server import VllmServerConfig, serve as vllm_serve
 
     if lookup(name) is None and not os.path.isdir(os.path.expanduser(name)):
         raise ConfigError(f"models serve: '{name}' is neither a memsifter model name ({', '.join(REGISTRY)}) "
@@ -629,8 +629,9 @@ def serve(name: str, host: str, port: int, max_model_len: int | None, served_nam
     ctx = max_model_len or model_context(path) or 4096
     log_path = os.path.join(tempfile.mkdtemp(prefix="memsifter-serve-"), "vllm-server.log")
     print(f"starting vLLM for {served} ({path}); its log: {log_path}", file=sys.stderr, flush=True)
-    with vllm_server(path, served, timeout=600, extra_args=["--max-model-len", str(ctx)], log_path=log_path,
-                     host=host, port=port) as url:
+    cfg = VllmServerConfig(model=path, served_name=served, host=host, port=port, max_model_len=ctx, timeout_s=600,
+                           log_path=log_path)
+    with vllm_serve(cfg) as url:
         print(f"serving {served} at {url} (Ctrl-C stops it). Use it with:\n"
               f"  memsifter run rank --engine endpoint --endpoint.base-url {url} --endpoint.model {served} ...\n"
               f"  memsifter run chat --endpoint.base-url {url} --endpoint.model {served} ...\n"

@@ -191,52 +191,23 @@ def ray_head(num_cpus: int = 2, resources: str | None = None, timeout: float = 9
 
 def wait_openai_server(proc: subprocess.Popen, port: int, timeout: float, where: str = "",
                        poll_s: float = 1.0) -> None:
-    """Wait until the OpenAI-compatible server ``proc`` answers ``/v1/models`` on 127.0.0.1:``port``;
-    an error (naming ``where``, e.g. its log) if it exits first or is not ready in ``timeout`` seconds."""
-    import urllib.request
+    """Wait until the OpenAI-compatible server ``proc`` answers ``/v1/models`` (see
+    :func:`memsifter.models.vllm_server.wait_ready`)."""
+    from ..models.vllm_server import wait_ready
 
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}; {where}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        if time.time() > deadline:
-            raise TimeoutError(f"vLLM server not ready in {timeout:.0f}s; {where}")
-        time.sleep(poll_s)
+    wait_ready(proc, port, timeout, where, poll_s)
 
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str, served_name: str = "tiny", timeout: float = 300,
                 extra_args: list[str] | None = None, log_path: str | None = None,
-                host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+                host: str = "127.0.0.1", port: int | None = None,
+                max_model_len: int = 4096) -> Iterator[str]:
     """A real vLLM (CPU build) OpenAI-compatible server (default: 127.0.0.1 on a free port); yields its
-    base URL (…/v1)."""
-    port = port or free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    from ..models.vllm_env import cpu_engine_env
+    base URL (…/v1). Launched by :mod:`memsifter.models.vllm_server`, the one launcher."""
+    from ..models.vllm_server import VllmServerConfig, serve
 
-    env.update({k: v for k, v in cpu_engine_env().items() if k not in os.environ})
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", served_name, "--host", host, "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-           "--max-num-seqs", "16", *(extra_args or [])]
-    log_path = log_path or os.path.join(tempfile.mkdtemp(prefix="vllm-"), "server.log")
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_openai_server(proc, port, timeout, f"log: {log_path}")
-        yield f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    cfg = VllmServerConfig(model=model_dir, served_name=served_name, host=host, port=port, timeout_s=timeout,
+                           max_model_len=max_model_len, extra_args=list(extra_args or []), log_path=log_path)
+    with serve(cfg) as url:
+        yield url

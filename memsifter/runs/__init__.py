@@ -1,0 +1,1 @@
+"""Runs that outlive the call that starts them: :mod:`memsifter.runs.detached`."""
