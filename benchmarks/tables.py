@@ -1420,7 +1420,34 @@ def bench_figures() -> list[str]:
     ]
 
 
-FIGURES = {"README.md": readme_figures, README_BENCH: bench_figures, CARD: agents_card_figures,
+def gpu_notes_figures() -> list[str]:
+    """benchmarks/gpu/README's sentence figures: the working LLM's answer F1 of machines 1 and 8 (their
+    ``table.json`` aggregates), HF ``generate`` against the original's settings at LongMemEval length (the pooled
+    ``rank.json``) and the larger prefill chunks' share of the roofline (``run_rank.roofline``)."""
+    from memsifter.models.tiny import QWEN3_4B
+
+    n = {part: t["_answers"]["no memory"]["n"] for part, t in load_json(f"{GPU}/2026-11-24-h100-m1/table.json").items()}
+    f1 = {m: {part: {k: f"{a['f1']:.3f}" for k, a in t["_answers"].items()}
+              for part, t in load_json(f"{GPU}/2026-11-24-h100-{m}/table.json").items()} for m in ("m1", "m8")}
+    lme, loc = f1["m1"]["lme_heldout"], f1["m1"]["locomo_heldout"]
+    gold = "oracle (gold sessions)"
+    runs, hf, _ = rank_runs(f"{GPU}/2026-11-25-h100-lme/rank.json")
+    chunk, _, peak = rank_runs(f"{GPU}/2026-11-25-prefill-chunk/rank.json")
+    ceiling = gpu_script("run_rank").roofline(dict(QWEN3_4B), chunk["ours"]["prompt_lengths"],
+                                              peak["peak"])["prefill_ceiling_prompts_s"]
+    roof = {k: f"{100 * chunk[k]['prompts_s'] / ceiling:.1f}%" for k in ("ours-chunk16384", "ours-chunk32768")}
+    return [f"LME ({n['lme_heldout']} q) no memory {lme['no memory']}, first stage {lme['embed:cascade']}, SFT ranker "
+            f"{lme['rank:adapter-sft']}, gold sessions {lme[gold]}; LoCoMo (105 q) no memory {loc['no memory']}, first "
+            f"stage {loc['embed:cascade']}, base structured {loc['rank:smollm2-135m-instruct+structured']}, SFT ranker "
+            f"{loc['rank:adapter-sft']}, gold {loc[gold]}",
+            f"No memory: F1 {f1['m8']['lme_heldout']['no memory']} (LME), {f1['m8']['locomo_heldout']['no memory']} "
+            f"(LoCoMo); the gold sessions: {f1['m8']['lme_heldout'][gold]}, {f1['m8']['locomo_heldout'][gold]}",
+            f"| - | {hf['prompts'] / hf['full_s']:.3f} | {hf['prompts'] / hf['full_s'] / runs['original']['prompts_s']:.2f}x |",
+            f"best {roof['ours-chunk32768']} (chunk32768), {roof['ours-chunk16384']} (chunk16384, 2 runs)",
+            f"({roof['ours-chunk16384']}) *including* the 256-token decodes"]
+
+
+FIGURES = {"README.md": readme_figures, "benchmarks/gpu/README.md": gpu_notes_figures, README_BENCH: bench_figures, CARD: agents_card_figures,
            RANKER_CARD: ranker_card_figures, f"{ONE_CALL}/README.md": one_call_figures}
 
 
