@@ -159,9 +159,13 @@ def start(cfg: DetachedRunConfig, extra: list[str] | tuple[str, ...] = ()) -> di
     _write(d, name=cfg.name, argv=argv(cfg, extra), cwd=os.path.abspath(cfg.cwd or os.getcwd()),
            env={k: _subst(cfg, v) for k, v in cfg.env.items()},
            state="starting", started=time.time())
-    p = subprocess.Popen([sys.executable, "-m", "memsifter.runs._supervise", d],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    # the supervisor finds this package wherever `start` was called from; what it cannot do goes to driver.log
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
+    with open(os.path.join(d, "driver.log"), "ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", "memsifter.runs._supervise", d], stdin=subprocess.DEVNULL,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": path})
     with open(os.path.join(d, "pid"), "w") as f:
         f.write(str(p.pid))
     return poll(cfg)
