@@ -1096,7 +1096,95 @@ def table_multigpu() -> list[str]:
     return lines
 
 
+AGENTS_GRPO = f"{GPU}/2026-11-27-h100-agents-grpo"
+
+
+@functools.lru_cache(maxsize=None)
+def grpo_rows() -> dict[str, list[dict]]:
+    """The GRPO run's answers by label (``agents_grpo_table.rows_by_label``), LoCoMo rows scored with LoCoMo's own
+    F1 against the committed LoCoMo sample (the run's LoCoMo questions; LongMemEval rows need none)."""
+    from memsifter.data.importers.locomo import convert_locomo
+    from memsifter.retrieval.scoring import locomo_scores
+
+    by = gpu_script("agents_grpo_table").rows_by_label(os.path.join(ROOT, AGENTS_GRPO, "answers"))
+    qmap = {q.question_id: q for q in convert_locomo(os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
+                                                     "locomo")[0].questions}
+    for rs in by.values():
+        locomo_scores(rs, qmap)
+    return by
+
+
+def table_agents_grpo_paired() -> list[str]:
+    """The GRPO run's paired differences and episodes, as ``agents_grpo_table.py`` prints them after evaluate's table
+    (its ``paired_rows``, ``markdown`` and ``episodes`` over the committed answers)."""
+    t = gpu_script("agents_grpo_table")
+    by = grpo_rows()
+    agents = sorted({k.rsplit(", ", 1)[0] for k in by if not k.startswith("one call")})
+    pairs = [(f"{g}, GRPO", f"{g}, SFT") for g in agents]
+    pairs += [(f"{g}, {tag}", f"one call, {t.FIRST_STAGE}") for g in agents for tag in ("SFT", "GRPO")]
+    return t.markdown(t.paired_rows(by, pairs)) + t.episodes(by)
+
+
+def table_agents_grpo_curves() -> list[str]:
+    """The GRPO run's per-step table, train-stage time and held-out F1 points: ``agents_grpo_curves.py`` run on a
+    scratch copy of the files it reads (it writes ``curves.json`` / ``curves.png`` beside them)."""
+    import contextlib
+    import io
+    import shutil
+    import tempfile
+
+    curves = gpu_script("agents_grpo_curves")
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(ROOT, AGENTS_GRPO)
+        for rel in ("train_metrics.jsonl", "agents.md", "answers"):
+            (shutil.copytree if os.path.isdir(os.path.join(src, rel)) else shutil.copy)(os.path.join(src, rel),
+                                                                                         os.path.join(tmp, rel))
+        argv, sys.argv = sys.argv, ["agents_grpo_curves.py", tmp]
+        try:
+            with contextlib.redirect_stdout(out):
+                assert curves.main() == 0
+        finally:
+            sys.argv = argv
+    return [ln for ln in out.getvalue().splitlines() if ln.strip()]
+
+
+def agents_md_phases(path: str) -> dict[str, float]:
+    """``run_agents.py``'s phase table in a machine's ``agents.md``: phase -> seconds."""
+    with open(os.path.join(ROOT, path)) as f:
+        cells = ([c.strip() for c in ln.strip().strip("|").split("|")] for ln in f if ln.startswith("| "))
+        return {c[0]: float(c[1]) for c in cells if len(c) == 2 and c[1].replace(".", "").isdigit()}
+
+
+def table_agents_sft_phases() -> list[str]:
+    """The agents-SFT run's phases on its two machines (each machine's ``agents.md``)."""
+    m = {k: agents_md_phases(f"{AGENTS_SFT}/{k}/agents.md") for k in ("machine1", "machine2")}
+    lines = ["| phase | machine 1 s | machine 2 s |", "|---|---:|---:|"]
+    for phase in dict.fromkeys([*m["machine1"], *m["machine2"]]):
+        lines.append(row(phase, *(f"{m[k][phase]:.1f}" if phase in m[k] else "–" for k in m)))
+    return lines
+
+
+def table_agents_grpo_phases() -> list[str]:
+    """The GRPO run's phases: ``agents.md``'s table and the re-run of the GRPO answers (the driver's log line)."""
+    import re
+
+    phases = agents_md_phases(f"{AGENTS_GRPO}/agents.md")
+    log = log_text(f"{AGENTS_GRPO}/logs.tar.gz", "logs/driver-grpo-answers.log")
+    phases.update({k: float(v) for k, v in re.findall(r"\] (grpo-answers): ([0-9.]+)s", log)})
+    return ["| phase | seconds |", "|---|---:|", *(row(k, f"{v:.1f}") for k, v in phases.items())]
+
+
 TABLES = {
+    "agents-grpo-paired": (table_agents_grpo_paired, [f"{AGENTS_GRPO}/answers/*.parquet",
+                                                      "memsifter/samples/locomo_dev2.json.gz"],
+                           [f"{AGENTS_GRPO}/README.md"]),
+    "agents-grpo-curves": (table_agents_grpo_curves, [f"{AGENTS_GRPO}/train_metrics.jsonl", f"{AGENTS_GRPO}/agents.md",
+                                                      f"{AGENTS_GRPO}/answers/agents-*.parquet"],
+                           [f"{AGENTS_GRPO}/README.md", f"{AGENTS_GRPO}/curves.md"]),
+    "agents-grpo-phases": (table_agents_grpo_phases, [f"{AGENTS_GRPO}/agents.md", f"{AGENTS_GRPO}/logs.tar.gz"],
+                           [f"{AGENTS_GRPO}/README.md"]),
+    "agents-sft-phases": (table_agents_sft_phases, [f"{AGENTS_SFT}/machine*/agents.md"], [f"{AGENTS_SFT}/README.md"]),
     "agents-base-episodes": (table_agents_base_episodes, [f"{AGENTS_RANKER}/agents/base-agents-episodes.jsonl"],
                              [f"{AGENTS_RANKER}/README.md"]),
     "agents-sft": (table_agents_sft, [f"{AGENTS_SFT}/answers/*.parquet"],
@@ -1245,9 +1333,6 @@ def agents_card_figures() -> list[str]:
             f"on multi-hop LoCoMo questions agent:search scores {mean(hops):.3f} F1", *agents_grpo_figures()]
 
 
-AGENTS_GRPO = f"{GPU}/2026-11-27-h100-agents-grpo"
-
-
 def agents_grpo_figures() -> list[str]:
     """The GRPO run of issue 44 as the agents card states it: its settings (the train stage's verl overrides and the
     sft stage's stats in ``logs.tar.gz``, the steps in ``train_steps.json``), the held-out questions and the paired
@@ -1255,15 +1340,8 @@ def agents_grpo_figures() -> list[str]:
     sample), the one-call reference, and the earlier adapter's search F1 on its older split."""
     import re
 
-    from memsifter.data.importers.locomo import convert_locomo
-    from memsifter.retrieval.scoring import locomo_scores
-
     grpo_table = gpu_script("agents_grpo_table")
-    by = grpo_table.rows_by_label(os.path.join(ROOT, AGENTS_GRPO, "answers"))
-    qmap = {q.question_id: q for q in convert_locomo(os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
-                                                     "locomo")[0].questions}
-    for rs in by.values():
-        locomo_scores(rs, qmap)
+    by = grpo_rows()
     pairs = {(r["metric"], r["dataset"]): r for r in grpo_table.paired_rows(by, [("agent:search, GRPO",
                                                                                      "agent:search, SFT")])}
     sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
