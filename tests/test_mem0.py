@@ -199,11 +199,11 @@ def extract_config(sample: dict, state: str, url: str, structured: bool = True, 
         "precompute_units": False, "reload_poll_s": 0, "auth": {"anonymous": {"read": ["*"], "write": ["*"]}},
         "extract": {"structured": structured, "max_facts": 4,
                     "endpoint": {"base_url": url, "model": "smollm2", "api_key_env": None, "temperature": 0,
-                                 "max_tokens": 200, "max_retries": 0, **endpoint}}})
+                                 "max_tokens": 160, "max_retries": 0, "timeout_s": 600, **endpoint}}})
 
 
 def add_inferred(url: str, user: str, messages: list[dict]) -> dict:
-    r = requests.post(f"{url}/mem0/memories", json={"messages": messages, "user_id": user}, timeout=300)
+    r = requests.post(f"{url}/mem0/memories", json={"messages": messages, "user_id": user}, timeout=900)
     assert r.status_code == 200, r.text
     return r.json()
 
