@@ -69,9 +69,11 @@ def test_the_agents_held_out_conversation_is_conv_26():
                 assert "conv-30" not in line or "train" in line, (doc, line)
 
 
-# Where issue 42 item 3 asks for recomputed tables: README, benchmarks/README, the model cards, the results READMEs.
+# Where issue 42 item 3 asks for recomputed tables: README, benchmarks/README, the model cards, the results READMEs
+# (benchmarks/results and the GPU runs' benchmarks/gpu/results), the GPU notes benchmarks/gpu/README.
 DOCS = ["README.md", "benchmarks/README.md", *sorted(glob.glob("memsifter/adapters/*/MODEL_CARD.md", root_dir=REPO)),
-        *sorted(glob.glob("benchmarks/results/*/README.md", root_dir=REPO))]
+        *sorted(glob.glob("benchmarks/results/*/README.md", root_dir=REPO)), "benchmarks/gpu/README.md",
+        *sorted(glob.glob("benchmarks/gpu/results/*/README.md", root_dir=REPO))]
 # a cell that starts with a number
 FIGURE = re.compile(r"^\**[−+-]?\(?\d[\d,.]*\)?(%|x|×| s| GiB| GB| MB| ms)?\**( |$)")
 FACTS = {  # tables of facts, not of measurements (each says where its numbers come from)
