@@ -961,6 +961,10 @@ def test_a_detached_run_records_failure_death_and_stop(tmp_path):
     r = subprocess.run([sys.executable, "-m", "memsifter.runs.detached", "poll", str(bad)], capture_output=True,
                        text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and f"{bad}: command:" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "memsifter.runs.detached", "wait", str(GPU_CONFIGS / "train.yaml"),
+                        "--set", f"work={tmp_path / 'never'}", "--max-s", "0"], capture_output=True, text=True,
+                       cwd=REPO, timeout=60)
+    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["state"] == "none"
 
 
 def test_the_ranker_run_brings_back_what_its_driver_polls_into_the_run_folder(tmp_path):

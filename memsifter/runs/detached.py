@@ -16,8 +16,9 @@ The run folder is ``<work>/detached``: ``driver.log`` (the command's output), ``
 state, exit code, times) and ``pid`` (of the supervisor, a small process that runs the command and
 records how it ended). States: ``starting``, ``running``, ``done`` (exit 0), ``failed`` (exit != 0),
 ``stopped`` (``stop``), ``died`` (the supervisor is gone without recording an end: the machine or
-someone killed it). ``wait`` exits 0 when the run is done or still running when ``--max-s`` passes, 1
-when it failed, died or was stopped; bad input (a config that does not parse) exits 2 naming the file.
+someone killed it); ``none``: never started. ``wait`` exits 0 when the run is done or still running when
+``--max-s`` passes, 1 when it failed, died, was stopped or never started; ``poll`` exits 0; bad input
+(a config that does not parse) exits 2 naming the file.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def load(path: str, sets: list[str] | tuple[str, ...] = ()) -> DetachedRunConfig
         key, eq, value = s.partition("=")
         if not eq or not key:
             raise BadConfig(f"{path}: --set {s!r}: KEY=VALUE expected")
-        _set(doc, key, value)
+        try:
+            _set(doc, key, value)
+        except (yaml.YAMLError, AttributeError, TypeError) as e:
+            raise BadConfig(f"{path}: --set {key}: {str(e).splitlines()[0]}") from None
     try:
         return DetachedRunConfig(**doc)
     except ValidationError as e:
@@ -274,7 +278,7 @@ def main(args: list[str] | None = None) -> int:
     else:
         st = wait(cfg, a.out, a.max_s, a.poll_s)
     print(json.dumps({k: v for k, v in st.items() if k != "env"}), flush=True)
-    return 1 if st["state"] in ("failed", "stopped", "died") else 0
+    return 1 if st["state"] in ("failed", "stopped", "died", "none") and a.action != "poll" else 0
 
 
 if __name__ == "__main__":
