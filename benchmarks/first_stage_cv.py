@@ -367,7 +367,9 @@ def main() -> None:
                 prepare(q)
             texts = set().union(*(need[q.question_id][default] for q in chunk))
             if time.time() - started > a.minutes * 60 and not all(vec.has(t) for t in texts):
-                break
+                vec.store.load()   # shards another process wrote since
+                if not all(vec.has(t) for t in texts):
+                    break
             vec.ensure(sorted(texts))
             kept += chunk
             if i % 40 == 36:
@@ -376,6 +378,7 @@ def main() -> None:
                       flush=True)
         save_lex()
         qs = kept
+        vec.store.load()
         for i in range(0, len(qs), 4):
             texts = set().union(*(t for q in qs[i:i + 4] for t in need[q.question_id].values()))
             if time.time() - started > a.minutes * 60 and not all(vec.has(t) for t in texts):
