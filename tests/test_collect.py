@@ -143,3 +143,52 @@ def test_collect_refuses_incomplete_and_unknown_steps(tmp_path, fsdp_root):
                                   "require_complete": False})
     assert available_steps(fsdp_root, require_complete=False) == [2, 4]
     assert not os.path.exists(tmp_path / "c" / "_SUCCESS")
+
+
+def lora_step(src_root: str, dest_root: str, step: int = 4) -> str:
+    """A copy of ``src_root``'s step as a stopped LoRA run leaves it: verl's ``lora_train_meta.json`` in the actor
+    checkpoint (verl writes it for a PEFT actor), the completion marker, and no published train output above."""
+    import shutil
+
+    from memsifter.training.checkpoints import mark_complete
+
+    shutil.copytree(os.path.join(src_root, f"global_step_{step}"), os.path.join(dest_root, f"global_step_{step}"))
+    with open(os.path.join(dest_root, f"global_step_{step}", "actor", "lora_train_meta.json"), "w") as f:
+        json.dump({"r": 16, "lora_alpha": 32, "task_type": "CAUSAL_LM"}, f)
+    mark_complete(dest_root, step)
+    return dest_root
+
+
+def test_collect_refuses_a_lora_checkpoint_whose_base_nothing_names(tmp_path, fsdp_root, capsys):
+    """A GRPO run stopped at its deadline publishes no train output, so no manifest names its model: collect
+    exported its adapter with ``base_model_name_or_path: null`` (2026-11-27), which the registry refuses. Now it
+    refuses in one line before converting anything (exit 2 from the CLI), and says how to name the base."""
+    from memsifter.cli import main
+
+    root = lora_step(fsdp_root, str(tmp_path / "train" / "checkpoints"))
+    out = tmp_path / "collect"
+    with pytest.raises(InputError, match=r"global_step_4.*field 'base_model'.*names no base model"):
+        get_stage("collect").run({"output": str(out), "checkpoints": str(tmp_path / "train")})
+    assert not (out / "_SUCCESS").exists() and not (out / "_work" / "global_step_4").exists()
+    capsys.readouterr()
+    assert main(["run", "collect", "--checkpoints", root, "--output", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if " INFO " not in ln]   # the lease's log line
+    assert len(err) == 1 and "names no base model" in err[0], err
+
+
+def test_collect_takes_the_base_from_the_checkpoints_own_record(tmp_path, fsdp_root):
+    """Where no train manifest names the model, the checkpoint's own record does: the train config saved beside
+    the checkpoints (its ``model``), else an HF adapter config in the step's actor checkpoint; the config's
+    ``base_model`` comes first, the published train output's ``model`` next."""
+    from memsifter.stages.collect import TRAIN_CONFIG, base_model_of
+
+    root = lora_step(fsdp_root, str(tmp_path / "ckpt"))
+    assert base_model_of(root, 4, None) is None
+    hf = os.path.join(root, "global_step_4", "actor", "huggingface", "adapter_config.json")
+    with open(hf, "w") as f:
+        json.dump({"peft_type": "LORA", "base_model_name_or_path": "smollm2-135m-instruct"}, f)
+    assert base_model_of(root, 4, None) == "smollm2-135m-instruct"
+    with open(os.path.join(root, TRAIN_CONFIG), "w") as f:
+        json.dump({"model": "/models/base", "output": "s3://x/train"}, f)
+    assert base_model_of(root, 4, None) == "/models/base"
+    assert base_model_of(root, 4, "given") == "given"

@@ -86,6 +86,10 @@ def _merge_in_process(args: list[str]) -> None:
     merger.cleanup()
 
 
+TRAIN_CONFIG = "train_config.json"   # the train config saved beside the checkpoints (its ``model``), if present
+LORA_META = "lora_train_meta.json"   # verl writes it into the actor checkpoint of a LoRA (PEFT) actor
+
+
 def train_base_model(uri: str) -> str | None:
     """The ``model`` of the train run whose output (or checkpoints prefix) ``uri`` is, if readable."""
     for cand in (uri, uri.rstrip("/").rsplit("/", 1)[0]):
@@ -95,6 +99,31 @@ def train_base_model(uri: str) -> str | None:
             continue
         if cfg.get("model"):
             return str(cfg["model"])
+    return None
+
+
+def base_model_of(root: str, step: int, given: str | None, train_uri: str | None = None) -> str | None:
+    """The base a LoRA step's adapter names: ``given`` (the config's ``base_model``), else the published train
+    output's ``model``, else the checkpoint's own record: the train config saved beside the checkpoints
+    (``train_config.json``'s ``model``), or an HF adapter config in the step's actor checkpoint. None: no source
+    names it (a run stopped before publishing, and nothing saved with its checkpoints)."""
+    import json
+
+    if given:
+        return given
+    if train_uri and (model := train_base_model(train_uri)):
+        return model
+    actor = storage.join(root, f"global_step_{step}", "actor")
+    for uri, key in ((storage.join(root, TRAIN_CONFIG), "model"),
+                     (storage.join(actor, "huggingface", "adapter_config.json"), "base_model_name_or_path"),
+                     (storage.join(actor, "lora_adapter", "adapter_config.json"), "base_model_name_or_path")):
+        if storage.exists(uri):
+            try:
+                value = json.loads(storage.read_bytes(uri)).get(key)
+            except (ValueError, AttributeError) as e:
+                raise InputError(f"not a JSON object ({e})", file=uri) from None
+            if value:
+                return str(value)
     return None
 
 
@@ -117,6 +146,9 @@ def export_adapter(target: str, base_ref: str | None, merged: bool) -> dict | No
     with open(os.path.join(src, "adapter_config.json")) as f:
         cfg = json.load(f)
     cfg["base_model_name_or_path"] = base_ref or cfg.get("base_model_name_or_path")
+    if not cfg["base_model_name_or_path"]:   # the registry refuses an adapter that names no base
+        raise InputError("a LoRA adapter that names no base model: give base_model", file=target,
+                         field="base_model")
     cfg.setdefault("task_type", "CAUSAL_LM")
     with open(os.path.join(dest, "adapter_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -190,13 +222,18 @@ def run(config: CollectConfig, out: storage.Publication) -> dict:
             log.info("collect: step %d already converted (%s)", s, work)
         else:
             t0 = time.time()
+            base = base_model_of(root, s, config.base_model, config.checkpoints)
+            if not base and LORA_META in storage.list_files(storage.join(root, name, "actor")):   # a LoRA actor
+                raise InputError(f"a LoRA checkpoint that names no base model (no published train output, no "
+                                 f"{TRAIN_CONFIG} beside the checkpoints, no adapter config in the actor): give "
+                                 "base_model, the model the run trained", file=storage.join(root, name),
+                                 field="base_model")
             scratch = tempfile.mkdtemp(prefix=f"collect-{s}-", dir=config.local_dir)
             try:
                 target = os.path.join(scratch, "hf")
                 convert_step(storage.join(root, name, "actor"), target, scratch, config.trust_remote_code,
                              config.in_process)
-                lora = export_adapter(target, config.base_model or train_base_model(config.checkpoints),
-                                      config.merged)
+                lora = export_adapter(target, base, config.merged)
                 if lora:
                     log.info("collect: step %d is a LoRA adapter (rank %s, %.1f MiB)", s, lora["rank"],
                              lora["bytes"] / 2 ** 20)
