@@ -358,7 +358,10 @@ def table_agents_base_episodes() -> list[str]:
 FIRST_STAGE = "benchmarks/results/first-stage-2026-11-26"
 
 
-def table_first_stage_cv() -> list[str]:
+FIRST_STAGE_27 = "benchmarks/results/first-stage-2026-11-27"   # the candidates of 2026-11-27, the same command
+
+
+def table_first_stage_cv(folder: str = FIRST_STAGE) -> list[str]:
     """Issue 42 item 5: first-stage candidates against the default, by fold (``first_stage_cv.py --table``)."""
     import contextlib
     import io
@@ -367,7 +370,7 @@ def table_first_stage_cv() -> list[str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        first_stage_cv.table(os.path.join(ROOT, FIRST_STAGE))
+        first_stage_cv.table(os.path.join(ROOT, folder))
     return out.getvalue().splitlines()
 
 
@@ -638,6 +641,32 @@ def table_dapo_ab() -> list[str]:
                          f"{100 * med(rs, keys[4]):.2f}%", f"{med(rs, keys[5]):.1f}"))
     ratio = [med(slow, k) / med(fast, k) for k in keys[:3]] + [med(fast, k) / med(slow, k) for k in keys[3:]]
     lines.append(row("ratio", f"**{ratio[0]:.2f}x faster**", *(f"{x:.2f}x" for x in ratio[1:])))
+    return lines
+
+
+def table_dapo_ab_notes() -> list[str]:
+    """benchmarks/gpu/README's form of the same A/B: metric by metric, median (min–max) over each run's steps
+    (``dapo_ab.cell``), the ratio as ``dapo_ab.table`` takes it (times: row loop / blocks)."""
+    dapo_ab = gpu_script("dapo_ab")
+    slow, fast = dapo_ab_runs()
+    lines = ["| metric | verl's row loop (`fast_logprobs=false`) | blocks (default) | ratio |", "|---|---:|---:|---:|"]
+    for key, label in (("timing_s/step", "step s"), ("timing_s/gen", "generation s"),
+                       ("timing_s/old_log_prob", "old log-probs s"), ("timing_s/update_actor", "actor update s"),
+                       ("timing_s/update_weights", "weight sync s")):
+        ratio = median_of(slow, key) / median_of(fast, key)
+        ratio_cell = f"{ratio:.2f}x" + (" faster" if f"{ratio:.2f}" != "1.00" else "")
+        b, x = (dapo_ab.cell([r[key] for r in rs]) for rs in (slow, fast))
+        step = key == "timing_s/step"
+        x = x.replace(x.split(" ")[0], bold(x.split(" ")[0], step), 1)
+        lines.append(row(label, b, x, bold(ratio_cell, step)))
+    b, x = (median_of(rs, "perf/throughput") for rs in (slow, fast))
+    lines.append(row("tokens/s (whole step)", f"{b:,.0f}", f"{x:,.0f}", f"{x / b:.2f}x"))
+    b, x = (median_of(rs, "perf/mfu/actor") for rs in (slow, fast))
+    lines.append(row("actor MFU (verl's count)", f"{100 * b:.2f}%", f"{100 * x:.2f}%", f"{x / b:.2f}x"))
+    b, x = (median_of(rs, "actor/perf/max_memory_allocated_gb") for rs in (slow, fast))
+    lines.append(row("max GPU memory allocated", f"{b:.1f} GB", f"{x:.1f} GB", f"{x / b:.2f}x"))
+    b, x = (median_of(rs, "critic/score/mean") for rs in (slow, fast))
+    lines.append(row("reward mean", f"{b:.3f}", f"{x:.3f}", "(same data, sampling noise)"))
     return lines
 
 
@@ -1204,6 +1233,9 @@ TABLES = {
                        [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
+    "first-stage-cv-2026-11-27": (lambda: table_first_stage_cv(FIRST_STAGE_27),
+                                  [f"{FIRST_STAGE_27}/*.jsonl", f"{FIRST_STAGE_27}/meta.json"],
+                                  [f"{FIRST_STAGE_27}/README.md"]),
     "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"],
                              [README_BENCH]),
     "embed-gpu-2026-11-23": (table_embed_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call6-embed.json"], [README_BENCH]),
@@ -1219,6 +1251,9 @@ TABLES = {
                                                           f"{GPU}/2026-11-23-h100-c/call8*.log"], [README_BENCH]),
     "dapo-4b": (table_dapo_4b, [f"{DAPO_4B}/runs.jsonl", f"{DAPO_4B}/steps.jsonl"], [f"{DAPO_4B}/README.md",
                                                                                   f"{DAPO_4B}/table.md"]),
+    "dapo-ab-notes": (table_dapo_ab_notes, [f"{GPU}/2026-11-24-h100-m9/train_dcg_slow_metrics.jsonl",
+                                            f"{GPU}/2026-11-24-h100-m9/train_dcg_fast_metrics.jsonl"],
+                      ["benchmarks/gpu/README.md"]),
     "dapo-ab": (table_dapo_ab, [f"{GPU}/2026-11-24-h100-m9/train_dcg_slow_metrics.jsonl",
                                 f"{GPU}/2026-11-24-h100-m9/train_dcg_fast_metrics.jsonl"], [README_BENCH]),
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
