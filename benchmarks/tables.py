@@ -805,6 +805,23 @@ def table_collapse() -> list[str]:
 
 
 
+def table_collapse_steps() -> list[str]:
+    """benchmarks/gpu/README's per-step view of the same three runs: discarded groups / actor token entropy every 3
+    steps from step 4, up to each run's guard stop (``collapse_runs``)."""
+    from memsifter.stages.train import EVICTED_KEY
+
+    runs = collapse_runs()
+    lines = ["| step | lr 2e-4 (m11) | lr 5e-5 (m16) | lr 5e-5, entropy 0.05 (m17) |", "|---:|---|---|---|"]
+    for n in range(4, max(r["stop"][0] for r in runs) + 1, 3):
+        cells = []
+        for r in runs:
+            m = r["steps"].get(n, {})
+            cell = f"{m[EVICTED_KEY]:.0f} / {m['actor/entropy']:.3f}" if n <= r["stop"][0] and EVICTED_KEY in m else "-"
+            cells.append(f"**{cell}: guard stop**" if n == r["stop"][0] else cell)
+        lines.append(row(n, *cells))
+    return lines
+
+
 # Ranker tables: the GPU drivers' held-out aggregates (``table.json``: evaluate's means per ranker). The runs did not
 # commit their per-question rankings, so these check the documents against the committed aggregates only; each
 # document says so beside its table.
@@ -1259,6 +1276,8 @@ TABLES = {
     "entropy-memory": (table_entropy_memory, [f"{GPU}/2026-11-24-h100-m12/entropy_memory.json"], [README_BENCH]),
     "entropy-microbatch": (table_entropy_microbatch, [f"{GPU}/2026-11-25-h100-m14/entropy_memory_b*.json"],
                            [README_BENCH]),
+    "collapse-steps": (table_collapse_steps, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1[167]/train_dcg_*_metrics.jsonl"],
+                       ["benchmarks/gpu/README.md"]),
     "collapse": (table_collapse, [COLLAPSE, f"{GPU}/2026-11-2*-h100-m1[167]/train_dcg_*_metrics.jsonl"],
                  [README_BENCH]),
     "ranker-2026-11-24": (table_ranker_2026_11_24, [f"{GPU}/2026-11-24-h100-m1/table.json",
