@@ -849,9 +849,16 @@ def test_train_stage_reports_a_collapse_stop_and_publishes(s3_env, s3_root, tmp_
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(train, "_run_verl", fake_verl)
     monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
-    m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"), "model": fake_model_dir(tmp_path),
+    model = fake_model_dir(tmp_path)
+    m = train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod"), "model": model,
                    "verl": {"actor_rollout_ref": {"rollout": {"n": 8}},
                             "data": {"train_batch_size": 16, "gen_batch_size": 32}}})
+    # the base is recorded beside the checkpoints before verl starts: collect finds it for a run that is
+    # stopped before it publishes (a GRPO run at its deadline), where no train manifest names the model
+    from memsifter.stages.collect import base_model_of
+    record = json.loads(storage.read_bytes(storage.join(m["stats"]["checkpoint_uri"], checkpoints.BASE_RECORD)))
+    assert record["model"] == model
+    assert base_model_of(m["stats"]["checkpoint_uri"], 4, None) == model
     stop = m["stats"]["stopped_early"]
     assert stop["reason"].startswith("step 6:") and stop["last_complete_step"] == 4
     assert m["stats"]["complete_steps"] == [4] and m["stats"]["metrics"]["steps"] == 7  # with step 0

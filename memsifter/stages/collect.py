@@ -34,7 +34,7 @@ import time
 from pydantic import Field
 
 from ..store import storage
-from ..training.checkpoints import CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
+from ..training.checkpoints import BASE_RECORD, CHECKPOINTS, COMPLETE_MARKER, complete_steps, step_of
 from ..errors import InputError
 from ..stage import StageConfig, runtime_field, stage, uri_field
 
@@ -86,7 +86,7 @@ def _merge_in_process(args: list[str]) -> None:
     merger.cleanup()
 
 
-TRAIN_CONFIG = "train_config.json"   # the train config saved beside the checkpoints (its ``model``), if present
+TRAIN_CONFIG = BASE_RECORD   # the train stage's record beside the checkpoints (its ``model``), if present
 LORA_META = "lora_train_meta.json"   # verl writes it into the actor checkpoint of a LoRA (PEFT) actor
 
 

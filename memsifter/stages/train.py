@@ -82,7 +82,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..errors import ConfigError
 from ..stage import StageConfig, runtime_field, stage, uri_field
 from ..store import storage
-from ..training.checkpoints import check_resume_world_size, complete_steps, restore_step
+from ..training.checkpoints import check_resume_world_size, complete_steps, record_base, restore_step
 from ..training.placement import _ray_connected, on_every_node, placement_request, wait_for_gpu_nodes
 from ..training.reward_settings import RewardSettings
 from ..training.verl_config import (adapter_source, check_loggers, checkpoint_uri, compose, data_files, dry_run,
@@ -367,6 +367,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
     # run continues the curves)
     sink = MetricsSink(storage.join(out.work, "metrics.jsonl"))
+    record_base(ckpt_uri, config.model, config.init_adapter)
     stopped = _run_verl(overrides, sink, collapse_guard(verl.tree))
     steps = complete_steps(ckpt_uri)
     out.write_text("verl_config.yaml", composed)

@@ -99,6 +99,18 @@ def upload_local_step(local_step_dir: str, step_uri: str) -> list[tuple[str, int
     return done
 
 
+BASE_RECORD = "train_config.json"   # beside the checkpoints: the model the run trains (its LoRA adapters' base)
+
+
+def record_base(ckpt_uri: str, model: str, init_adapter: str | None = None) -> str:
+    """Write ``<ckpt_uri>/train_config.json`` naming the run's base model before training starts, so that
+    collect can name the base of a LoRA step of a run that never published (stopped at its deadline)."""
+    uri = storage.join(ckpt_uri, BASE_RECORD)
+    rec = {"model": model, **({"init_adapter": init_adapter} if init_adapter else {})}
+    storage.write_bytes(uri, json.dumps(rec, indent=2).encode())
+    return uri
+
+
 def mark_complete(ckpt_uri: str, step: int) -> dict:
     """Write ``_COMPLETE.json`` for a step whose files are all in S3; raises if some are missing."""
     step_uri = storage.join(ckpt_uri, f"global_step_{step}")
