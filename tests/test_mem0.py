@@ -199,7 +199,7 @@ def extract_config(sample: dict, state: str, url: str, structured: bool = True, 
         "precompute_units": False, "reload_poll_s": 0, "auth": {"anonymous": {"read": ["*"], "write": ["*"]}},
         "extract": {"structured": structured, "max_facts": 4,
                     "endpoint": {"base_url": url, "model": "smollm2", "api_key_env": None, "temperature": 0,
-                                 "max_tokens": 160, "max_retries": 0, "timeout_s": 600, **endpoint}}})
+                                 "max_tokens": 256, "max_retries": 0, "timeout_s": 600, **endpoint}}})
 
 
 def add_inferred(url: str, user: str, messages: list[dict]) -> dict:

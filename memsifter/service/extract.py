@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..models.llm import LLMEndpoint
 
 EVENTS = ("ADD", "UPDATE", "DELETE", "NONE")
+TEXT_CHARS = 200   # a fact or a memory's new text in a schema answer at most (an answer then fits its token budget)
 
 FACTS_PROMPT = """\
 You read a conversation and write down what is worth remembering about the user: preferences, personal \
@@ -126,8 +127,8 @@ def parse_decisions(text: str | None, ids: list[str], max_chars: int) -> tuple[l
 
 
 def facts_schema(max_facts: int) -> dict:
-    return {"type": "object", "properties": {"facts": {"type": "array", "items": {"type": "string"},
-                                                       "maxItems": max_facts}},
+    return {"type": "object", "properties": {"facts": {"type": "array", "maxItems": max_facts,
+                                                       "items": {"type": "string", "maxLength": TEXT_CHARS}}},
             "required": ["facts"], "additionalProperties": False}
 
 
@@ -135,7 +136,7 @@ def decisions_schema(ids: list[str], facts: int) -> dict:
     """One operation per fact at most; ``id`` one of the numbers shown, or ``new``."""
     item = {"type": "object", "properties": {"id": {"type": "string", "enum": [*ids, "new"]},
                                              "event": {"type": "string", "enum": list(EVENTS)},
-                                             "text": {"type": "string"}},
+                                             "text": {"type": "string", "maxLength": TEXT_CHARS}},
             "required": ["id", "event", "text"], "additionalProperties": False}
     return {"type": "object", "properties": {"memory": {"type": "array", "items": item, "maxItems": facts}},
             "required": ["memory"], "additionalProperties": False}
