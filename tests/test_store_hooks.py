@@ -4,8 +4,6 @@ the runtime never imports unless a fault variable asks for it."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,22 +12,9 @@ from pathlib import Path
 import pytest
 
 from memsifter.store import hooks, storage
+from test_stage_leaves import imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-
-def _imported(path: Path) -> set[str]:
-    """Absolute names of the modules an import in ``path`` may load (``from pkg import name``: both)."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
-                if node.level else node.module
-            out |= {base, *(f"{base}.{a.name}" for a in node.names)}
-    return out
-
 
 def test_no_runtime_module_imports_the_fault_injection():
     bad = []
@@ -37,7 +22,7 @@ def test_no_runtime_module_imports_the_fault_injection():
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith("memsifter/testing/") or "faults" not in path.read_text():
             continue
-        if hooks.FAULT_HOOKS in _imported(path):
+        if hooks.FAULT_HOOKS in imported_modules(path):
             bad.append(rel)
     assert not bad, "runtime modules importing memsifter.testing.faults (use memsifter.store.hooks):\n" + \
         "\n".join(bad)
