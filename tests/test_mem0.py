@@ -273,3 +273,15 @@ def test_extraction_is_off_unless_an_endpoint_is_named(sample, tmp_path, monkeyp
     with local_server(cfg) as (url, _):
         out = add_inferred(url, "cy", [{"role": "user", "content": "I play the cello."}])
         assert "extraction" not in out and [r["memory"] for r in out["results"]] == ["I play the cello."]
+
+
+def test_infer_false_stores_the_message_as_sent_even_with_extract_configured(sample, tmp_path):
+    """mem0's ``infer: false`` on one add: no LLM call even when ``extract`` names an endpoint (here a closed
+    loopback port: a call would come back as a fallback with an ``extraction`` block)."""
+    cfg = extract_config(sample, str(tmp_path / "state"), f"http://127.0.0.1:{free_port()}/v1", timeout_s=5)
+    with local_server(cfg) as (url, _):
+        r = requests.post(f"{url}/mem0/memories", timeout=120, json={
+            "messages": [{"role": "user", "content": "I play the cello."}], "user_id": "cy", "infer": False})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert "extraction" not in out and [x["memory"] for x in out["results"]] == ["I play the cello."], out

@@ -103,7 +103,7 @@ class Mem0Owner(BaseModel):
 class Mem0AddRequest(Mem0Owner):
     messages: list[Mem0Message] = Field(min_length=1, description="each message is one memory, stored as sent")
     metadata: dict | None = None
-    infer: bool | None = Field(None, description="accepted; no LLM is called: messages are stored as sent")
+    infer: bool | None = Field(None, description="with the service's `extract` endpoint configured: false stores the messages as sent, anything else extracts facts; without it no LLM is called")
 
 
 class Mem0UpdateRequest(BaseModel):
@@ -386,7 +386,7 @@ def make_app(service: RetrievalService) -> FastAPI:
     async def m0_add(body: Mem0AddRequest, authorization: str | None = Header(None),
                      x_api_key: str | None = Header(None)) -> dict:
         return await m0.add(who(authorization, x_api_key), [m.model_dump() for m in body.messages], body.user_id,
-                            body.agent_id, body.run_id, body.metadata)
+                            body.agent_id, body.run_id, body.metadata, infer=body.infer)
 
     @app.get("/mem0/memories", tags=tags, summary="list an owner's memories")
     async def m0_list(user_id: str | None = qid(), agent_id: str | None = qid(), run_id: str | None = qid(),
