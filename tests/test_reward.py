@@ -45,7 +45,8 @@ def test_dcg_mode_by_hand():
     r = compute_score_sync("memsifter_synth", resp, "1,4;6", {}, mode="dcg")
     # K = min(10, 6) = 6; hits at ranks 1 and 3: (1/log2(2) + 1/log2(4)) / |gold| = 1.5 / 2
     assert r["score"] == pytest.approx(0.75) and r["acc"] == r["score"] and r["format_ok"] == 1.0
-    assert set(r) == {"score", "acc", "format_ok", "dcg", "ndcg10", "n_ranked", "reward_error"}
+    assert set(r) == {"score", "acc", "format_ok", "dcg", "ndcg10", "n_ranked", "reward_error", "shown_ndcg",
+                      "order_changed", "listing_from_rollout"}
 
 
 @pytest.mark.parametrize("resp,why", [
@@ -185,7 +186,7 @@ def test_malformed_extra_info_gives_zero_not_an_exception(fake_llm, tmp_path):
                            **_kw(fake_llm.url, tmp_path))
     assert r["score"] == 0.0 and r["reward_error"] == 1.0
     assert set(r) == {"score", "acc", "format_ok", "dcg", "ndcg10", "n_ranked", "reward_error", "s_no_memory", "s_top_k",
-                      "llm_calls", "llm_failed"}
+                      "llm_calls", "llm_failed", "shown_ndcg", "order_changed", "listing_from_rollout"}
 
 
 def test_settings_from_environment(monkeypatch, fake_llm, tmp_path):

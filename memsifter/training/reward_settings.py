@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MODES = ("dcg", "task")
+MODES = ("dcg", "task", "improvement")
 FORMATS = ("exact", "partial")
 TOP_K = 10
 DEFAULT_TIMEOUT_S = 120.0
@@ -38,9 +38,15 @@ class RewardSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["dcg", "task"] = Field("dcg", description="dcg: DCG of the ranking against the gold sessions, no "
-                                         "LLM calls (MemSifter's first stage); task: the working LLM's answer "
-                                         "gains (needs base_url)")
+    mode: Literal["dcg", "task", "improvement"] = Field(
+        "dcg", description="dcg: DCG of the ranking against the gold sessions, no LLM calls (MemSifter's first "
+        "stage); task: the working LLM's answer gains (needs base_url); improvement: NDCG@k of the ranking minus "
+        "NDCG@k of the listing the ranker was shown (copying the shown order earns 0 whatever it is; a ranking "
+        "that does not parse -1), no LLM calls. With the ranker's agent loop (memsifter.training.ranker_loop: "
+        "verl.actor_rollout_ref.rollout.agent.default_agent_loop memsifter_ranker, its agent_loop_config_path and "
+        "verl.reward.reward_manager.name naive; benchmarks/gpu/run_ranker.py's improve phase sets them) every "
+        "rollout of a training row is shown its own shuffled listing; without it the row's listing is the "
+        "baseline (metric listing_from_rollout 0)")
     base_url: str | None = Field(None, description="working LLM (OpenAI-compatible) base URL; task mode")
     model: str = "gpt-4o-mini"
     api_key_env: str | None = Field("OPENAI_API_KEY", description="name of the env var (in the pods) holding the "

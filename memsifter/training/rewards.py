@@ -25,6 +25,13 @@ Modes
 -----
 ``dcg``: DCG@K of the ranking against the gold sessions, divided by |gold| (K = min(10, N)).
 
+``improvement`` (issue 44): NDCG@K of the ranking minus NDCG@K of the listing the ranker was shown, so a ranker
+that copies the order it is shown earns 0 whatever that order, one that moves gold up earns more, down less; a
+ranking that does not parse scores -1. Meant with the ranker's agent loop (:mod:`memsifter.training.ranker_loop`),
+which shows every rollout of a training row its own shuffled listing and hands that listing to this function
+(``extra_info[LISTING]``, through verl's ``naive`` reward manager): the n rollouts of a prompt then start from
+different orders, and only reordering pays.
+
 ``task`` ("marginal utility x rank sensitivity"): tiers t = 0, then 1, 2, 3, 5, 8 (Fibonacci <= K),
 then K. The working LLM answers the question with the top-t ranked sessions (t = 0: no memory),
 s_t = token F1 of its answer, and R = sum_i C(t_i) * (s_{t_i} - s_{t_{i-1}}) over the tiers after 0,
@@ -336,11 +343,33 @@ def agent_reward(solution_str: str, ground_truth: Any, extra_info: dict | None =
     return out
 
 
+# --------------------------------------------------------------------------- the listing a rollout was shown
+LISTING = "ranker_listing"   # extra_info key: the row's local ids in the order the rollout's prompt listed them
+INVALID_IMPROVEMENT = -1.0   # improvement mode: a ranking that does not parse (below every ranking that does)
+
+
+def rollout_listing(extra_info: dict, n: int) -> tuple[list[int], bool]:
+    """(listing, from the rollout): the row's local ids in the order the rollout's prompt listed them, so that
+    rollout id j is row id ``listing[j]`` (:mod:`memsifter.training.ranker_loop` shows each rollout its own
+    listing and hands it over in ``extra_info[LISTING]``); without one, the row's own listing (ids unchanged).
+    A listing that is not a permutation of the row's ``n`` ids is a ValueError."""
+    given = extra_info.get(LISTING)
+    if given is None:
+        return list(range(n)), False
+    listing = [int(x) for x in (given.tolist() if hasattr(given, "tolist") else given)]
+    if sorted(listing) != list(range(n)):
+        raise ValueError(f"{LISTING} {listing[:12]}: not a permutation of the row's {n} session ids")
+    return listing, True
+
+
 # --------------------------------------------------------------------------- verl entry points
 def _result(settings: RewardSettings, score: float, *, format_ok: bool, dcg: float, n_ranked: int,
-            task: dict | None = None, error: bool = False, ndcg10: float = 0.0) -> dict:
+            task: dict | None = None, error: bool = False, ndcg10: float = 0.0, shown_ndcg: float = 0.0,
+            order_changed: bool = False, from_rollout: bool = False) -> dict:
     out = {"score": float(score), "acc": float(score), "format_ok": float(format_ok), "dcg": float(dcg),
-           "ndcg10": float(ndcg10), "n_ranked": float(n_ranked), "reward_error": float(error)}
+           "ndcg10": float(ndcg10), "n_ranked": float(n_ranked), "reward_error": float(error),
+           "shown_ndcg": float(shown_ndcg), "order_changed": float(order_changed),
+           "listing_from_rollout": float(from_rollout)}
     if settings.mode == "task":
         sc = (task or {}).get("tier_scores") or [0.0]
         out.update({"s_no_memory": float(sc[0]) if task else 0.0, "s_top_k": float(sc[-1]) if task else 0.0,
@@ -356,27 +385,45 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
     Returns a dict with ``score`` (the reward) and metrics with the same keys for every sample of a
     run (verl stacks them): ``acc`` (= score, the DAPO group filter metric), ``format_ok``, ``dcg``,
     ``ndcg10`` (NDCG@10 of the ranking over the shown sessions, 0 when invalid),
-    ``n_ranked``, ``reward_error``; in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
+    ``n_ranked``, ``reward_error``, ``shown_ndcg`` (NDCG@K of the listing shown), ``order_changed`` (1 when the
+    ranking is not the listing's first ids in order), ``listing_from_rollout`` (1 when the rollout's own listing
+    came in ``extra_info[LISTING]``); in task mode also ``s_no_memory``, ``s_top_k``, ``llm_calls``,
     ``llm_failed``. Agent rows (``data_source == "memsifter_agent"``): :func:`agent_reward`.
+
+    The ranking's ids are the ids of the prompt the rollout was shown: with a rollout listing they are read
+    through it (:func:`rollout_listing`) into the row's ids, which the gold ids and the sessions use.
+    ``improvement`` mode: NDCG@K of the ranking minus NDCG@K of that listing (K = min(top_k, N)); a ranking
+    that does not parse scores :data:`INVALID_IMPROVEMENT`.
     """
     if data_source == AGENT_SOURCE:
         return agent_reward(solution_str, ground_truth, extra_info, **kwargs)
     settings = RewardSettings.resolve(**kwargs)
     try:
+        info = dict(extra_info or {})
         gold, n = parse_ground_truth(ground_truth)
         k = min(settings.top_k, n)
+        listing, from_rollout = rollout_listing(info, n)
+        gold_s = [str(g) for g in gold]
+        shown = ndcg([str(i) for i in listing], gold_s, k)
         # exact: MemSifter's rule, K = min(10, N) valid ids or nothing; partial: any ranking with at
         # least one valid id is scored on the ids it gives (the missing ones count as irrelevant)
         parsed = parse_ranking(solution_str, n, k=k if settings.format == "exact" else None)
         if not parsed.ok or k <= 0:
-            return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids))
-        ids = parsed.ids[:k]
+            bad = INVALID_IMPROVEMENT if settings.mode == "improvement" else 0.0
+            return _result(settings, bad, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids), shown_ndcg=shown,
+                           from_rollout=from_rollout)
+        ids = [listing[i] for i in parsed.ids[:k]]  # the row's ids
+        common = dict(n_ranked=len(ids), shown_ndcg=shown, order_changed=ids != listing[:len(ids)],
+                      from_rollout=from_rollout)
         dcg = dcg_reward(ids, gold, k)
-        nd = ndcg([str(i) for i in ids], [str(g) for g in gold], TOP_K)  # the validation curve's NDCG@10
+        nd = ndcg([str(i) for i in ids], gold_s, TOP_K)  # the validation curve's NDCG@10
         if settings.mode == "dcg":
-            return _result(settings, dcg, format_ok=True, dcg=dcg, n_ranked=len(ids), ndcg10=nd)
-        task = await task_reward(ids, k, dict(extra_info or {}), settings)
-        return _result(settings, task["score"], format_ok=True, dcg=dcg, n_ranked=len(ids), task=task, ndcg10=nd)
+            return _result(settings, dcg, format_ok=True, dcg=dcg, ndcg10=nd, **common)
+        if settings.mode == "improvement":
+            gain = ndcg([str(i) for i in ids], gold_s, k) - shown
+            return _result(settings, gain, format_ok=True, dcg=dcg, ndcg10=nd, **common)
+        task = await task_reward(ids, k, info, settings)
+        return _result(settings, task["score"], format_ok=True, dcg=dcg, task=task, ndcg10=nd, **common)
     except Exception as e:  # noqa: BLE001 - a reward must never crash the trainer
         log.warning("reward failed for %s: %s: %s", data_source, type(e).__name__, e)
         return _result(settings, 0.0, format_ok=False, dcg=0.0, n_ranked=0, error=True)
