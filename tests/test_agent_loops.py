@@ -35,7 +35,6 @@ import torch
 pytest.importorskip("verl")
 
 from memsifter.errors import ConfigError  # noqa: E402
-from memsifter.models import registry as models  # noqa: E402
 from memsifter.stage import code_version  # noqa: E402
 from memsifter.stages import train  # noqa: E402
 from memsifter.stages.train import TrainConfig  # noqa: E402
@@ -95,17 +94,6 @@ REPLIES = {
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def smollm2_dir() -> str:
-    if models.lookup("smollm2") is None:
-        pytest.skip("registry entry smollm2 missing")
-    try:
-        models.package_dir(models.REGISTRY["smollm2-135m-instruct"])
-    except ConfigError as e:
-        pytest.skip(str(e))
-    return models.materialize("smollm2-135m-instruct")
-
-
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
@@ -715,17 +703,6 @@ class VLLMTokenServer:
         self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids), "sampling_params": dict(sp),
                            "ids": ids, "text": r.json()["choices"][0]["text"]})
         return TokenOutput(token_ids=ids, stop_reason="completed", extra_fields={"global_steps": 1})
-
-
-@pytest.fixture(scope="module")
-def smollm2_vllm(smollm2_dir, tmp_path_factory):
-    """A real vLLM (CPU) server with SmolLM2-135M-Instruct, 8,192-token window."""
-    pytest.importorskip("vllm")
-    from memsifter.testing.servers import vllm_server
-
-    log = str(tmp_path_factory.mktemp("vllm-loops") / "server.log")
-    with vllm_server(smollm2_dir, "smollm2", extra_args=["--max-model-len", "8192"], log_path=log) as url:
-        yield url
 
 
 SMALL = {"memsifter_search": '{"max_turns": 2, "max_tokens": 48, "answer_tokens": 16}',

@@ -48,13 +48,18 @@ def test_heldout_publishes_exactly_the_asked_questions_with_their_first_stage(tm
     from memsifter.data.model import read_dataset
     from memsifter.store import storage
 
-    lme, locomo = shared_dir / "data" / "longmemeval_s_dev30.json.gz", shared_dir / "data" / "locomo_dev2.json.gz"
-    if not lme.exists() or not locomo.exists():
-        pytest.skip("../shared/data lacks the samples")
-    a = types.SimpleNamespace(lme=str(lme), locomo=str(locomo), work=str(tmp_path / "w"), out=str(tmp_path / "o"))
-    (tmp_path / "o").mkdir()
     import gzip
     import json
+
+    full_lme, full_locomo = shared_dir / "data" / "longmemeval_s_dev30.json.gz", shared_dir / "data" / "locomo_dev2.json.gz"
+    if not full_lme.exists() or not full_locomo.exists():
+        pytest.skip("../shared/data lacks the samples")
+    # two LongMemEval questions and one LoCoMo conversation (smaller imports; the same formats)
+    lme, locomo = tmp_path / "lme.json.gz", tmp_path / "locomo.json.gz"
+    lme.write_bytes(gzip.compress(json.dumps(json.load(gzip.open(full_lme))[:2]).encode()))
+    locomo.write_bytes(gzip.compress(json.dumps(json.load(gzip.open(full_locomo))[:1]).encode()))
+    a = types.SimpleNamespace(lme=str(lme), locomo=str(locomo), work=str(tmp_path / "w"), out=str(tmp_path / "o"))
+    (tmp_path / "o").mkdir()
 
     first = json.load(gzip.open(lme))[0]["question_id"]
     locomo_ids = [q.question_id for q in _imported(a, "locomo", str(locomo))][:2]

@@ -21,6 +21,7 @@ from memsifter.errors import ConfigError
 from memsifter.pipeline import plan
 from memsifter.stage import config_hash, get_stage, validate_config
 from memsifter.store import storage
+from test_demo import _ci_demo
 from test_demo_screen import _rows
 
 LOCOMO = dict(demo.REAL)["locomo"]
@@ -265,18 +266,30 @@ def test_help_says_what_agents_add_and_their_cost(tmp_path):
 def test_demo_with_agents_end_to_end(tmp_path):
     """The real demo with --agents on the first LoCoMo question: both agents answer it with the demo's SmolLM2
     server (agent:search over the memory service the demo starts), and the screen puts them beside chat's
-    contexts with n and cost per question."""
-    # an EMPTY model cache: the demo converts SmolLM2 and merges the trained agents' adapter onto it while its two
-    # vLLM servers start in threads (the default demo starts one server; a first run once crashed on that race)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "MEMSIFTER_MODEL_CACHE": str(tmp_path / "empty-model-cache")}
+    contexts with n and cost per question. In CI the README's demo has just run (.ci/demo): --agents is added to
+    that run, as a user adds it to theirs, and must redo none of its stages; elsewhere a small demo of its own
+    runs from an EMPTY model cache."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("RAY_ADDRESS", None)
     memsifter = Path(sys.executable).with_name("memsifter")
-    out = tmp_path / "demo"
-    argv = [str(memsifter), "demo", "--out", str(out), "--questions", "3", "--answers", "1", "--agents",
-            "--agent-questions", "1"]
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    ci = _ci_demo()
+    if ci and ci["returncode"] == 0:
+        out, cwd, env["MEMSIFTER_MODEL_CACHE"] = Path(ci["out"]), ci["cwd"], ci["model_cache"]
+        argv = [str(memsifter), *ci["argv"], "--agents", "--agent-questions", "1"]
+        before = {name: storage.read_text(str(out / "locomo" / name / "_SUCCESS"))
+                  for name in ("import", "embed", "rank", "chat", "evaluate")}
+    else:
+        # an EMPTY model cache: the demo converts SmolLM2 and merges the trained agents' adapter onto it while its
+        # two vLLM servers start in threads (the default demo starts one server; a first run once crashed on that
+        # race)
+        out, cwd, env["MEMSIFTER_MODEL_CACHE"] = tmp_path / "demo", tmp_path, str(tmp_path / "empty-model-cache")
+        argv = [str(memsifter), "demo", "--out", str(out), "--questions", "3", "--answers", "1", "--agents",
+                "--agent-questions", "1"]
+        before = None
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    if before:   # added to a finished demo: its stages were reused as published, not run again
+        assert {name: storage.read_text(str(out / "locomo" / name / "_SUCCESS")) for name in before} == before
     noisy = [ln for ln in (proc.stdout + proc.stderr).splitlines()
              if any(w in ln for w in (" INFO ", "WARNING", "Traceback", "it/s]"))]
     assert noisy == [], noisy[:5]
@@ -291,7 +304,7 @@ def test_demo_with_agents_end_to_end(tmp_path):
     assert ag["stats"]["methods"]["agent:search"]["llm_calls"] >= 1
     rows = storage.read_parquet(str(run / demo.AGENTS / "answers.parquet")).to_pylist()
     chat = storage.read_parquet(str(run / "chat" / "answers.parquet")).to_pylist()
-    assert {r["question_id"] for r in rows} == {r["question_id"] for r in chat}   # the question chat answered
+    assert len(rows) == 1 and rows[0]["question_id"] in {r["question_id"] for r in chat}   # one chat answered
     ev = storage.read_manifest(str(run / demo.AGENTS_EVAL))
     sbs = ev["stats"]["side_by_side"]
     assert sbs["same"] and sbs["questions"] == 1

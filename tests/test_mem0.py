@@ -175,22 +175,6 @@ def test_a_killed_server_loses_no_acknowledged_write_even_without_its_event_file
 
 
 # --------------------------------------------------------------------------- fact extraction
-@pytest.fixture(scope="module")
-def smollm2_vllm(tmp_path_factory):
-    """SmolLM2-135M-Instruct (the registry's packaged model) on a real vLLM CPU server; its base URL."""
-    from memsifter.errors import ConfigError
-    from memsifter.models import registry as models
-    from memsifter.testing.servers import vllm_server
-
-    try:
-        path = models.materialize("smollm2-135m-instruct")
-    except ConfigError as e:
-        pytest.skip(str(e))
-    log = str(tmp_path_factory.mktemp("vllm") / "server.log")
-    with vllm_server(path, "smollm2", log_path=log, timeout=900) as url:   # a loaded CI machine starts it slowly
-        yield url
-
-
 def extract_config(sample: dict, state: str, url: str, structured: bool = True, **endpoint) -> ServeConfig:
     """``extract`` naming the vLLM server (no key: loopback); at most 4 facts an add, so that an answer in
     the schema fits the token budget."""

@@ -128,11 +128,13 @@ def test_named_instances_of_one_stage():
             pipeline.plan({"run": "r", "stages": bad})
 
 
-def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_dir, ray_local, monkeypatch,
+def test_pipeline_crash_resume_identical(s3_root, tmp_path, vllm_endpoint, tiny_model_dir, ray_local, monkeypatch,
                                          capsys):
-    # 1) uninterrupted run, through the CLI with a config file stored next to the data
-    clean = storage.join(store_root, "clean")
-    cfg_uri = storage.join(store_root, "pipeline.yaml")
+    """An uninterrupted run on a local directory, then the same pipeline on S3 crashing in each stage in turn:
+    its outputs equal the first's (both stores, one pipeline run each)."""
+    # 1) uninterrupted run on a local directory, through the CLI with a config file stored on S3
+    clean = str(tmp_path / "clean")
+    cfg_uri = storage.join(s3_root, "pipeline.yaml")
     storage.write_bytes(cfg_uri, yaml.safe_dump(_spec("ignored", vllm_endpoint, tiny_model_dir)).encode())
     assert pipeline.main(["run", "--config", cfg_uri, "--run", clean, "-q"]) == 0
     assert "report:" in capsys.readouterr().out
@@ -141,7 +143,7 @@ def test_pipeline_crash_resume_identical(store_root, vllm_endpoint, tiny_model_d
     assert len(expected["rank/rankings.parquet"]) == 4 and len(expected["chat/answers.parquet"]) == 4
 
     # 2) the same pipeline elsewhere, crashing in the middle of each stage in turn
-    spec = _spec(storage.join(store_root, "crashy"), vllm_endpoint, tiny_model_dir)
+    spec = _spec(storage.join(s3_root, "crashy"), vllm_endpoint, tiny_model_dir)
     log: list[str] = []
     for stage in ("embed", "rank", "chat", "evaluate"):
         monkeypatch.setenv("MEMSIFTER_CRASH_AFTER", f"{stage}:1")

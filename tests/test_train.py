@@ -469,7 +469,7 @@ def test_checkpoints_upload_from_every_ray_node_and_resume(s3_env, s3_root, tmp_
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     # a real (local, one-node) Ray cluster: the per-node upload and staging run as Ray tasks
-    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": s3_env.env()}, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, runtime_env={"env_vars": s3_env.env()}, log_to_driver=False)
     try:
         cb = S3CheckpointCallback(config=None)
         cb.on_save(trainer=None, global_step=5, checkpoint_dir=os.path.join(local, "global_step_5"))

@@ -62,7 +62,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], **kw)
         else:
-            ray.init(num_cpus=num_cpus if num_cpus is not None else _SESSION["num_cpus"],
+            # address="local": a new local instance, never a cluster another process started here
+            ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else _SESSION["num_cpus"],
                      include_dashboard=False, **kw)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
