@@ -211,9 +211,15 @@ def train_setting(spec: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
-def phase_train(a, kind: str, init: str, reward: dict, steps: int, order: str = "first_stage") -> None:
-    from memsifter.store import storage
+# the reward of each training phase (task: the working LLM's settings are added at run time)
+REWARDS = {"dcg": {"mode": "dcg", "format": "exact"}, "task": {"mode": "task", "format": "exact"},
+           "improve": {"mode": "improvement", "format": "exact"}}
 
+
+def train_data(a, kind: str, init: str | None, reward: dict, steps: int, order: str = "first_stage") -> dict:
+    """The train stage's config of a training phase (what ``phase_train`` runs; a test composes it on a CPU).
+    ``reward.mode: improvement`` runs prepare-rl's rows through the ranker's agent loop, every rollout shown its
+    own listing (:func:`memsifter.training.ranker_loop.verl_settings`)."""
     kind = kind + SUFFIX[order] + a.tag  # --tag: a second run of the same phase on one machine (e.g. an A/B of verl settings)
     out = f"s3://memsifter/ranker/train-{kind}"
     from memsifter.stage import set_path
@@ -234,12 +240,25 @@ def phase_train(a, kind: str, init: str, reward: dict, steps: int, order: str = 
         "n_gpus_per_node": 1, "experiment_name": f"ranker-{kind}", "reward": reward,
         "local_dir": os.path.join(WORK, f"pod-{kind}"), "keep_local_checkpoints": 1,
         "verl": verl, "extra_overrides": list(a.train_extra or [])}
+    if reward.get("mode") == "improvement":
+        from memsifter.training import ranker_loop
+
+        for key, value in ranker_loop.verl_settings().items():
+            set_path(data["verl"], key, value)
     for key, value in (train_setting(x) for x in a.set or []):
         set_path(data, key, value)
     if float(get(data["verl"], "actor_rollout_ref.actor.entropy_coeff") or 0) > 0:
         # an entropy bonus adds ~12 GiB to a 32k-token micro-batch's peak (36.3 -> 48.1 GiB,
         # entropy_memory.py on machine 12; machine 11 ran out of memory): halve it
         data["verl"]["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] = 16384
+    return data
+
+
+def phase_train(a, kind: str, init: str, reward: dict, steps: int, order: str = "first_stage") -> None:
+    from memsifter.store import storage
+
+    data = train_data(a, kind, init, reward, steps, order)
+    kind, out = data["experiment_name"].removeprefix("ranker-"), data["output"]
     cfg = config(f"train-{kind}", data)
     # the curves while it runs: the stage keeps verl's metric lines under <output>/_work/metrics.jsonl
     stop = {"done": False}
@@ -277,7 +296,7 @@ def rankers() -> list[tuple[str, str | None, bool, str]]:
     out = []
     for order in ORDERS:
         suf = SUFFIX[order]
-        trained = [(kind + suf, adapter_dir(kind + suf), False, order) for kind in ("sft", "dcg", "task")]
+        trained = [(kind + suf, adapter_dir(kind + suf), False, order) for kind in ("sft", "dcg", "task", "improve")]
         trained = [t for t in trained if t[1]]
         if order == "first_stage" or trained or any(
                 os.path.exists(os.path.join(RUNS, f"rank-base-structured{suf}-{ds}")) for ds in HELDOUT):
@@ -438,8 +457,8 @@ def phase_order(token: str, default: str) -> tuple[str, str]:
     listing's rows; a bare name takes ``--order``."""
     name, _, order = token.partition("@")
     order = order or default
-    if name not in ("base", "sft", "dcg", "task", "eval") or order not in ORDERS:
-        raise SystemExit(f"--phases item {token!r}: expected base|sft|dcg|task|eval, optionally @"
+    if name not in ("base", "sft", "dcg", "task", "improve", "eval") or order not in ORDERS:
+        raise SystemExit(f"--phases item {token!r}: expected base|sft|dcg|task|improve|eval, optionally @"
                          + "|@".join(ORDERS))
     return name, order
 
@@ -478,11 +497,12 @@ def run_all(a) -> None:
                     elif name == "sft":
                         phase_sft(a, order)
                     elif name == "dcg":
-                        phase_train(a, "dcg", adapter_dir("sft" + suf), {"mode": "dcg", "format": "exact"},
-                                    a.dcg_steps, order)
+                        phase_train(a, "dcg", adapter_dir("sft" + suf), REWARDS["dcg"], a.dcg_steps, order)
+                    elif name == "improve":  # issue 44: pays only for improving on the listing each rollout is shown
+                        phase_train(a, "improve", adapter_dir("sft" + suf), REWARDS["improve"], a.improve_steps, order)
                     elif name == "task":
                         init = adapter_dir("dcg" + suf) or adapter_dir("sft" + suf)
-                        phase_train(a, "task", init, {"mode": "task", "format": "exact", "base_url": url,
+                        phase_train(a, "task", init, {**REWARDS["task"], "base_url": url,
                                                       "model": "working", "api_key_env": None, "temperature": 0.0,
                                                       "max_tokens": 24, "concurrency": 128}, a.task_steps, order)
                     elif ph == "eval":
@@ -523,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the listing order of phases named without @ORDER (issue 34: shuffled cannot be copied)")
     ap.add_argument("--dcg-steps", type=int, default=24)
     ap.add_argument("--task-steps", type=int, default=12)
+    ap.add_argument("--improve-steps", type=int, default=24)
     ap.add_argument("--test", action="append", help="FORMAT:FILE of another dataset to evaluate on")
     ap.add_argument("--full", action="store_true", help="DAPO of every weight from the merged sft model (no LoRA)")
     ap.add_argument("--full-lr", type=float, default=5e-6)
