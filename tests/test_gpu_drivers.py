@@ -220,6 +220,26 @@ def test_data_pieces_split_and_join_round_trip(tmp_path, monkeypatch):
     assert r.returncode != 0 and "3 of 4 pieces" in r.stderr
 
 
+def test_extra_wheels_carry_nltk_and_what_it_needs_beyond_the_host():
+    """Issue 44: evaluate's LoCoMo F1 on the GPU host stems with nltk (memsifter.retrieval.benchmark_metrics); the
+    host has no nltk, so ``stage.py extra`` (no specs: stage.EXTRA) packs it, pinned, with each of its requirements
+    the host lacks (extra wheels install with --no-deps)."""
+    import re
+    from importlib.metadata import requires, version
+
+    stage = importlib.import_module("stage")
+    pins = {stage.norm(s.partition("==")[0]): s.partition("==")[2] for s in stage.EXTRA}
+    assert all("==" in s for s in stage.EXTRA), stage.EXTRA
+    assert pins.get("nltk") == version("nltk")  # the version this checkout's tests stem with
+    assert "nltk" not in set(map(stage.norm, stage.DEVICE_HAS))
+    for req in requires("nltk"):
+        spec, _, marker = req.partition(";")
+        if "extra ==" in marker:
+            continue
+        name = stage.norm(re.split(r"[<>=!~ \[]", spec.strip())[0])
+        assert name in pins or name in set(map(stage.norm, stage.DEVICE_HAS)), f"nltk needs {name}"
+
+
 def test_pieces_fit_beside_the_checkout_in_one_call():
     """A piece and the checkout travel together in one device call (64 MiB): 33 MiB pieces stopped fitting once
     the checkout reached 38 MB. The size follows the checkout; a checkout that leaves too little is refused."""

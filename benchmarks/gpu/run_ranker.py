@@ -27,6 +27,9 @@ train stage resumes from its last complete checkpoint in S3):
   checkpoints uploaded by the S3 callback to a SeaweedFS on this machine, then collect -> adapter;
 - ``task``: the train stage again from the dcg adapter with ``reward.mode=task`` (the working LLM
   answers with the top-t ranked sessions; MemSifter's marginal-gain reward), then collect;
+- ``improve`` (issue 44): the train stage from the sft adapter with ``reward.mode=improvement`` (NDCG@K of the
+  ranking minus NDCG@K of the listing shown) through the ranker's agent loop, which shows every rollout its own
+  shuffled listing (:mod:`memsifter.training.ranker_loop`), then collect; ``improve@shuffled`` for the shuffled rows;
 - ``eval``: every ranker available (base free/structured, sft, dcg, task) ranks the held-out
   questions; the chat stage answers them with each ranker's context, the first stage's, no memory
   and the gold sessions; the evaluate stage scores; ``table.md``/``table.json`` and the curves.
@@ -505,7 +508,7 @@ def run_all(a) -> None:
                         phase_train(a, "task", init, {**REWARDS["task"], "base_url": url,
                                                       "model": "working", "api_key_env": None, "temperature": 0.0,
                                                       "max_tokens": 24, "concurrency": 128}, a.task_steps, order)
-                    elif ph == "eval":
+                    elif name == "eval":  # (eval@ORDER too: eval ranks with every listing's rankers)
                         phase_rank_all(a, url, names)
                         write_table(phase_answers(a, url, names))
                     done.append(ph)

