@@ -148,7 +148,30 @@ def test_the_improve_phase_composes_the_ranker_loop_and_the_improvement_reward(c
     assert c.trainer.use_v1 and c.actor_rollout_ref.rollout.n == 8 and c.trainer.total_training_steps == 24
 
 
-def test_other_phases_keep_the_single_turn_loop(rl):
+def test_the_shipped_loop_file_names_the_ranker_loop():
+    """verl's worker fills its registry from agent_loop_config_path and instantiates the entry with Hydra."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    entries = {e.name: e for e in OmegaConf.load(ranker_loop.config_path())}
+    assert hydra.utils.get_class(entries[ranker_loop.NAME]._target_) is ranker_loop.RankerAgentLoop
+
+
+def test_the_driver_keeps_the_split_with_its_results(tmp_path, monkeypatch):
+    run_ranker = importlib.import_module("run_ranker")
+    data, res = tmp_path / "data", tmp_path / "res"
+    (data / "rl-shuffled").mkdir(parents=True)
+    res.mkdir()
+    (data / "split.json").write_text('{"splits": {"heldout": {}}}')
+    (data / "rl-shuffled" / "split.json").write_text('{"splits": {"test": {}}}')
+    monkeypatch.setattr(run_ranker, "DATA", str(data))
+    monkeypatch.setattr(run_ranker, "RES", str(res))
+    run_ranker.keep_splits()
+    assert sorted(p.name for p in res.iterdir()) == ["split-rl-shuffled.json", "split.json"]
+    assert "heldout" in (res / "split.json").read_text()
+
+
+def test_other_phases_keep_the_single_turn_loop():
     run_ranker = importlib.import_module("run_ranker")
     data = run_ranker.train_data(driver_args(), "dcg", None, run_ranker.REWARDS["dcg"], 4, "shuffled")
     assert "agent" not in data["verl"]["actor_rollout_ref"]["rollout"]

@@ -466,10 +466,20 @@ def phase_order(token: str, default: str) -> tuple[str, str]:
     return name, order
 
 
+def keep_splits() -> None:
+    """The held-out split the data was built with (prepare_ranker.py's ``split.json``: which conversations and
+    questions, the session-text hashes) and each prepare-rl output's, into the results (committed with them)."""
+    for src in [os.path.join(DATA, "split.json")] + sorted(glob.glob(os.path.join(DATA, "rl*", "split.json"))):
+        if os.path.isfile(src):
+            rel = os.path.relpath(os.path.dirname(src), DATA)
+            shutil.copy(src, os.path.join(RES, "split.json" if rel == "." else f"split-{rel}.json"))
+
+
 def run_all(a) -> None:
     os.makedirs(os.path.join(RES, "logs"), exist_ok=True)
     os.makedirs(RUNS, exist_ok=True)
     status(state="running", phases=a.phases, pid=os.getpid(), started=time.strftime("%H:%M:%S"))
+    keep_splits()
     from memsifter.models import registry as models
     from memsifter.store import storage
     from memsifter.testing.servers import seaweedfs
