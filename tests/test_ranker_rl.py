@@ -270,3 +270,40 @@ def test_rollouts_of_one_prompt_see_different_listings_and_copying_earns_nothing
     shown = up["extra_fields"]["reward_extra_info"]["shown_ndcg"]
     assert shown < 1.0 and score(up) == pytest.approx(1.0 - shown, abs=1e-6) and score(up) > 0
     assert score(down) < 0
+
+
+def test_the_held_out_table_keeps_ndcg_per_question(tmp_path, monkeypatch):
+    """run_ranker.py's eval keeps each ranker's NDCG@10 per held-out question with its results (the paired
+    differences against the first stage can be recomputed from the results alone)."""
+    import json
+
+    from memsifter.retrieval import rankings
+    from memsifter.stage import code_version
+    from memsifter.store import storage
+
+    run_ranker = importlib.import_module("run_ranker")
+    data = tmp_path / "rk"
+    ds_uri = str(data / "data" / "heldout")
+    get_stage("synth").run({"output": ds_uri, "questions": 4, "sessions_per_question": 5, "seed": 2})
+    qs = read_dataset(ds_uri).questions
+    pub = storage.Publication(ds_uri + "-embed", "embed", {}, "heldout", code_version())
+    # the first stage: gold last (NDCG@10 of one gold session at rank 5 = 1/log2(6))
+    rows = [{"question_id": q.question_id, "ranked_session_ids": [s for s in q.haystack_session_ids
+                                                                    if s not in q.gold_session_ids]
+             + list(q.gold_session_ids), "status": "ok", "method": "embed", "scores": None, "reason": None,
+             "raw_response": None} for q in qs]
+    rankings.write_rankings(pub, rows)
+    pub.publish({})
+    res, runs = tmp_path / "res", tmp_path / "runs"
+    res.mkdir()
+    runs.mkdir()
+    for name, value in (("DATA", str(data)), ("RES", str(res)), ("RUNS", str(runs))):
+        monkeypatch.setattr(run_ranker, name, value)
+    a = run_ranker.build_parser().parse_args(["run", "--no-answers"])
+    table = run_ranker.phase_answers(a, "", ["heldout"])
+    per_q = json.loads((res / "ndcg10-per-question-heldout.json").read_text())
+    assert set(per_q) == {"first-stage"} and set(per_q["first-stage"]) == {q.question_id for q in qs}
+    from math import log2
+
+    assert all(v == pytest.approx(1 / log2(6)) for v in per_q["first-stage"].values())
+    assert table["heldout"]["first-stage"]["ndcg@10"] == pytest.approx(1 / log2(6), abs=1e-4)

@@ -420,6 +420,10 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
         st = storage.read_manifest(ev).get("stats", {}) if ev else {}
         rows["_answers"] = (st.get("answers") or {})
         table[ds] = rows
+        # per question and ranker, NDCG@10 of the published ranking: the paired differences can be recomputed from
+        # the results alone (the rankings themselves stay on the machine)
+        with open(os.path.join(RES, f"ndcg10-per-question-{ds}.json"), "w") as f:
+            json.dump(per_q, f, indent=0, sort_keys=True)
     json.dump(table, open(os.path.join(RES, "table.json"), "w"), indent=1)
     return table
 
