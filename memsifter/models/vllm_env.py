@@ -14,6 +14,13 @@ binds its compute threads to the rest: on 2 cores that halves the compute. With
 requests in 30.6 s instead of 55.0 s (medians of 3, 1.80x, ``benchmarks/bench_vllm_cpu.py``, 2 cores); the
 scheduler is idle most of the time. :func:`cpu_engine_env` sets it on machines of at most 4 cores,
 unless the user set it.
+
+vLLM's CPU workers compute with OpenMP threads pinned one a core, and libgomp's threads spin while they wait
+for each other. When anything else runs on those cores (the demo's embed stage while the server starts, a
+second engine, another job), a spinning thread holds a core its partner needs, and each decode step waits on
+the OS scheduler. :func:`cpu_engine_env` sets ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep while they wait)
+unless the user set it; ``benchmarks/bench_vllm_cpu.py --compare wait`` measures both, on idle cores and with
+busy processes beside the server (its results: ``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -34,4 +41,6 @@ def cpu_engine_env() -> dict[str, str]:
     env = engine_env()
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and len(os.sched_getaffinity(0)) <= 4:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if "OMP_WAIT_POLICY" not in os.environ:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
