@@ -307,3 +307,16 @@ def test_the_held_out_table_keeps_ndcg_per_question(tmp_path, monkeypatch):
 
     assert all(v == pytest.approx(1 / log2(6)) for v in per_q["first-stage"].values())
     assert table["heldout"]["first-stage"]["ndcg@10"] == pytest.approx(1 / log2(6), abs=1e-4)
+
+
+def test_eval_ranks_with_the_improve_adapter_on_its_own_listing(tmp_path, monkeypatch):
+    run_ranker = importlib.import_module("run_ranker")
+    runs = tmp_path / "runs"
+    for kind in ("sft-shuf", "improve-shuf"):
+        (runs / f"adapter-{kind}").mkdir(parents=True)
+        (runs / f"adapter-{kind}" / "adapter_config.json").write_text("{}")
+    monkeypatch.setattr(run_ranker, "RUNS", str(runs))
+    monkeypatch.setattr(run_ranker, "STATE", str(tmp_path / "none"))
+    got = {tag: (adapter, order) for tag, adapter, _, order in run_ranker.rankers()}
+    assert got["improve-shuf"] == (str(runs / "adapter-improve-shuf"), "shuffled")
+    assert got["sft-shuf"][1] == "shuffled" and "base-free" in got
