@@ -21,12 +21,12 @@ import pytest
 
 pytest.importorskip("verl")
 
-from memsifter.data.model import read_dataset  # noqa: E402
-from memsifter.stage import get_stage  # noqa: E402
-from memsifter.stages import train  # noqa: E402
-from memsifter.stages.prepare_rl import read_rows  # noqa: E402
-from memsifter.stages.train import TrainConfig  # noqa: E402
-from memsifter.training import ranker_loop, rewards  # noqa: E402
+from memsifter.data.model import read_dataset
+from memsifter.stage import get_stage
+from memsifter.stages import train
+from memsifter.stages.prepare_rl import read_rows
+from memsifter.stages.train import TrainConfig
+from memsifter.training import ranker_loop, rewards
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))

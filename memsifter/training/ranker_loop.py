@@ -123,4 +123,4 @@ if SingleTurnAgentLoop is not None:
             out.extra_fields[SEED_FIELD] = seed
             return out
 
-    __all__ = ["RankerAgentLoop", "relist", "rollout_prompt", "rollout_seed", "verl_settings", "config_path", "NAME"]
+    __all__ = ["NAME", "RankerAgentLoop", "config_path", "relist", "rollout_prompt", "rollout_seed", "verl_settings"]

@@ -413,8 +413,8 @@ async def compute_score(data_source: str, solution_str: str, ground_truth: str,
             return _result(settings, bad, format_ok=False, dcg=0.0, n_ranked=len(parsed.ids), shown_ndcg=shown,
                            from_rollout=from_rollout)
         ids = [listing[i] for i in parsed.ids[:k]]  # the row's ids
-        common = dict(n_ranked=len(ids), shown_ndcg=shown, order_changed=ids != listing[:len(ids)],
-                      from_rollout=from_rollout)
+        common = {"n_ranked": len(ids), "shown_ndcg": shown, "order_changed": ids != listing[:len(ids)],
+                  "from_rollout": from_rollout}
         dcg = dcg_reward(ids, gold, k)
         nd = ndcg([str(i) for i in ids], gold_s, TOP_K)  # the validation curve's NDCG@10
         if settings.mode == "dcg":
