@@ -890,7 +890,8 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
     from memsifter.runs import detached
 
     drivers = {"dapo_4b.yaml": "run_dapo_4b", "agents.yaml": "run_agents", "multigpu.yaml": "run_multigpu",
-               "train.yaml": "run_train", "ranker.yaml": "run_ranker", "rank.yaml": "run_rank"}
+               "train.yaml": "run_train", "ranker.yaml": "run_ranker", "rank.yaml": "run_rank",
+               "ranker_improve.yaml": "run_ranker"}
     assert sorted(p.name for p in GPU_CONFIGS.glob("*.yaml")) == sorted(drivers)
     for name, driver in drivers.items():
         cfg = detached.load(str(GPU_CONFIGS / name))
@@ -898,8 +899,11 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
         assert argv[0] == sys.executable and (REPO / argv[1]).is_file() and argv[1].endswith(f"{driver}.py")
         a = importlib.import_module(driver).build_parser().parse_args(argv[2:])
         if driver == "run_ranker":  # its folders come from the environment; `poll` writes what comes back
-            assert a.action == "run" and cfg.env == {"MEMSIFTER_RANKER_WORK": "{work}"}
+            assert a.action == "run" and cfg.env["MEMSIFTER_RANKER_WORK"] == "{work}"
+            assert set(cfg.env) <= {"MEMSIFTER_RANKER_WORK", "MEMSIFTER_RANKER_DATA"}
             assert detached._subst(cfg, cfg.before_collect[-1]) == os.path.join(cfg.dir, "collected")
+            for token in a.phases.split(","):  # every phase is one the driver knows (issue 44: improve@shuffled)
+                importlib.import_module(driver).phase_order(token, a.order)
         else:
             assert getattr(a, "what", "run") == "run" and a.out == cfg.dir and a.work == cfg.work
     dapo = detached.load(str(GPU_CONFIGS / "dapo_4b.yaml"))
