@@ -112,6 +112,9 @@ def config_path() -> str:
     return str(resources.files("memsifter").joinpath("configs", "demo.yaml"))
 
 
+START_TIMEOUT_S = 900   # how long the demo waits for a vLLM server to answer
+
+
 class BackgroundServer:
     """A vLLM OpenAI-compatible server started in a thread, so it warms up while other stages run."""
 
@@ -126,14 +129,17 @@ class BackgroundServer:
 
     def _run(self, model: str, name: str, log_path: str, max_model_len: int) -> None:
         from .models import registry as models
-        from .testing.servers import vllm_server
+        from .models.vllm_server import VllmServerConfig, serve
 
         try:
             # a model name is materialized here (the first time: a ~25 s conversion; an adapter is merged
             # onto its base), while embed runs
             model_dir = self.model_dir = models.resolve(model)
-            with vllm_server(model_dir, name, log_path=log_path,
-                             extra_args=["--max-model-len", str(max_model_len)]) as url:
+            # it starts while embed (and, with --agents, a second server) share the cores: on a busy 2-core
+            # machine that took over 300 s; a server that dies is reported at once, whatever the timeout
+            cfg = VllmServerConfig(model=model_dir, served_name=name, log_path=log_path, max_model_len=max_model_len,
+                                   timeout_s=START_TIMEOUT_S)
+            with serve(cfg) as url:
                 self.url = url
                 self._ready.set()
                 self._stop.wait()
