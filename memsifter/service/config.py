@@ -120,7 +120,8 @@ class ServeConfig(_Model):
                                     "most this often (appends made by other replicas)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    torch_threads: int | None = Field(None, ge=1, description="threads of the query encoder (default: min(2, cores))")
+    torch_threads: int | None = Field(None, ge=1, description="threads of the query encoder (default: the cores "
+                                      "but one, 1 to 2: memsifter.service.index.encoder_threads)")
     query_batch: int = Field(32, ge=1, description="queries embedded in one forward pass at most")
     query_batch_wait_s: float = Field(0.002, ge=0, description="how long a query waits for others to batch with")
     auth: AuthConfig = Field(default_factory=AuthConfig)

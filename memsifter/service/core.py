@@ -93,13 +93,25 @@ class MicroBatcher:
             self._running = False
 
 
-def release_memory() -> None:
-    """After a reload: collect the old index and hand freed heap back to the OS (glibc keeps it otherwise,
-    and the RSS of a long-running replica would grow by an index per reload)."""
-    import ctypes
+def settle_heap() -> None:
+    """After a load or reload: collect, then freeze what survived (the index, the model, the imported
+    code: ``gc.freeze``), so that the cyclic collector's full collections walk only what requests and
+    writes made since (before, each one walked the whole loaded heap with the event loop stopped: the
+    longest pauses of a request under load). Frozen objects are still freed when their last reference
+    goes; the next settle (a reload) unfreezes first, so an old index's cycles are collected then."""
     import gc
 
+    gc.unfreeze()
     gc.collect()
+    gc.freeze()
+
+
+def release_memory() -> None:
+    """After a reload: collect the old index (:func:`settle_heap`) and hand freed heap back to the OS (glibc
+    keeps it otherwise, and the RSS of a long-running replica would grow by an index per reload)."""
+    import ctypes
+
+    settle_heap()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):   # not glibc
@@ -201,6 +213,7 @@ class RetrievalService:
         """Warm-up (the encoder loaded, one query through it), then every session's unit vectors: what
         :meth:`readiness` waits for, so that the first query costs what any query does."""
         if st.settings.method not in DENSE_METHODS:
+            settle_heap()
             st.units_ready = True
             self._warm.set()
             return
@@ -211,14 +224,17 @@ class RetrievalService:
         except Exception as e:  # noqa: BLE001 - a query will say what is wrong
             log.error("serve: loading the query encoder failed: %s", redact(f"{type(e).__name__}: {e}", self.secrets))
             return
-        self._warm.set()
         if not self.cfg.precompute_units:
+            settle_heap()
+            self._warm.set()
             return
+        self._warm.set()
         try:
             t0 = time.time()
             n = st.units.ensure(st.index.sessions.values(), chunk=16, stop=self._stop)
             if self._stop.is_set():
                 return
+            settle_heap()   # before ready: what a ready service answers from is frozen
             st.units_ready = True
             self._update_gauges()
             log.info("serve: unit vectors of %d sessions ready (%d embedded here) in %.1fs",

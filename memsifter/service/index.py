@@ -59,6 +59,18 @@ def views_of(method: str) -> tuple[str, ...]:
 BULK_BATCH = 4
 
 
+def encoder_threads(cores: int | None = None) -> int:
+    """The query encoder's torch threads by default: the cores but one (the event loop's: HTTP, scoring,
+    writes), at least 1, at most 2. On 2 cores a second torch thread competes with the event loop, and
+    torch's threads spin while they wait for each other: a query's CPU time grew several-fold under load."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, min(2, cores - 1))
+
+
 class Encoder:
     """The embed stage's dense model in this process (loaded on first use), one forward pass at a time.
 
@@ -101,7 +113,7 @@ class Encoder:
         if self._model is None:
             import torch
 
-            torch.set_num_threads(self.threads or max(1, min(2, os.cpu_count() or 1)))
+            torch.set_num_threads(self.threads or encoder_threads())
             self._model = embedding.Embedder(self.spec)
         return self._model
 
