@@ -124,5 +124,5 @@ def vllm_endpoint(tiny_model_dir, tmp_path_factory) -> str:
     from memsifter.testing.servers import vllm_server
 
     log = str(tmp_path_factory.mktemp("vllm") / "server.log")
-    with vllm_server(tiny_model_dir, "tiny", log_path=log) as url:
+    with vllm_server(tiny_model_dir, "tiny", log_path=log, timeout=900) as url:   # slow to start on busy cores
         yield url
