@@ -1221,6 +1221,23 @@ def table_agents_grpo_phases() -> list[str]:
     return ["| phase | seconds |", "|---|---:|", *(row(k, f"{v:.1f}") for k, v in phases.items())]
 
 
+VLLM_WAIT = "benchmarks/results/vllm-cpu-wait-2026-11-27"
+
+
+def table_vllm_cpu_wait() -> list[str]:
+    """``bench_vllm_cpu.py --compare wait`` (2026-11-27): its per-measurement lines in the committed ``bench.log``
+    (the run was stopped after the idle-cores pair, so it wrote no ``--json``), tabled by the bench's own code."""
+    import re
+
+    import bench_vllm_cpu as bench
+
+    rows = [{"busy": int(m.group(1)), "repeat": int(m.group(2)), "setting": m.group(3), "seconds": float(m.group(4)),
+             "load1": float(m.group(5))}
+            for m in re.finditer(r"^\[bench\] busy (\d+), repeat (\d+): (.+): ([\d.]+)s \(load ([\d.]+)\)$",
+                                 open(os.path.join(ROOT, VLLM_WAIT, "bench.log")).read(), re.MULTILINE)]
+    return [line for line in bench.table(rows, bench.SETTINGS["wait"], 2, 1).splitlines() if line.startswith("|")]
+
+
 TABLES = {
     "agents-grpo-paired": (table_agents_grpo_paired, [f"{AGENTS_GRPO}/answers/*.parquet",
                                                       "memsifter/samples/locomo_dev2.json.gz"],
@@ -1301,6 +1318,7 @@ TABLES = {
     "serve-writes-2026-11-27": (lambda: table_serve_writes(WRITES_QUIET), [f"{WRITES_QUIET}/writes.json"],
                                 [f"{WRITES_QUIET}/writes.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
+    "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
 }
 
