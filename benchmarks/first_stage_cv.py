@@ -86,8 +86,9 @@ def per_question(name: str, rows: list[dict], qs: list, sessions: dict) -> dict[
     return out
 
 
-def table(results: str) -> None:
-    """Print the table from the per-question files of ``results``."""
+def table(results: str, detail: bool = False) -> None:
+    """Print the table from the per-question files of ``results``; with ``detail``, also each fold's pick against
+    the default metric by metric (:func:`pick_detail`)."""
     from memsifter.retrieval.metrics import bootstrap_ci
 
     meta = json.load(open(os.path.join(results, "meta.json")))
@@ -133,6 +134,7 @@ def table(results: str) -> None:
         print()
     print("### Cross-validation (rule: a candidate is chosen on a fold only if its mean paired Δ > 0 on both "
           "datasets of that fold; the best mean Δ of those; read on the other fold)\n")
+    picks = []
     for pick, read in (("A", "B"), ("B", "A")):
         def delta(cand: str, fold: str, ds: str) -> float:
             base = data[ds][default]
@@ -146,6 +148,9 @@ def table(results: str) -> None:
             f"{c}: LME {delta(c, pick, 'lme'):+.4f}, LoCoMo {delta(c, pick, 'locomo'):+.4f}"
             for c in meta["candidates"] if c != default) + f"); read on fold {read}: " + "; ".join(
             f"{ds} Δ {delta(best, read, ds):+.4f}" for ds in ("lme", "locomo")))
+        picks.append(best)
+    if detail:
+        pick_detail(data, default, [c for c in dict.fromkeys(picks) if c != default])
     print("\n" + "\n".join(f"- {c}: {w}" for c, w in meta["candidates"].items()))
     if "cost" in meta:
         cost_table(meta)
@@ -156,6 +161,33 @@ def table(results: str) -> None:
         f"sessions dated in it; of all {w['all']} questions {w['all_with_window']} state one, "
         f"{w['all_gold_outside']} with a gold session dated outside it"
         for ds, w in sorted(meta["time_windows"].items())))
+
+
+def pick_detail(data: dict, default: str, picks: list[str]) -> None:
+    """Each pick against the default, metric by metric: per dataset and fold, the mean paired difference of
+    recall_any@5, recall_all@5 and NDCG@10 [95% bootstrap interval], the questions where the criterion
+    ((recall_any@5 + NDCG@10) / 2) rises / falls / stays; then the criterion over both datasets' questions together."""
+    from memsifter.retrieval.metrics import bootstrap_ci
+
+    def ci(d: list[float]) -> str:
+        lo, hi = bootstrap_ci(d)
+        return f"{np.mean(d):+.4f} [{lo:+.4f}, {hi:+.4f}]"
+    crit = lambda r: (r["recall_any@5"] + r["ndcg@10"]) / 2  # noqa: E731
+    for cand in picks:
+        print(f"\n#### {cand} − {default}, metric by metric (mean paired difference [95% bootstrap interval])\n")
+        print("| dataset | fold | n | recall_any@5 | recall_all@5 | NDCG@10 | criterion up / down / same |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        both = []
+        for ds in ("lme", "locomo"):
+            base, r = data[ds][default], data[ds][cand]
+            for fold in ("A", "B", None):
+                qs = [q for q in base if q in r and (fold is None or base[q]["fold"] == fold)]
+                d = [crit(r[q]) - crit(base[q]) for q in qs]
+                both += d if fold is None else []
+                print(f"| {ds} | {fold or 'all'} | {len(qs)} | " + " | ".join(
+                    ci([r[q][m] - base[q][m] for q in qs]) for m in ("recall_any@5", "recall_all@5", "ndcg@10"))
+                    + f" | {sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} / {sum(x == 0 for x in d)} |")
+        print(f"\nBoth datasets' questions together ({len(both)}): criterion Δ {ci(both)}")
 
 
 SRCS = {"locomo": ("locomo", "locomo_dev2.json.gz"), "lme": ("longmemeval", "longmemeval_s_train348.json.gz")}
@@ -253,6 +285,8 @@ def candidate_set(name: str) -> tuple[str, dict, dict, list[str]]:
             return run
         return V.DEFAULT, {k: adapt(f) for k, f in V.CANDIDATES.items()}, V.DESCRIPTIONS, list(V.LEXICAL)
     from memsifter.retrieval import first_stage_candidates as C
+    if name == "2026-11-27-r3":
+        return C.DEFAULT, {k: f for k, (f, _) in C.R3.items()}, {k: d for k, (_, d) in C.R3.items()}, ["base"]
     return C.DEFAULT, C.CANDIDATES, C.DESCRIPTIONS, ["base"]
 
 
@@ -286,9 +320,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "first-stage-cv"))
     ap.add_argument("--data", default=SHARED)
-    ap.add_argument("--set", default="2026-11-27", choices=("2026-11-26", "2026-11-27"),
+    ap.add_argument("--set", default="2026-11-27", choices=("2026-11-26", "2026-11-27", "2026-11-27-r3"),
                     help="candidate set (2026-11-26: benchmarks/first_stage_variants.py; 2026-11-27: "
-                         "memsifter/retrieval/first_stage_candidates.py)")
+                         "memsifter/retrieval/first_stage_candidates.py CANDIDATES; 2026-11-27-r3: its R3)")
     ap.add_argument("--lme", type=int, default=1000, help="LongMemEval questions (first N in id order)")
     ap.add_argument("--minutes", type=float, default=1e9,
                     help="embed nothing more after this many minutes (0: score with the vectors already stored); "
@@ -297,9 +331,11 @@ def main() -> None:
                          "texts on a question is scored without it (the table counts the questions)")
     ap.add_argument("--results", help="write per-question files and meta.json here")
     ap.add_argument("--table", metavar="RESULTS", help="only print the table of a results folder")
+    ap.add_argument("--detail", action="store_true", help="with --table: each fold's pick against the default, "
+                    "metric by metric")
     a = ap.parse_args()
     if a.table:
-        table(a.table)
+        table(a.table, a.detail)
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["MEMSIFTER_EMBED_CPU_BF16"] = "0"
@@ -408,7 +444,7 @@ def main() -> None:
         cost[name] = {c: {"texts": len(texts[c]), "words": words[c], "questions": len(rows[c]),
                           "scoring_cpu_s_per_q": secs[c] / max(len(rows[c]), 1)} for c in cands}
         all_rows[name] = (qs, ds, folds_of(name, qs, ds.sessions), rows)
-        if name == "lme" and a.set == "2026-11-27":
+        if name == "lme" and a.set.startswith("2026-11-27"):
             cost["tokenize"] = tokenize_seconds(ds, qs)
         if a.set == "2026-11-26":
             every = [q for q in ds.questions if q.question_type != "adversarial" and rankings.eligible(q)]

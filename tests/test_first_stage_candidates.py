@@ -88,3 +88,57 @@ def test_dense_pool_takes_every_session_of_a_small_haystack_only():
     assert C.dense_pool(lex, 2, 60) == E.cascade_candidates(lex, 2, 60) == [1, 4]
     assert sorted(C.dense_pool(lex, 2, 60, small=5)) == [0, 1, 2, 3, 4]
     assert C.dense_pool(lex, 2, 60, small=4) == [1, 4]
+
+
+def test_unit_leg_is_bm25_of_each_sessions_best_single_unit():
+    """``bm25_unit`` (round 3): bm25s over one document per unit (the unit's words and its session's date), a
+    session's best; the round-3 legs keep the two default legs unchanged."""
+    units = [[E.bm25_tokens(u, STOP, True) for u in E.turn_units(t, 6)] for t in SESSIONS]
+    dates = [E.bm25_tokens(d or "", STOP, True) for d in DATES]
+    docs = [d + u for d, us in zip(dates, units) for u in us]
+    owner = [i for i, us in enumerate(units) for _ in us]
+    legs = _legs()
+    for question in ("Where did I take my dog Biscuit?", "community center yoga", "dog park repairs May 2023"):
+        q = dict(Counter(E.bm25_tokens(question, STOP, True)))
+        got = legs.scores(q, unit=True)
+        ref = E.max_per_owner(E.bm25_scores(docs, question, STOP, True), owner, len(SESSIONS))
+        np.testing.assert_allclose(got["bm25_unit"], ref, rtol=1e-5, atol=1e-6, err_msg=question)
+        for leg in E.LEXICAL_LEGS:
+            np.testing.assert_array_equal(got[leg], legs.scores(q)[leg])
+    assert "bm25_unit" not in legs.scores({"dog": 1.0})
+
+
+def test_weighted_fusion_is_the_default_at_weight_one_and_adds_dense_votes_above():
+    lex = {"bm25_dated": np.array([0.1, 3.0, 0.0, 2.0, 1.0]), "bm25_window": np.array([0.2, 2.5, 0.0, 1.0, 3.0]),
+           "bm25_unit": np.array([0.0, 1.0, 0.0, 4.0, 0.5])}
+    sims = {0: 0.9, 1: 0.2, 3: 0.4, 4: 0.1}   # session 0 is outside the pool: its similarity is never asked
+    pool = [1, 4, 3]
+    base = E.zsum_scores(lex, pool, {j: sims[j] for j in pool})
+    np.testing.assert_array_equal(C.weighted(lex, pool, sims.get), base)
+    dense_leg = E.zscore(np.array([0.1, 0.2, 0.1, 0.4, 0.1]))   # outside the pool: the pool's lowest
+    np.testing.assert_allclose(C.weighted(lex, pool, sims.get, dense=2.0), base + dense_leg)
+    np.testing.assert_allclose(C.weighted(lex, pool, sims.get, dense=0.5), base - 0.5 * dense_leg)
+    np.testing.assert_allclose(C.weighted(lex, pool, sims.get, extra=("bm25_unit",)),
+                               base + E.zscore(lex["bm25_unit"]))
+    # the dense weight can reorder: session 3 (second by dense) over session 1 (first by BM25) at weight 2
+    assert E.order_by(base)[0] == 1 and E.order_by(C.weighted(lex, pool, sims.get, dense=2.0))[0] == 3
+
+
+def test_round_3_table_is_what_its_committed_files_give():
+    """benchmarks/results/first-stage-2026-11-27-r3/table.md is ``first_stage_cv.py --table`` of that folder's
+    per-question files, as committed (a file changed under it, or a figure edited by hand, fails here)."""
+    import contextlib
+    import io
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import first_stage_cv
+
+    folder = os.path.join(root, "benchmarks", "results", "first-stage-2026-11-27-r3")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        first_stage_cv.table(folder, detail=True)
+    with open(os.path.join(folder, "table.md"), encoding="utf-8") as f:
+        assert out.getvalue() == f.read()

@@ -59,7 +59,8 @@ class Legs:
             start += len(us)
         self._first, self._last = first, last
         self.len = {"bm25_dated": np.maximum(np.bincount(self.unit_session, ulen, self.n) + dlen, 1),
-                    "bm25_window": np.maximum(self._window(ulen) + dlen[self.unit_session], 1)}
+                    "bm25_window": np.maximum(self._window(ulen) + dlen[self.unit_session], 1),
+                    "bm25_unit": np.maximum(ulen + dlen[self.unit_session], 1)}
         self._tfs: dict[str, dict[str, np.ndarray]] = {}
         self._cache: dict[tuple, np.ndarray] = {}
 
@@ -73,7 +74,8 @@ class Legs:
         tu = np.array([u.get(term, 0) for u in self.units], dtype=float)
         td = np.array([d.get(term, 0) for d in self.dates], dtype=float)
         return {"bm25_dated": np.bincount(self.unit_session, tu, self.n) + td,
-                "bm25_window": self._window(tu) + td[self.unit_session]}
+                "bm25_window": self._window(tu) + td[self.unit_session],
+                "bm25_unit": tu + td[self.unit_session]}
 
     def _term(self, view: str, term: str, k1: float, b: float) -> np.ndarray:
         """BM25 of one term in each document of ``view`` (cached: expansions and grids share terms)."""
@@ -88,16 +90,24 @@ class Legs:
                                 else np.zeros(len(dl)))
         return self._cache[key]
 
-    def scores(self, terms: dict[str, float], k1: float = 1.5, b: float = 0.75) -> dict[str, np.ndarray]:
+    def scores(self, terms: dict[str, float], k1: float = 1.5, b: float = 0.75,
+               unit: bool = False) -> dict[str, np.ndarray]:
         """Per leg, each session's score for the weighted query ``terms``: the sum of the terms' BM25 scores
         times their weights (with counts as weights, BM25 of the question); ``bm25_window``: a session's best
-        window."""
+        window; with ``unit``, also ``bm25_unit``: a session's best single unit (a turn, or a piece of a long
+        one, with the session's date), BM25 over the haystack's units."""
         dated = np.zeros(self.n)
         window = np.zeros(len(self.units))
+        one = np.zeros(len(self.units))
         for t, w in terms.items():
             dated += w * self._term("bm25_dated", t, k1, b)
             window += w * self._term("bm25_window", t, k1, b)
-        return {"bm25_dated": dated, "bm25_window": E.max_per_owner(window, self.owner, self.n)}
+            if unit:
+                one += w * self._term("bm25_unit", t, k1, b)
+        out = {"bm25_dated": dated, "bm25_window": E.max_per_owner(window, self.owner, self.n)}
+        if unit:
+            out["bm25_unit"] = E.max_per_owner(one, self.owner, self.n)
+        return out
 
     def session_counts(self) -> list[Counter]:
         """Per session, the tokens of its ``bm25_dated`` document."""
@@ -319,4 +329,60 @@ DESCRIPTIONS = {
                              "embed with Porter keys)",
     **{f"bm25 k1={k1} b={b}": f"both BM25 legs with k1 = {k1}, b = {b} (default 1.5 / 0.75); the default's dense leg"
        for k1, b in GRID},
+}
+
+
+# ---------------------------------------------------------------- the candidates of 2026-11-27, third round
+def weighted(lexical: dict[str, np.ndarray], pool: list[int], sim: Callable[[int], float], dense: float = 1.0,
+             extra: tuple[str, ...] = ()) -> np.ndarray:
+    """The default's fusion with the dense leg's z-score weighted ``dense`` (1: :func:`zsum` itself) and one equal
+    vote more for each leg of ``lexical`` named in ``extra`` (z-scored over the haystack as the others)."""
+    sims = {j: sim(j) for j in pool}
+    out = E.zsum_scores(lexical, pool, sims)
+    if dense != 1.0:   # the dense leg alone: the same fusion with both BM25 legs silent (z of a constant is 0)
+        silent = {m: np.zeros(len(lexical["bm25_dated"])) for m in E.LEXICAL_LEGS}
+        out = out + (dense - 1.0) * E.zsum_scores(silent, pool, sims)
+    return out + sum((E.zscore(lexical[m]) for m in extra), np.zeros(len(out)))
+
+
+def _porter_scores(c: Ctx, k1: float = 1.5, b: float = 0.75, unit: bool = False) -> dict[str, np.ndarray]:
+    return c.legs(porter_stem=True).scores(c.terms(porter_stem=True), k1, b, unit)
+
+
+def _r3(porter_keys: bool = False, dense: float = 1.0, unit: bool = False, k: int = K, k1: float = 1.5,
+        b: float = 0.75) -> Callable[[Ctx], np.ndarray]:
+    """One round-3 candidate: the BM25 legs (the stage's, or over Porter keys with ``k1`` / ``b``), the dense pool
+    (the default's; with Porter keys the top ``k`` of their own lexical order), the dense weight, the unit leg."""
+    def run(c: Ctx) -> np.ndarray:
+        if porter_keys:
+            lex = _porter_scores(c, k1, b, unit)
+            pool = dense_pool(lex, k, RRF_K)
+        else:
+            lex = {**c.lexical, **({"bm25_unit": c.legs().scores(c.terms(), unit=True)["bm25_unit"]} if unit else {})}
+            pool = dense_pool(c.lexical, k, RRF_K)
+        return weighted(lex, pool, c.maxsim, dense, ("bm25_unit",) if unit else ())
+    return run
+
+
+P = "porter keys, own pool"
+R3: dict[str, tuple[Callable[[Ctx], np.ndarray], str]] = {
+    DEFAULT: (lambda c: c.default(), DESCRIPTIONS[DEFAULT]),
+    P: (_r3(True), "both BM25 legs over Porter-stemmed words, the dense leg over the top 15 of their own lexical "
+                   "order (2026-11-27's fold-A pick)"),
+    "dense x0.5": (_r3(dense=0.5), "the default with the dense leg's z-score weighted 0.5 (the BM25 legs 1 each)"),
+    "dense x1.5": (_r3(dense=1.5), "the default with the dense leg's z-score weighted 1.5"),
+    "dense x2": (_r3(dense=2.0), "the default with the dense leg's z-score weighted 2 (as much as both BM25 legs)"),
+    f"{P}, dense x1.5": (_r3(True, 1.5), "Porter keys, own pool, the dense leg weighted 1.5"),
+    f"{P}, dense x2": (_r3(True, 2.0), "Porter keys, own pool, the dense leg weighted 2"),
+    "unit leg": (_r3(unit=True), "the default + z(bm25_unit): BM25 of a session's best single unit (turn-level "
+                                 "keys beside the session and the three-unit window)"),
+    f"{P}, unit leg": (_r3(True, unit=True), "Porter keys, own pool, + z(bm25_unit) over Porter keys"),
+    f"{P}, k1=1.2 b=0.5": (_r3(True, k1=1.2, b=0.5), "Porter keys with BM25 k1 = 1.2, b = 0.5 (2026-11-27's fold-B "
+                                                     "pick), own pool"),
+    "pool 20": (_r3(k=20), "the default with the dense leg over the lexical top 20 (the default: 15)"),
+    f"{P}, pool 20": (_r3(True, k=20), "Porter keys, the dense leg over the top 20 of their own lexical order "
+                                       "(embeds about a third more)"),
+    f"{P}, pool 20, dense x1.5": (_r3(True, 1.5, k=20), "the same, the dense leg weighted 1.5"),
+    f"{P}, k1=1.2 b=0.5, pool 20": (_r3(True, k=20, k1=1.2, b=0.5), "Porter keys with k1 = 1.2, b = 0.5, the dense "
+                                                                    "leg over the top 20 of their own order"),
 }
