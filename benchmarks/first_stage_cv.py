@@ -6,10 +6,15 @@
     nice -n 19 .venv/bin/python benchmarks/first_stage_cv.py --set 2026-11-26 --lme 200 --minutes 0 \\
         --results benchmarks/results/first-stage-2026-11-26               # the 2026-11-26 candidates
     .venv/bin/python benchmarks/first_stage_cv.py --table benchmarks/results/first-stage-2026-11-27  # table only
+    nice -n 19 .venv/bin/python benchmarks/first_stage_cv.py --set 2026-11-27-r3 --lme 1000 --out runs/first-stage-cv \
+        --results benchmarks/results/first-stage-2026-11-27-r3            # round 3 (R3), all 324 LongMemEval q
+    .venv/bin/python benchmarks/first_stage_cv.py --table benchmarks/results/first-stage-2026-11-27-r3 --detail \
+        > benchmarks/results/first-stage-2026-11-27-r3/table.md          # + each fold's pick metric by metric
 
 Data: ``../shared/data`` (LoCoMo conv-26 + conv-30, LongMemEval_S train348 without abstention), imported with
 the platform (:func:`load`, shared with ``bench_first_stage.py``). Candidate sets: ``2026-11-26``
-(``benchmarks/first_stage_variants.py``), ``2026-11-27`` (``memsifter/retrieval/first_stage_candidates.py``).
+(``benchmarks/first_stage_variants.py``), ``2026-11-27`` and ``2026-11-27-r3``
+(``memsifter/retrieval/first_stage_candidates.py``: ``CANDIDATES``, ``R3``).
 Every candidate is computed with the first stage's functions (``Lexical``, ``cascade_candidates``,
 ``zsum_scores``, ``cascade_units``) and the embed stage's Embedder (all-MiniLM-L6-v2, float32 CPU); vectors are
 kept in one content-hash store under ``--out`` (a text is embedded once over every run), the stage's BM25

@@ -16,6 +16,10 @@ is the default (the default's code is the first stage's: ``zsum_scores``, ``casc
   words of a question and of its answer in the next turn meet in one vector.
 - :func:`dense_pool`: the sessions the dense leg re-scores: the lexical top ``k``, or **every session** when
   the haystack has at most ``small`` sessions (LoCoMo conversations have 19-35, LongMemEval_S 38-56).
+
+Round 3 (``R3``, ``first_stage_cv.py --set 2026-11-27-r3``): :func:`weighted` (the default's fusion with the dense
+leg's vote weighted, or with more legs), the **turn-level leg** ``bm25_unit`` of :meth:`Legs.scores` (a session's
+best single unit), a **deeper dense pool** (top 20), each alone and with Porter keys and BM25 k1 / b.
 """
 from __future__ import annotations
 
