@@ -6,7 +6,7 @@ held-out questions: our token F1 and LoCoMo's own QA F1 side by side, the consta
 the other half of the questions: LoCoMo's held-out conversation is one haystack, cut into its first and second
 half of questions; LongMemEval's questions alternate) and every method's paired difference to the strongest
 reference. No LLM runs. Writes evaluate's output (``report.md``, ``report.json``) under ``--out`` and prints the
-demo's answers table (:func:`memsifter.demo.answers_table`).
+demo's answers table (:func:`memsifter.retrieval.screen.answers_table`).
 
     python benchmarks/reference_rows.py --lme ../shared/data/longmemeval_s_train348.json.gz \\
         --locomo memsifter/samples/locomo_dev2.json.gz \\
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pyarrow.parquet as pq
 
-    from memsifter import demo
+    from memsifter.retrieval import screen
     from memsifter.data.importers.locomo import convert_locomo
     from memsifter.data.importers.longmemeval import convert_longmemeval
     from memsifter.stage import get_stage
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = [convert_longmemeval(a.lme, "longmemeval_s")[0], convert_locomo(a.locomo, "locomo")[0]]
         publish_questions(parts, ids, data, "the agents' GPU run's held-out questions")
     m = get_stage("evaluate").run({"output": os.path.join(a.out, "evaluate"), "input": data, "answers": answers})
-    print("\n".join(demo.answers_table({"held-out": {"evaluate": m}}, width=120)))
+    print("\n".join(screen.answers_table({"held-out": {"evaluate": m}}, width=120)))
     print(f"\nreport: {os.path.join(a.out, 'evaluate', 'report.md')}")
     return 0
 

@@ -10,7 +10,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from memsifter import demo
+from memsifter.retrieval import screen
 from memsifter.data.model import Dataset, Question, Session
 from memsifter.retrieval import benchmark_metrics as bm
 from memsifter.retrieval import rankings
@@ -251,7 +251,7 @@ def test_evaluate_reports_benchmark_metrics_and_reference_rows(tmp_path):
     assert st["answers"]["constant answer"]["kind"] == "constant"
     assert st["retrieval"]["embed:x"]["longmemeval"]["ndcg_any@5"] == 1.0
     # the demo's answers table: the reference rows first, both F1s, the difference to the strongest reference
-    lines = demo.answers_table({"mixed": {"evaluate": m, "embed": {"stats": {"primary": "x"}}}}, width=120)
+    lines = screen.answers_table({"mixed": {"evaluate": m, "embed": {"stats": {"primary": "x"}}}}, width=120)
     assert all(len(ln) <= 120 for ln in lines), lines
     body = [ln for ln in lines if ln.startswith(("no memory", "constant answer", "embed:x"))]
     assert [ln.split()[0] for ln in body] == ["no", "constant", "embed:x"], lines

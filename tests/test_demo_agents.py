@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 
 from memsifter import demo
+from memsifter.retrieval import screen
 from memsifter.errors import ConfigError
 from memsifter.pipeline import plan
 from memsifter.stage import config_hash, get_stage, validate_config
@@ -83,8 +84,8 @@ def test_trained_agents_section_answers_the_same_questions_with_the_shipped_adap
                                                                                      demo.AGENTS_TRAINED)]
     order = [s.name for s in plan(spec)]
     assert order.index(demo.AGENTS_EVAL) > order.index(demo.AGENTS_TRAINED)
-    assert "trained adapter" in demo.agent_label(f"agent:search ({demo.AGENTS_TRAINED})")
-    assert "untrained" in demo.agent_label("agent:search (agents)")
+    assert "trained adapter" in screen.agent_label(f"agent:search ({demo.AGENTS_TRAINED})")
+    assert "untrained" in screen.agent_label("agent:search (agents)")
 
 
 def test_agents_section_needs_only_its_urls_at_run_time(tmp_path):
@@ -110,9 +111,9 @@ def test_memory_agent_budget_is_the_one_shown():
     for m in demo.AGENT_METHODS:
         make_agent(m, demo.AGENT_OPTIONS.get(m, {}))
     opts = demo.AGENT_OPTIONS["agent:memory"]
-    label = demo.agent_label("agent:memory")
+    label = screen.agent_label("agent:memory", demo.AGENT_OPTIONS)
     assert f"top {opts['max_chunks']} sessions" in label and f"{opts['memory_tokens']}-token notes" in label
-    assert "untrained" in demo.agent_label("agent:search") and "memory service" in demo.agent_label("agent:search")
+    assert "untrained" in screen.agent_label("agent:search") and "memory service" in screen.agent_label("agent:search")
 
 
 # --------------------------------------------------------------------------- the table
@@ -169,7 +170,9 @@ def _evaluated(tmp_path, trained: bool = False):
     def manifest(rows: list[dict]) -> dict:
         fmt = {m: [r["format_ok"] for r in rows if r["method"] == m and r["status"] == "ok"]
                for m in demo.AGENT_METHODS}
-        return {"stats": {"methods": {m: {"format_ok": sum(v) / len(v), "answered": len(v)} for m, v in fmt.items()}}}
+        # what the agents stage's manifest carries: its config (the budgets the demo set) and per-method stats
+        return {"config": {"agent_options": demo.AGENT_OPTIONS},
+                "stats": {"methods": {m: {"format_ok": sum(v) / len(v), "answered": len(v)} for m, v in fmt.items()}}}
 
     res = {demo.AGENTS_EVAL: ev, demo.AGENTS: manifest(agent_rows), "embed": {"stats": {"primary": "zsum"}}}
     if trained:
@@ -178,7 +181,7 @@ def _evaluated(tmp_path, trained: bool = False):
 
 
 def test_agents_table_puts_the_agents_beside_the_chat_contexts_with_cost(evaluated):
-    lines = demo.agents_table(evaluated)
+    lines = screen.agents_table(evaluated)
     header, rows = lines[0], [ln for ln in lines if ln.startswith("locomo")]
     for col in ("n", "F1 [95% CI]", "EM [95% CI]", "calls", "tokens", "seconds", "well-formed"):
         assert col in header, header
@@ -208,7 +211,7 @@ def test_agents_table_puts_the_agents_beside_the_chat_contexts_with_cost(evaluat
 def test_agents_table_puts_the_trained_agents_after_the_untrained_with_their_own_counts(tmp_path):
     """With the shipped trained adapter's section, its rows (evaluate labels them ``agent:… (agents-trained)``)
     follow the untrained agents, say what they are, and take their well-formed counts from their own output."""
-    lines = demo.agents_table(_evaluated(tmp_path, trained=True))
+    lines = screen.agents_table(_evaluated(tmp_path, trained=True))
     rows = [ln for ln in lines if ln.startswith("locomo")]
     assert len(rows) == 7, rows
     trained = [ln for ln in rows if "trained adapter" in ln]
@@ -221,14 +224,14 @@ def test_agents_table_puts_the_trained_agents_after_the_untrained_with_their_own
 def test_agents_table_says_when_agent_calls_were_replayed_from_the_cache(evaluated):
     """A re-run (--force, --replace) replays the agents' calls from the stage's response cache: their seconds
     are then not the model's, and the table says so."""
-    assert not any("replayed" in ln for ln in demo.agents_table(evaluated))
+    assert not any("replayed" in ln for ln in screen.agents_table(evaluated))
     evaluated["locomo"][demo.AGENTS]["stats"]["client"] = {"requests": 2, "cached": 7}
-    notes = [ln for ln in demo.agents_table(evaluated) if "replayed" in ln]
+    notes = [ln for ln in screen.agents_table(evaluated) if "replayed" in ln]
     assert len(notes) == 1 and "7 of the agents' LLM calls" in notes[0] and "seconds" in notes[0]
 
 
 def test_agents_table_is_empty_without_agents(evaluated):
-    assert demo.agents_table({"locomo": {"evaluate": evaluated["locomo"][demo.AGENTS_EVAL]}}) == []
+    assert screen.agents_table({"locomo": {"evaluate": evaluated["locomo"][demo.AGENTS_EVAL]}}) == []
 
 
 # --------------------------------------------------------------------------- the flags

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from memsifter import demo
+from memsifter.retrieval import screen
 from memsifter.data.model import Dataset, Question, Session
 from memsifter.retrieval import rankings
 from memsifter.stage import get_stage
@@ -118,7 +119,7 @@ def _rows(lines: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- 120 columns
 def test_every_line_of_the_demos_tables_fits_120_columns_and_keeps_every_row(run):
     res = run["results"]
-    screens = {part: demo.screen(res, part) for part in ("first", "evaluate", "agents")}
+    screens = {part: screen.screen(res, part) for part in ("first", "evaluate", "agents")}
     for part, lines in screens.items():
         wide = [ln for ln in lines if len(ln) > demo.TABLE_WIDTH]
         assert not wide, (part, [len(ln) for ln in wide], wide[:2])
@@ -139,7 +140,7 @@ def test_every_line_of_the_demos_tables_fits_120_columns_and_keeps_every_row(run
         for label in ((BASE, TRAINED) if part == "evaluate" else ()) + (("embed:zsum",) if part == "first" else ()):
             assert any(label in ln for ln in lines), (part, label)
     # the same functions without a width keep one line per row (reports, other callers)
-    assert all(len(ln.split()) > 3 for ln in demo.first_stage_table(res) if ln.startswith("locomo"))
+    assert all(len(ln.split()) > 3 for ln in screen.first_stage_table(res) if ln.startswith("locomo"))
 
 
 # --------------------------------------------------------------------------- the paper's models command
@@ -285,8 +286,8 @@ def test_answer_rows_keep_one_order_whatever_order_the_stats_come_in():
 
     labels = ["random sessions", "no memory", "constant answer", "embed:zsum", "embed:dense", "embed:bm25",
               "rank:b", "rank:a", "oracle (gold sessions)"]
-    orders = {tuple(sorted(p, key=demo._context_order)) for p in itertools.permutations(labels[:4])}
+    orders = {tuple(sorted(p, key=screen._context_order)) for p in itertools.permutations(labels[:4])}
     assert orders == {("no memory", "constant answer", "random sessions", "embed:zsum")}
-    assert sorted(reversed(labels), key=demo._context_order) == sorted(labels, key=demo._context_order)
+    assert sorted(reversed(labels), key=screen._context_order) == sorted(labels, key=screen._context_order)
     agents = ["agent:search", "agent:memory", "agent:search (agents-trained)", "agent:memory (agents-trained)"]
-    assert sorted(agents, key=demo._context_order) == agents
+    assert sorted(agents, key=screen._context_order) == agents

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from memsifter import demo
+from memsifter.retrieval import screen
 from memsifter.retrieval import metrics, rankings
 from memsifter.models import registry as models
 from memsifter.store import storage
@@ -179,7 +180,7 @@ def _results(evaluated) -> dict:
 
 
 def test_demo_tables_compare_on_the_same_questions_and_show_order_change(evaluated):
-    lines = demo.first_stage_table(_results(evaluated))
+    lines = screen.first_stage_table(_results(evaluated))
     text = "\n".join(lines)
     assert "TRAINED" not in text and "(trained)" not in text
     # the first stage on all its questions, then every ranker beside the first stage on the rankers' questions
@@ -190,7 +191,7 @@ def test_demo_tables_compare_on_the_same_questions_and_show_order_change(evaluat
     base = next(ln for ln in lines if ln.split()[:2] == ["locomo", "rank:smollm2-135m-instruct+structured"])
     assert "3/3" in base and "returns its input order" not in base and "-1.000" in base
     assert any("order changed" in ln for ln in lines)
-    answers = demo.answers_table(_results(evaluated))
+    answers = screen.answers_table(_results(evaluated))
     row = next(ln for ln in answers if ln.split()[:2] == ["locomo", TRAINED_LABEL])
     assert "returns its input order" in row and "[" in row   # F1 with its 95% interval
 
@@ -217,6 +218,6 @@ def test_a_rank_output_whose_input_is_gone_is_scored_and_says_so(tmp_path):
     line = next(ln for ln in storage.read_text(storage.join(out, "report.md")).splitlines()
                 if ln.startswith(f"| {TRAINED_LABEL}"))
     assert "input order unknown" in line and "returns its input order" not in line
-    row = next(ln for ln in demo.first_stage_table({"locomo": {"evaluate": m, "embed": {}, "rank": {}}})
+    row = next(ln for ln in screen.first_stage_table({"locomo": {"evaluate": m, "embed": {}, "rank": {}}})
                if ln.split()[:2] == ["locomo", TRAINED_LABEL])
     assert "(trained adapter)" in row and "returns its input order" not in row, row

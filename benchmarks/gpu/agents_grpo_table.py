@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"agents_grpo_table: {path} does not exist", file=sys.stderr)
             return 2
 
-    from memsifter import demo
+    from memsifter.retrieval import screen
     from memsifter.data.importers.locomo import convert_locomo
     from memsifter.data.importers.longmemeval import convert_longmemeval
     from memsifter.stage import get_stage
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             publish_questions(parts, ids, data, "the agents' GRPO run's held-out questions", json.load(f))
     files = [os.path.join(answers, f) for f in FILES.values() if os.path.exists(os.path.join(answers, f))]
     m = get_stage("evaluate").run({"output": os.path.join(a.out, "evaluate"), "input": data, "answers": files})
-    print("\n".join(demo.answers_table({"held-out": {"evaluate": m}}, width=120)))
+    print("\n".join(screen.answers_table({"held-out": {"evaluate": m}}, width=120)))
     print(f"\nreport: {os.path.join(a.out, 'evaluate', 'report.md')}\n")
 
     qmap = {q.question_id: q for ds in parts for q in ds.questions}

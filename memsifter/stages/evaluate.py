@@ -162,10 +162,10 @@ def judge_longmemeval(endpoint: LLMEndpoint, rows_by_label: dict[str, list[dict]
 
 def terminal_summary(manifest: dict) -> list[str]:
     """What ``memsifter run evaluate`` prints (``--json``: the stats instead): the tables ``memsifter demo``
-    prints (:func:`memsifter.demo.screen`: the first stage, the rankers beside it, the answers, the agents
-    with their cost), read from this output's stats and the manifests of the stages it scored, then where
+    prints (:func:`memsifter.retrieval.screen.screen`: the first stage, the rankers beside it, the answers, the
+    agents with their cost), read from this output's stats and the manifests of the stages it scored, then where
     the report and the plots are."""
-    from .. import demo
+    from ..retrieval import screen
 
     cfg = manifest.get("config") or {}
     out = cfg.get("output") or ""
@@ -183,9 +183,9 @@ def terminal_summary(manifest: dict) -> list[str]:
     stats = manifest.get("stats") or {}
     agents = any(k.startswith("agent:") for k in ((stats.get("side_by_side") or {}).get("methods") or {}))
     if agents:
-        res[demo.AGENTS_EVAL] = manifest
+        res[screen.AGENTS_EVAL] = manifest
     lines = [ln for part in ("first", "evaluate") + (("agents",) if agents else ())
-             for ln in demo.screen({name: res}, part)]
+             for ln in screen.screen({name: res}, part)]
     files = [f for f in (manifest.get("files") or {}) if f.endswith(".png")]
     lines += ["", f"report {storage.join(out, 'report.md')} (every metric by type and dataset; the stats: --json)"]
     if files:
