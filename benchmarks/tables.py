@@ -359,9 +359,10 @@ FIRST_STAGE = "benchmarks/results/first-stage-2026-11-26"
 
 
 FIRST_STAGE_27 = "benchmarks/results/first-stage-2026-11-27"   # the candidates of 2026-11-27, the same command
+FIRST_STAGE_R3 = "benchmarks/results/first-stage-2026-11-27-r3"   # round 3: all 324 LME questions, with --detail
 
 
-def table_first_stage_cv(folder: str = FIRST_STAGE) -> list[str]:
+def table_first_stage_cv(folder: str = FIRST_STAGE, detail: bool = False) -> list[str]:
     """Issue 42 item 5: first-stage candidates against the default, by fold (``first_stage_cv.py --table``)."""
     import contextlib
     import io
@@ -370,7 +371,7 @@ def table_first_stage_cv(folder: str = FIRST_STAGE) -> list[str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        first_stage_cv.table(os.path.join(ROOT, folder))
+        first_stage_cv.table(os.path.join(ROOT, folder), detail)
     return out.getvalue().splitlines()
 
 
@@ -1270,6 +1271,9 @@ TABLES = {
     "first-stage-cv-2026-11-27": (lambda: table_first_stage_cv(FIRST_STAGE_27),
                                   [f"{FIRST_STAGE_27}/*.jsonl", f"{FIRST_STAGE_27}/meta.json"],
                                   [f"{FIRST_STAGE_27}/README.md"]),
+    "first-stage-cv-2026-11-27-r3": (lambda: table_first_stage_cv(FIRST_STAGE_R3, detail=True),
+                                     [f"{FIRST_STAGE_R3}/*.jsonl", f"{FIRST_STAGE_R3}/meta.json"],
+                                     [f"{FIRST_STAGE_R3}/table.md"]),
     "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"],
                              [README_BENCH]),
     "embed-gpu-2026-11-23": (table_embed_gpu_2026_11_23, [f"{GPU}/2026-11-23-h100-c/call6-embed.json"], [README_BENCH]),
