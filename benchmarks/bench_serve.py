@@ -284,7 +284,7 @@ def workload(data: str, seed: int = 0) -> list[tuple[str, str]]:
 
 
 async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: float, warmup: float,
-               max_requests: int, on_tick=None) -> dict:
+               max_requests: int, on_tick=None, per_request: bool = False) -> dict:
     import aiohttp
 
     lat: list[float] = []
@@ -334,7 +334,8 @@ async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: fl
     return {"clients": clients, "seconds": round(elapsed, 2), "requests": len(lat), "errors": sum(errors.values()),
             "error_kinds": errors, "qps": round(len(lat) / elapsed, 2) if elapsed > 0 else 0.0,
             "p50_ms": round(float(np.percentile(a, 50)) * 1000, 1), "p90_ms": round(float(np.percentile(a, 90)) * 1000, 1),
-            "p99_ms": round(float(np.percentile(a, 99)) * 1000, 1), "mean_ms": round(float(a.mean()) * 1000, 1)}
+            "p99_ms": round(float(np.percentile(a, 99)) * 1000, 1), "mean_ms": round(float(a.mean()) * 1000, 1),
+            **({"latencies_ms": [round(x * 1000, 3) for x in lat]} if per_request else {})}
 
 
 def _stats(lat: list[float]) -> dict:
@@ -397,6 +398,7 @@ async def write_load(url: str, clients: int, seconds: float, warmup: float, tag:
     return {"clients": clients, "seconds": seconds, "adds": len(lat), "errors": sum(errors.values()),
             "error_kinds": errors, "adds_per_s": round(len(lat) / seconds, 1), **_stats(lat),
             "resent": resent["n"], "resent_answered_as_the_same_memory": resent["none"],
+            "latencies_ms": [round(x * 1000, 3) for x in lat],
             "acked": {u: sorted(v) for u, v in acked.items()}}
 
 
@@ -422,12 +424,14 @@ def writes(prep: dict, items, clients: int, seconds: float, warmup: float, logdi
     searches at ``clients`` with ``clients // 4`` writers running; then the Search-R1-style baseline's
     searches at ``clients`` (no writes: it has none), all on this machine in this run."""
     out: dict = {}
+    per = out["per_request"] = {}   # each measured request's latency (ms), in the order they ended
     server = Server("local", prep, free_port_(), logdir, write=True)
     try:
         server.wait_ready()
         w = asyncio.run(write_load(server.url, clients, seconds, warmup, f"w{int(time.time())}"))
         acked = w.pop("acked")
         out["adds"] = w
+        per["adds"] = w.pop("latencies_ms")
         out["count"] = asyncio.run(count_memories(server.url, acked))
         log(f"adds at {clients} clients: {w['adds_per_s']} adds/s p50 {w['p50_ms']} ms p99 {w['p99_ms']} ms "
             f"errors {w['errors']}; {out['count']}")
@@ -440,11 +444,12 @@ def writes(prep: dict, items, clients: int, seconds: float, warmup: float, logdi
         log(f"after a restart: {out['count_after_restart']}")
 
         async def mixed() -> tuple[dict, dict]:
-            return await asyncio.gather(load(server.url, items, clients, seconds, warmup, 10**9),
+            return await asyncio.gather(load(server.url, items, clients, seconds, warmup, 10**9, per_request=True),
                                         write_load(server.url, max(1, clients // 4), seconds, warmup, "mixed"))
         s, w2 = asyncio.run(mixed())
         w2.pop("acked")
         out["search_with_adds"], out["adds_during_search"] = s, w2
+        per["search_with_adds"], per["adds_during_search"] = s.pop("latencies_ms"), w2.pop("latencies_ms")
         log(f"search at {clients} clients with {w2['clients']} writers: {s['qps']} q/s p99 {s['p99_ms']} ms "
             f"errors {s['errors']}; adds p99 {w2['p99_ms']} ms")
     finally:
@@ -452,7 +457,8 @@ def writes(prep: dict, items, clients: int, seconds: float, warmup: float, logdi
     server = Server("baseline", prep, free_port_(), logdir)
     try:
         server.wait_ready()
-        out["baseline_search"] = asyncio.run(load(server.url, items, clients, seconds, warmup, 10**9))
+        out["baseline_search"] = asyncio.run(load(server.url, items, clients, seconds, warmup, 10**9, per_request=True))
+        per["baseline_search"] = out["baseline_search"].pop("latencies_ms")
         b = out["baseline_search"]
         log(f"baseline search at {clients} clients: {b['qps']} q/s p99 {b['p99_ms']} ms")
     finally:
@@ -469,12 +475,17 @@ def free_port_() -> int:
 
 def writes_report(res: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
+    per = res["writes"].pop("per_request", None)
+    if per is not None:   # beside the summary: each phase's per-request latencies (ms)
+        with open(os.path.join(out, "requests.json"), "w") as f:
+            json.dump(per, f)
     with open(os.path.join(out, "writes.json"), "w") as f:
         json.dump(res, f, indent=2)
     w = res["writes"]
     a, s, b, d = w["adds"], w["search_with_adds"], w["baseline_search"], w["adds_during_search"]
+    end = res["machine"].get("loadavg_end")   # runs before 2026-11-27-2 did not record it
     lines = [f"# memsifter serve: writes and searches under load ({res['date']}, {res['machine'].get('cores')} CPUs, "
-             f"load average at start {res['machine'].get('loadavg')})", "",
+             f"load average at start {res['machine'].get('loadavg')}" + (f", at the end {end}" if end else "") + ")", "",
              f"Command: `{res['command']}`", "",
              "| measure | clients | per s | p50 ms | p99 ms | errors | target |", "|---|---|---|---|---|---|---|",
              f"| adds (mem0 API, no LLM) | {a['clients']} | {a['adds_per_s']} | {a['p50_ms']} | {a['p99_ms']} | "
@@ -657,7 +668,8 @@ def main() -> int:
     p.add_argument("--soak-only", metavar="NOTE", help="only the soak, added to the --out results already there "
                    "(their soak, if any, kept under earlier_soaks with NOTE)")
     p.add_argument("--writes", type=int, metavar="CLIENTS", help="the write benchmark (issue 46) at CLIENTS: adds, "
-                   "counts, a restart, searches with adds running, the baseline; written to --out/writes.{json,md}")
+                   "counts, a restart, searches with adds running, the baseline; written to --out/writes.{json,md} and "
+                   "each measured request's latency to --out/requests.json")
     p.add_argument("--sample", type=int, metavar="N", help="data: the first N LongMemEval questions shipped with "
                    "memsifter (as `memsifter serve` uses them) instead of shared/'s 348")
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
@@ -682,6 +694,7 @@ def main() -> int:
         res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": {**machine(), "loadavg": os.getloadavg()[0]},
                "command": "benchmarks/bench_serve.py " + " ".join(sys.argv[1:]), "args": vars(args)}
         res["writes"] = writes(prep, workload(prep["data"]), args.writes, args.seconds, args.warmup, logdir)
+        res["machine"]["loadavg_end"] = os.getloadavg()[0]
         writes_report(res, args.out)
         return 0
     source = os.path.join(SHARED, TRAIN)
