@@ -320,3 +320,26 @@ def test_eval_ranks_with_the_improve_adapter_on_its_own_listing(tmp_path, monkey
     got = {tag: (adapter, order) for tag, adapter, _, order in run_ranker.rankers()}
     assert got["improve-shuf"] == (str(runs / "adapter-improve-shuf"), "shuffled")
     assert got["sft-shuf"][1] == "shuffled" and "base-free" in got
+
+
+def test_a_users_train_config_with_the_improvement_reward_gets_the_ranker_loop(tmp_path):
+    """`reward.mode: improvement` in a train config (the chart's values, a config file) runs ranker rows through
+    the ranker's loop with the naive reward manager, no `verl:` keys needed; the dapo manager is refused (it drops
+    each rollout's listing); other modes keep verl's single-turn loop."""
+    from memsifter.errors import ConfigError
+    from test_train import fake_prepare_rl
+
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+
+    def overrides(**kw) -> dict:
+        cfg = TrainConfig(output="s3://b/run/train", data=data, **kw)
+        return dict(o.lstrip("+").split("=", 1) for o in train.verl_overrides(cfg, ["/x/a.parquet"], ["/x/b.parquet"]))
+
+    ov = overrides(reward={"mode": "improvement"})
+    for path, value in ranker_loop.verl_settings().items():
+        assert ov[path].strip("'") == value, path
+    plain = overrides(reward={"mode": "dcg"})
+    assert "actor_rollout_ref.rollout.agent.default_agent_loop" not in plain
+    assert plain["reward.reward_manager.name"] == "'dapo'"
+    with pytest.raises(ConfigError, match="improvement needs verl's naive reward manager"):
+        overrides(reward={"mode": "improvement"}, verl={"reward": {"reward_manager": {"name": "dapo"}}})

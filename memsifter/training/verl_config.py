@@ -170,7 +170,9 @@ def verl_overrides(config: Any, train_files: list[str] | None = None,
     one output per trajectory), the ``naive`` reward manager unless the user chose one (it hands the last
     output's ``extra_fields``, the episode's answer, to the reward function), the reward's ``agent_metric``
     and ``agent_format_score``, and the memory service's URL (and its key's variable name) in the Ray job's
-    environment."""
+    environment. Ranker rows with ``reward.mode: improvement`` get the ranker's agent loop
+    (:mod:`memsifter.training.ranker_loop`: a listing of the sessions drawn per rollout) and the ``naive`` reward
+    manager, unless the user's ``verl:`` sets those keys."""
     p = local_paths(config)
     loops = agent_loops(config, agent_names(config, remote))
     if train_files is None or val_files is None:
@@ -238,6 +240,19 @@ def verl_overrides(config: Any, train_files: list[str] | None = None,
             agent_keys.append(("reward.reward_manager.name", "naive"))
         for path, value in agent_keys:
             _set(final, path, value)
+    if loops is None and config.reward.mode == "improvement":
+        # the ranker's improvement reward scores each rollout against the listing IT was shown: the ranker's agent
+        # loop draws that listing per rollout and hands it to the reward; verl's dapo reward manager would drop it
+        from . import ranker_loop
+
+        user = expand(config.verl)
+        if get(user, "reward.reward_manager.name") not in (None, "naive"):
+            raise ConfigError("train: reward.mode improvement needs verl's naive reward manager (the dapo manager "
+                              "drops each rollout's listing, so the reward would score the row's fixed order): "
+                              "leave verl.reward.reward_manager.name unset or 'naive'")
+        for path, value in ranker_loop.verl_settings().items():
+            if not _has(user, path):
+                _set(final, path, value)
     # the Ray job's environment: the checkpoint URI, non-secret store settings, vLLM's, and the user's
     user_env = get(s.tree, ENV_KEY) or {}
     env: dict[str, Any] = {ENV_CHECKPOINT_URI: checkpoint_uri(config)}
