@@ -1064,6 +1064,9 @@ def table_first_stage_2026_11_25() -> list[str]:
 
 WRITES = "benchmarks/results/serve-writes-2026-11-26"
 WRITES_QUIET = "benchmarks/results/serve-writes-2026-11-27"   # the same command on quiet cores
+# session 49's runs on a loaded machine (load 8-21): the old code as control, then the new code twice
+WRITES_49 = {name: f"benchmarks/results/serve-writes-2026-11-27-{name}" for name in
+             ("groupcommit", "2-before", "2-run1", "2")}
 
 
 def table_serve_writes(folder: str = WRITES) -> list[str]:
@@ -1321,6 +1324,9 @@ TABLES = {
     "serve-writes": (table_serve_writes, [f"{WRITES}/writes.json"], [f"{WRITES}/writes.md"]),
     "serve-writes-2026-11-27": (lambda: table_serve_writes(WRITES_QUIET), [f"{WRITES_QUIET}/writes.json"],
                                 [f"{WRITES_QUIET}/writes.md"]),
+    **{f"serve-writes-2026-11-27-{name}": ((lambda folder=folder: table_serve_writes(folder)),
+                                           [f"{folder}/writes.json"], [f"{folder}/writes.md"])
+       for name, folder in WRITES_49.items()},
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
