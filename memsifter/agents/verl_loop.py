@@ -52,7 +52,7 @@ from typing import Any, Callable, Generator
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from .base import Request, Result, Session, Task, registry
-from .verl_names import KEEP_MESSAGES_ENV, LOOPS, SEARCH_KEY_ENV, SEARCH_URL_ENV, config_path  # noqa: F401
+from .verl_names import KEEP_MESSAGES_ENV, LOOPS, SEARCH_KEY_ENV, SEARCH_URL_ENV, config_path, plain  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,6 @@ _SENTINEL = "\x00memsifter-reply\x00"
 
 class OverBudget(Exception):
     """The episode's next step does not fit verl's prompt or response budget."""
-
-
-def _plain(x: Any) -> Any:
-    """Parquet/numpy values as plain Python (a row's extra_info arrives with numpy arrays for lists)."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-        return _plain(x.tolist())
-    return x
 
 
 def sessions_of(info: dict) -> list[Session]:
@@ -278,7 +267,7 @@ class MemsifterAgentLoop(AgentLoopBase):
             extra_fields=dict(traj.extra_fields))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
-        info = _plain(dict(kwargs.get("extra_info") or {}))
+        info = plain(dict(kwargs.get("extra_info") or {}))
         agent = self.make_agent(info)
         task, close = self.make_task(info)
         try:

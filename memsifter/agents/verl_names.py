@@ -4,12 +4,14 @@ importing verl (the train stage's driver composes verl's config without starting
 * the agent-loop names of prepare-agents' rows (``agent_name``) and the agent method each runs;
 * the shipped agent-loop file verl reads (``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
   :func:`config_path`, ``memsifter/configs/verl/agent_loops.yaml`` in the installed package;
-* the environment of the Ray job that the train stage writes and :mod:`memsifter.agents.verl_loop` reads.
+* the environment of the Ray job that the train stage writes and :mod:`memsifter.agents.verl_loop` reads;
+* :func:`plain`: a dataset row's values as plain Python, as every verl loop of ours reads them.
 """
 
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
 DATA_SOURCE = "memsifter_agent"  # prepare-agents' data_source: the reward scores these rows as agent episodes
 LOOPS = {"memsifter_search": "agent:search", "memsifter_memory": "agent:memory",
@@ -26,3 +28,14 @@ CONFIG = ("configs", "verl", "agent_loops.yaml")
 def config_path() -> str:
     """The shipped agent-loop file as a local path (the same on every node running this image)."""
     return str(resources.files("memsifter").joinpath(*CONFIG))
+
+
+def plain(x: Any) -> Any:
+    """Parquet/numpy values as plain Python (a row's extra_info arrives with numpy arrays for lists)."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        return plain(x.tolist())
+    return x

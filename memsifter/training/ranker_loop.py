@@ -31,6 +31,7 @@ import uuid
 from importlib import resources
 from typing import Any
 
+from ..agents.verl_names import plain
 from ..retrieval.context import shown_order
 from ..retrieval.render import render_history_texts
 from .rewards import LISTING
@@ -59,22 +60,12 @@ def rollout_seed(uid: Any, session_id: Any) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") >> 1
 
 
-def _plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-        return _plain(x.tolist())
-    return x
-
-
 def relist(messages: list[dict], extra_info: dict, seed: int) -> tuple[list[dict], list[int]]:
     """The row's prompt ``messages`` with its sessions listed as the rank stage lists them for ``shuffle_seed:
     seed`` (``history_order: shuffled``), and that listing as the row's local ids in the order shown. The row's
     history block (its sessions as shown, in the row's order, with their dates) must occur once in its user
     message (a ValueError otherwise: the row was not built by prepare-rl's window)."""
-    info = _plain(dict(extra_info))
+    info = plain(dict(extra_info))
     texts, dates = list(info.get("sessions") or []), info.get("dates")
     dates = list(dates) if dates is not None else None
     hay = [int(h) for h in (info.get("haystack_index") or range(len(texts)))]
@@ -96,7 +87,7 @@ def rollout_prompt(messages: list[dict], extra_info: dict, uid: Any = None,
                    session_id: Any = None) -> tuple[list[dict], list[int], int | None]:
     """(messages, listing, seed) of one rollout: a training row re-listed by :func:`relist` with
     :func:`rollout_seed`; any other row as it is (its own listing, seed None)."""
-    info = _plain(dict(extra_info or {}))
+    info = plain(dict(extra_info or {}))
     if info.get("split", "train") != "train":
         return [dict(m) for m in messages], list(range(len(info.get("sessions") or []))), None
     seed = rollout_seed(uid, session_id)
