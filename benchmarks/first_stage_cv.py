@@ -28,12 +28,14 @@ conv-26, B = conv-30); LongMemEval by session text: questions whose gold session
 are one group, groups alternate between A and B in question-id order. Rule, applied on one fold and read on
 the other, then swapped: a candidate replaces the default only if its mean paired difference to the default
 in (recall_any@5 + NDCG@10) / 2 is > 0 on BOTH datasets of the choosing fold; then it is read on the other.
-Per-question rankings of every candidate are written as ``<results>/<dataset>.<candidate>.jsonl``;
+Per-question rankings of every candidate are written as ``<results>/<dataset>.<candidate>.jsonl.gz``;
 ``--table`` prints the table from those files alone.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
 import os
 import pickle
@@ -99,9 +101,9 @@ def table(results: str, detail: bool = False) -> None:
     meta = json.load(open(os.path.join(results, "meta.json")))
     data: dict = {}
     for f in sorted(os.listdir(results)):
-        if f.endswith(".jsonl"):
-            ds, cand = f[:-6].split(".", 1)
-            with open(os.path.join(results, f)) as fh:
+        if f.endswith((".jsonl", ".jsonl.gz")):
+            ds, cand = f.removesuffix(".gz")[:-6].split(".", 1)
+            with (gzip.open if f.endswith(".gz") else open)(os.path.join(results, f), "rt") as fh:
                 data.setdefault(ds, {})[cand] = {r["question_id"]: r for r in map(json.loads, fh)}
     default = meta["default"]
     crit = lambda r: (r["recall_any@5"] + r["ndcg@10"]) / 2  # noqa: E731
@@ -460,7 +462,11 @@ def main() -> None:
         for name, (qs, ds, fold, rows) in all_rows.items():
             for cand, rs in rows.items():
                 pq = per_question(name, rs, qs, ds.sessions)
-                with open(os.path.join(a.results, f"{name}.{cand}.jsonl"), "w") as f:
+                # gzip without a name or time in its header: the same rows give the same bytes (a folder of these
+                # files is ~20 MB as text, ~10x less compressed; they travel with every checkout)
+                with open(os.path.join(a.results, f"{name}.{cand}.jsonl.gz"), "wb") as out, \
+                        gzip.GzipFile(filename="", fileobj=out, mode="wb", mtime=0) as raw, \
+                        io.TextIOWrapper(raw, encoding="utf-8") as f:
                     for r in rs:
                         f.write(json.dumps({**r, "fold": fold[r["question_id"]], **pq[r["question_id"]]},
                                            sort_keys=True) + "\n")

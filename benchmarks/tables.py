@@ -7,7 +7,7 @@
 Where the numbers come from, by kind of table:
 
 - answer tables: committed per-question answers (``answers.parquet`` rows: one question and method a row, with its
-  F1, EM, format, calls, tokens and seconds; the first-stage CV's per-question ``*.jsonl``). Intervals are the
+  F1, EM, format, calls, tokens and seconds; the first-stage CV's per-question ``*.jsonl.gz``). Intervals are the
   platform's seeded percentile bootstrap (:func:`memsifter.retrieval.metrics.bootstrap_ci`): 1,000 resamples for a
   mean (as ``evaluate``), 2,000 for a paired difference (as ``benchmarks/bench_agents_one_call.py``);
 - speed tables: the run's committed JSON or log with the timings (a GPU driver's ``*.json``, verl's metrics lines,
@@ -1267,15 +1267,15 @@ TABLES = {
     "agents-one-call-card": (table_agents_one_call_card, [f"{AGENTS_SFT}/answers/*.parquet", f"{ONE_CALL}/paired.json",
                                                           f"{ONE_CALL}/report.json"], [CARD]),
     "agents-one-call-bench": (table_agents_one_call_bench, [f"{ONE_CALL}/paired.json"], [README_BENCH]),
-    "first-stage-cv": (table_first_stage_cv, [f"{FIRST_STAGE}/*.jsonl", f"{FIRST_STAGE}/meta.json"],
+    "first-stage-cv": (table_first_stage_cv, [f"{FIRST_STAGE}/*.jsonl.gz", f"{FIRST_STAGE}/meta.json"],
                        [f"{FIRST_STAGE}/README.md"]),
     "agents-sft-paired": (table_agents_sft_paired, [f"{AGENTS_SFT}/answers/*.parquet"],
                           [f"{AGENTS_SFT}/README.md"]),
     "first-stage-cv-2026-11-27": (lambda: table_first_stage_cv(FIRST_STAGE_27),
-                                  [f"{FIRST_STAGE_27}/*.jsonl", f"{FIRST_STAGE_27}/meta.json"],
+                                  [f"{FIRST_STAGE_27}/*.jsonl.gz", f"{FIRST_STAGE_27}/meta.json"],
                                   [f"{FIRST_STAGE_27}/README.md"]),
     "first-stage-cv-2026-11-27-r3": (lambda: table_first_stage_cv(FIRST_STAGE_R3, detail=True),
-                                     [f"{FIRST_STAGE_R3}/*.jsonl", f"{FIRST_STAGE_R3}/meta.json"],
+                                     [f"{FIRST_STAGE_R3}/*.jsonl.gz", f"{FIRST_STAGE_R3}/meta.json"],
                                      [f"{FIRST_STAGE_R3}/table.md"]),
     "embed-gpu-2026-11-22": (table_embed_gpu_2026_11_22, ["benchmarks/results/bench_embed_gpu_h100.txt"],
                              [README_BENCH]),
