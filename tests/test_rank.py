@@ -117,45 +117,6 @@ def _check_rows(rows, ds, emb_uri):
             assert r["reason"] and r["ranked_session_ids"] == emb_order[r["question_id"]]
 
 
-def test_rank_vllm_ray_data_llm(synth_data, tiny_model_dir, tmp_path, monkeypatch):
-    """Real vLLM (CPU) through Ray Data LLM with the tiny random model: its garbage output falls
-    back to the embedding order, with the reason and the raw text kept; nothing is dropped."""
-    import ray
-
-    from memsifter.models.embedding import ensure_ray
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    data, emb, ds = synth_data
-    started = not ray.is_initialized()
-    ensure_ray()
-    try:
-        out = str(tmp_path / "rank")
-        m = get_stage("rank").run({"output": out, "input": data, "embeddings": emb, "model": tiny_model_dir,
-                                   "context_limit": 1500, "max_tokens": 32, "shard_size": 2, "ignore_eos": True,
-                                   "vllm": {"max_model_len": 2048, "batch_size": 4}})
-    finally:
-        if started:
-            ray.shutdown()
-    rows = rankings.read_rankings(out)
-    _check_rows(rows, ds, emb)
-    st = m["stats"]
-    assert st["generated"] == len(ds.questions) and sum(st["status"].values()) == len(ds.questions)
-    # ignore_eos reaches vLLM through Ray Data LLM: exactly max_tokens per answer, as the engine counted
-    assert st["engine_tokens"]["generated_tokens"] == 32 * len(ds.questions)
-    details_tokens = storage.read_parquet(storage.join(out, "prompts.parquet")).column("prompt_tokens").to_pylist()
-    assert st["engine_tokens"]["prompt_tokens"] == sum(details_tokens)
-    # the engines' busy window comes from Ray Data LLM's per-row time_taken_llm: present, and shorter
-    # than the pipeline's wall time, which also starts the engine
-    assert 0 < st["seconds"]["engine_busy"] < st["seconds"]["generation"]
-    assert all(r["raw_response"] for r in rows)  # every question got a real generation
-    assert all(r["method"].startswith("rank:") for r in rows)
-    # results were saved batch by batch under _work (crash-resume)
-    parts = [f for f in storage.list_files(storage.join(out, "_work")) if f.endswith(".parquet")]
-    assert len(parts) >= 3
-    details = storage.read_parquet(storage.join(out, "prompts.parquet")).to_pylist()
-    assert all(0 < d["prompt_tokens"] <= 1500 for d in details)
-
-
 def test_rank_endpoint_ok_path_and_resume(synth_data, tiny_model_dir, vllm_endpoint, tmp_path, monkeypatch):
     """The served engine with constrained output: every answer parses, so rows are 'ok' and their
     heads come from the ranker; an injected crash after one batch resumes without redoing it."""
@@ -357,11 +318,14 @@ def test_context_limit_beyond_the_model_is_one_line(synth_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
+def test_rank_smollm2_on_cpu_through_ray_data_llm(synth_data, tmp_path):
     """The issue's command: `memsifter run rank --model smollm2-135m-instruct --context-limit 3000
-    --limit 2` through Ray Data LLM on the CPU, with no vllm.* setting: the engine context and the
+    --limit 3` through Ray Data LLM on the CPU, with no vllm.* setting: the engine context and the
     answer length derive from the model (8,192 tokens) and the direct prompt; every row keeps the
-    model's own text, ok or fallback."""
+    model's own text, ok or fallback (a fallback row: the embedding order and its reason). With
+    --ignore-eos and --shard-size 1 the same run also shows that ignore_eos reaches vLLM (exactly
+    max_tokens per answer, as the engine counted) and that results are saved answer by answer under
+    _work (crash-resume). One engine start serves both (each costs minutes on 2 cores)."""
     import subprocess
     import sys
 
@@ -378,7 +342,8 @@ def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
     env.pop("RAY_ADDRESS")
     proc = subprocess.run([sys.executable, "-m", "memsifter.cli", "run", "rank", "--input", data, "--embeddings", emb,
                            "--output", out, "--model", "smollm2-135m-instruct", "--context-limit", "3000",
-                           "--limit", "2", "-q"], capture_output=True, text=True, timeout=800, env=env)
+                           "--limit", "3", "--ignore-eos", "--shard-size", "1", "-q"],
+                          capture_output=True, text=True, timeout=800, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     # -q: no Ray Data advice on the terminal ("Operator ... uses 454.0MiB of memory per task", every 30 s)
     assert "of memory per" not in proc.stderr and "high_memory_detector" not in proc.stderr
@@ -386,8 +351,21 @@ def test_rank_smollm2_on_cpu_keeps_every_raw_response(synth_data, tmp_path):
     assert st["prompt_style"] == "direct" and st["max_tokens"] == 96 and st["max_model_len"] == 3096
     assert st["method"] == "rank:smollm2-135m-instruct"
     rows = rankings.read_rankings(out)
-    assert len(rows) == 2 and all(r["raw_response"] for r in rows), rows
+    ds.questions = ds.questions[:3]
+    _check_rows(rows, ds, emb)
+    assert all(r["raw_response"] for r in rows), rows   # every question got a real generation
     assert all(r["status"] in ("ok", "fallback") for r in rows)
+    assert all(r["method"].startswith("rank:") for r in rows)
+    assert st["generated"] == 3 and sum(st["status"].values()) == 3
+    assert st["engine_tokens"]["generated_tokens"] == 96 * 3
+    details = storage.read_parquet(storage.join(out, "prompts.parquet")).to_pylist()
+    assert st["engine_tokens"]["prompt_tokens"] == sum(d["prompt_tokens"] for d in details)
+    assert all(0 < d["prompt_tokens"] <= 3000 for d in details)
+    # the engines' busy window comes from Ray Data LLM's per-row time_taken_llm: present, and shorter
+    # than the pipeline's wall time, which also starts the engine
+    assert 0 < st["seconds"]["engine_busy"] < st["seconds"]["generation"]
+    parts = [f for f in storage.list_files(storage.join(out, "_work")) if f.endswith(".parquet")]
+    assert len(parts) >= 3
 
 
 def test_s3_models_for_rank_and_embed(synth_data, tiny_model_dir, vllm_endpoint, s3_root, tmp_path, monkeypatch):

@@ -103,3 +103,23 @@ def test_ranked_mode_hands_the_ranker_the_corpus_sessions_themselves():
     assert req.dates == ["2023/01/01", "2023/04/01", "2023/05/01"] and req.order == ["s3", "s0", "s4"]
     assert (req.question, req.key) == ("which turn?", "c:0")
     assert order == [4, 3, 0, 1, 2] and info == {"status": "ok", "reason": None}
+
+
+def test_a_prompt_with_an_assistant_prefill_counts_as_the_engines_render_it(smollm2_dir):
+    """The ranker's direct prompt ends with an assistant prefill ('<ranking>'): vLLM continues that message
+    (Ray Data LLM's chat-template stage, ``continue_final_message`` on the endpoint and in the service). The
+    count the context budget uses is that prompt's, not one with the prefill closed and a new turn opened
+    (6 tokens more with SmolLM2's template: the engine counted 6 fewer per question than prompts.parquet)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    counter = context.TokenCounter(tok)
+    msgs = [{"role": "system", "content": "Rank the sessions."}, {"role": "user", "content": "Which session? 1. a 2. b"},
+            {"role": "assistant", "content": "<ranking>"}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert rendered.endswith("<ranking>")
+    assert counter.chat_prompt_tokens(msgs) == len(tok(rendered, add_special_tokens=False)["input_ids"])
+    # without a prefill: the generation prompt is part of the count
+    plain = msgs[:2]
+    opened = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert counter.chat_prompt_tokens(plain) == len(tok(opened, add_special_tokens=False)["input_ids"])

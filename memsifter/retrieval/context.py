@@ -154,11 +154,15 @@ class TokenCounter:
         return [self._cache[k] if k in self._cache else result[k] for k in keys]
 
     def chat_prompt_tokens(self, messages: list[dict]) -> int:
-        """Tokens of a chat prompt as the model sees it (chat template + generation prompt); a tokenizer
-        without a chat template (a base model's) counts the messages' text."""
+        """Tokens of a chat prompt as the model sees it: the chat template and the generation prompt, or, when
+        the last message is an assistant prefill, that message continued (no end of turn, no new turn: what the
+        engines render, Ray Data LLM's chat-template stage, vLLM's ``continue_final_message`` and the service's
+        ranker alike). A tokenizer without a chat template (a base model's) counts the messages' text."""
         if getattr(self.tokenizer, "chat_template", None) is None and hasattr(self.tokenizer, "chat_template"):
             return sum(self.count_many([str(m.get("content") or "") for m in messages]))
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prefill = bool(messages) and messages[-1].get("role") == "assistant"
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
+                                                 continue_final_message=prefill, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return len(ids)
