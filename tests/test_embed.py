@@ -277,3 +277,47 @@ def test_bounds_on_sizes_a_user_can_type(tmp_path):
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
         assert f"{field}: Input should be less than or equal to" in p.stderr, p.stderr[-1500:]
     assert not (tmp_path / "s").exists()
+
+
+def test_plan_batches_pad_ratio_splits_mixed_lengths_only():
+    """A few texts of mixed lengths (the service's micro-batch of queries): with pad_ratio no text runs in a
+    batch whose longest text is more than pad_ratio x its own estimated length; alike lengths stay one batch,
+    and without pad_ratio the plan is as before."""
+    est = lambda t: len(t) // 3 + 2  # noqa: E731 - plan_batches' estimate at 3 characters a token
+    mixed = [(f"h{i}", "w" * n) for i, n in enumerate([200, 12, 60, 190, 30, 15, 100, 58])]
+    assert len(embedding.plan_batches(mixed, max_length=512)) == 1
+    batches = embedding.plan_batches(mixed, max_length=512, pad_ratio=1.5, min_split=1)
+    assert sorted(h for b in batches for h, _ in b) == sorted(h for h, _ in mixed)
+    for b in batches:
+        longest = max(est(t) for _, t in b)
+        assert all(longest <= 1.5 * est(t) for _, t in b), [len(t) for _, t in b]
+    assert len(batches) > 1
+    # a batch is split only once it holds min_split texts (a forward pass has a fixed cost)
+    two = embedding.plan_batches(mixed, max_length=512, pad_ratio=1.5, min_split=4)
+    assert [len(b) for b in two] == [4, 4] and len(embedding.plan_batches(mixed, 512, pad_ratio=1.5)) == 1
+    alike = [(f"a{i}", "w" * (60 + i)) for i in range(8)]
+    assert len(embedding.plan_batches(alike, max_length=512, pad_ratio=1.5)) == 1
+
+
+def test_service_query_batches_are_length_buckets_with_the_same_vectors():
+    """The service encodes a micro-batch of queries in length buckets (index.QUERY_PAD_RATIO): the vectors are
+    those of one padded batch (padding is masked out), each text's own, in the caller's order."""
+    from memsifter.service import index
+
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    enc = index.Encoder(spec, threads=1)
+    texts = ["Where did I get my guitar serviced?", "x" * 5,
+             "How many days did it take me to finish the novel I started reading on my trip to the mountains "
+             "with my sister last spring, counting the weekend?", "What is my dog's name?"] * 4
+    calls: list[int] = []
+    got = enc.encode(texts, urgent=True)
+    model = enc._model
+    real = model.encode
+    model.encode = lambda batch: calls.append(len(batch)) or real(batch)   # records the batches, encodes for real
+    try:
+        again = enc.encode(texts, urgent=True)
+    finally:
+        model.encode = real
+    assert len(calls) > 1 and sum(calls) == len(texts), calls
+    one = real(texts)   # one batch padded to the longest
+    assert np.allclose(got, one, atol=1e-5) and np.allclose(again, got)

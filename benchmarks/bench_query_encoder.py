@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""What one search costs the service's query encoder (issue 46): milliseconds of the dense model per query,
+by batch size, on the threads the service gives it.
+
+    .venv/bin/python benchmarks/bench_query_encoder.py --out benchmarks/results/query-encoder-2026-11-27
+
+Queries: the questions of the shipped LongMemEval sample (``memsifter/samples``; the ones ``bench_serve.py
+--sample`` searches with), cycled; the same model and code as ``memsifter serve`` (``service.index.Encoder``:
+all-MiniLM-L6-v2 in float32, ``encoder_threads()`` torch threads, length-bucketed batches). Each batch size
+runs for ``--seconds`` after a warm-up, twice: as the service encodes a micro-batch (length buckets, no
+query padded past ``index.QUERY_PAD_RATIO`` times its length) and as one batch padded to its longest query
+(``pad_ratio`` off: the service before 2026-11-27). A search costs one query's share of a batch; under load
+the service's micro-batcher forms batches of up to ``query_batch`` queries, so the large-batch figure bounds
+the queries per second one core can encode, whatever the HTTP, scoring and writes around it cost.
+
+Output: ``encoder.json`` (every number, the machine) and ``encoder.md`` (the table).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from memsifter.service.index import QUERY_PAD_RATIO  # noqa: E402 - the service's setting, restored after each row
+
+
+def questions() -> list[str]:
+    from importlib import resources
+
+    path = resources.files("memsifter").joinpath("samples", "longmemeval_s_dev30.json.gz")
+    with gzip.open(str(path), "rt") as f:
+        return [q["question"] for q in json.load(f)]
+
+
+def measure(encoder, texts: list[str], batch: int, seconds: float, ratio: float | None) -> dict:
+    from memsifter.service import index
+
+    index.QUERY_PAD_RATIO = ratio
+    try:
+        return _measure(encoder, texts, batch, seconds) | {"pad_ratio": ratio}
+    finally:
+        index.QUERY_PAD_RATIO = QUERY_PAD_RATIO
+
+
+def _measure(encoder, texts: list[str], batch: int, seconds: float) -> dict:
+    encoder.encode(texts[:batch], urgent=True)   # warm-up at this shape
+    n, calls, i = 0, 0, 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        part = [texts[(i + k) % len(texts)] for k in range(batch)]
+        i += batch
+        encoder.encode(part, urgent=True)
+        n += batch
+        calls += 1
+    dt = time.perf_counter() - t0
+    return {"batch": batch, "queries": n, "calls": calls, "seconds": round(dt, 3),
+            "ms_per_query": round(1000 * dt / n, 2), "queries_per_s": round(n / dt, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,4,8,16,32")
+    p.add_argument("--seconds", type=float, default=5.0)
+    a = p.parse_args(argv)
+    from memsifter.models import embedding
+    from memsifter.service.index import Encoder, encoder_threads
+
+    texts = questions()
+    random.Random(0).shuffle(texts)
+    spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
+    enc = Encoder(spec)
+    rows = [measure(enc, texts, int(b), a.seconds, ratio)
+            for b in a.batches.split(",") for ratio in (QUERY_PAD_RATIO, None)]
+    import torch
+
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": spec.name, "torch_threads": torch.get_num_threads(),
+           "encoder_threads_default": encoder_threads(), "queries": len(texts),
+           "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()[0], "processor": platform.processor()},
+           "rows": rows}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "encoder.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = report(res)
+    with open(os.path.join(a.out, "encoder.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def report(res: dict) -> list[str]:
+    lines = [f"# The service's query encoder ({res['date']}, {res['model']}, {res['torch_threads']} torch thread(s), "
+             f"{res['machine']['cpus']} CPUs, load average at start {res['machine']['loadavg']:.2f})", "",
+             "| batch | micro-batch as | ms per query | queries/s on these threads |", "|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {'one batch, padded to its longest' if r['pad_ratio'] is None else 'length buckets, pad ratio ' + format(r['pad_ratio'], 'g')} "
+              f"| {r['ms_per_query']} | {r['queries_per_s']} |" for r in res["rows"]]
+    by = {(r["batch"], r["pad_ratio"]): r["ms_per_query"] for r in res["rows"]}
+    lines += ["", "Buckets over one padded batch, by batch: " + ", ".join(
+        f"{b}: {by[(b, None)] / by[(b, r)]:.2f}x" for (b, r) in by if r is not None) + " (time per query, same run)."]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
