@@ -7,9 +7,9 @@ by batch size, on the threads the service gives it.
 Queries: the questions of the shipped LongMemEval sample (``memsifter/samples``; the ones ``bench_serve.py
 --sample`` searches with), cycled; the same model and code as ``memsifter serve`` (``service.index.Encoder``:
 all-MiniLM-L6-v2 in float32, ``encoder_threads()`` torch threads, length-bucketed batches). Each batch size
-runs for ``--seconds`` after a warm-up, twice: as the service encodes a micro-batch (length buckets, no
-query padded past ``index.QUERY_PAD_RATIO`` times its length) and as one batch padded to its longest query
-(``pad_ratio`` off: the service before 2026-11-27). A search costs one query's share of a batch; under load
+runs for ``--seconds`` after a warm-up, twice: as the service encodes a micro-batch (``index.length_groups``
+at the service's default ``query_pass_tokens``) and as one batch padded to its longest query (the service
+before 2026-11-27). A search costs one query's share of a batch; under load
 the service's micro-batcher forms batches of up to ``query_batch`` queries, so the large-batch figure bounds
 the queries per second one core can encode, whatever the HTTP, scoring and writes around it cost.
 
@@ -28,7 +28,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from memsifter.service.index import QUERY_PAD_RATIO  # noqa: E402 - the service's setting, restored after each row
+from memsifter.service.config import ServeConfig  # noqa: E402
+
+CALL_TOKENS = ServeConfig.model_fields["query_pass_tokens"].default
 
 
 def questions() -> list[str]:
@@ -39,14 +41,10 @@ def questions() -> list[str]:
         return [q["question"] for q in json.load(f)]
 
 
-def measure(encoder, texts: list[str], batch: int, seconds: float, ratio: float | None) -> dict:
-    from memsifter.service import index
-
-    index.QUERY_PAD_RATIO = ratio
-    try:
-        return _measure(encoder, texts, batch, seconds) | {"pad_ratio": ratio}
-    finally:
-        index.QUERY_PAD_RATIO = QUERY_PAD_RATIO
+def measure(encoder, texts: list[str], batch: int, seconds: float, call_tokens: int | None) -> dict:
+    """``call_tokens`` None: one padded batch (length groups at a cost no split can pay back)."""
+    encoder.pass_tokens = 10 ** 9 if call_tokens is None else call_tokens
+    return _measure(encoder, texts, batch, seconds) | {"call_tokens": call_tokens}
 
 
 def _measure(encoder, texts: list[str], batch: int, seconds: float) -> dict:
@@ -77,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     random.Random(0).shuffle(texts)
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")
     enc = Encoder(spec)
-    rows = [measure(enc, texts, int(b), a.seconds, ratio)
-            for b in a.batches.split(",") for ratio in (QUERY_PAD_RATIO, None)]
+    rows = [measure(enc, texts, int(b), a.seconds, call)
+            for b in a.batches.split(",") for call in (CALL_TOKENS, None)]
     import torch
 
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": spec.name, "torch_threads": torch.get_num_threads(),
@@ -99,10 +97,14 @@ def report(res: dict) -> list[str]:
     lines = [f"# The service's query encoder ({res['date']}, {res['model']}, {res['torch_threads']} torch thread(s), "
              f"{res['machine']['cpus']} CPUs, load average at start {res['machine']['loadavg']:.2f})", "",
              "| batch | micro-batch as | ms per query | queries/s on these threads |", "|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {'one batch, padded to its longest' if r['pad_ratio'] is None else 'length buckets, pad ratio ' + format(r['pad_ratio'], 'g')} "
-              f"| {r['ms_per_query']} | {r['queries_per_s']} |" for r in res["rows"]]
-    by = {(r["batch"], r["pad_ratio"]): r["ms_per_query"] for r in res["rows"]}
-    lines += ["", "Buckets over one padded batch, by batch: " + ", ".join(
+
+    def how(r: dict) -> str:
+        return ("one batch, padded to its longest" if r["call_tokens"] is None
+                else f"length groups, {r['call_tokens']} tokens a pass")
+
+    lines += [f"| {r['batch']} | {how(r)} | {r['ms_per_query']} | {r['queries_per_s']} |" for r in res["rows"]]
+    by = {(r["batch"], r["call_tokens"]): r["ms_per_query"] for r in res["rows"]}
+    lines += ["", "Length groups over one padded batch, by batch: " + ", ".join(
         f"{b}: {by[(b, None)] / by[(b, r)]:.2f}x" for (b, r) in by if r is not None) + " (time per query, same run)."]
     return lines
 

@@ -274,11 +274,22 @@ class Server:
 
 
 # --------------------------------------------------------------------------- load
-def workload(data: str, seed: int = 0) -> list[tuple[str, str]]:
+def workload(data: str, seed: int = 0, queries: str = "own") -> list[tuple[str, str]]:
+    """(corpus id, query) pairs in a fixed shuffled order: each corpus with its own question (``own``), or with
+    each of the 30 questions of the shipped LongMemEval sample (``sample``: queries of mixed lengths, as many
+    users' are, whatever the corpora; with ``--sample 3`` the own questions are three of alike length)."""
     from memsifter.data.model import read_dataset
 
     ds = read_dataset(data)
-    items = [(q.question_id, q.question) for q in ds.questions]
+    if queries == "sample":
+        import gzip
+        from importlib import resources
+
+        with gzip.open(str(resources.files("memsifter").joinpath("samples", "longmemeval_s_dev30.json.gz")), "rt") as f:
+            texts = [q["question"] for q in json.load(f)]
+        items = [(q.question_id, t) for q in ds.questions for t in texts]
+    else:
+        items = [(q.question_id, q.question) for q in ds.questions]
     random.Random(seed).shuffle(items)
     return items
 
@@ -670,6 +681,9 @@ def main() -> int:
     p.add_argument("--writes", type=int, metavar="CLIENTS", help="the write benchmark (issue 46) at CLIENTS: adds, "
                    "counts, a restart, searches with adds running, the baseline; written to --out/writes.{json,md} and "
                    "each measured request's latency to --out/requests.json")
+    p.add_argument("--queries", choices=("own", "sample"), default="own",
+                   help="--writes: each corpus searched with its own question (own) or with each of the shipped "
+                        "sample's 30 questions (sample: mixed query lengths)")
     p.add_argument("--sample", type=int, metavar="N", help="data: the first N LongMemEval questions shipped with "
                    "memsifter (as `memsifter serve` uses them) instead of shared/'s 348")
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
@@ -693,7 +707,8 @@ def main() -> int:
         os.makedirs(logdir, exist_ok=True)
         res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": {**machine(), "loadavg": os.getloadavg()[0]},
                "command": "benchmarks/bench_serve.py " + " ".join(sys.argv[1:]), "args": vars(args)}
-        res["writes"] = writes(prep, workload(prep["data"]), args.writes, args.seconds, args.warmup, logdir)
+        res["writes"] = writes(prep, workload(prep["data"], queries=args.queries), args.writes, args.seconds,
+                               args.warmup, logdir)
         res["machine"]["loadavg_end"] = os.getloadavg()[0]
         writes_report(res, args.out)
         return 0

@@ -279,29 +279,35 @@ def test_bounds_on_sizes_a_user_can_type(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_plan_batches_pad_ratio_splits_mixed_lengths_only():
-    """A few texts of mixed lengths (the service's micro-batch of queries): with pad_ratio no text runs in a
-    batch whose longest text is more than pad_ratio x its own estimated length; alike lengths stay one batch,
-    and without pad_ratio the plan is as before."""
-    est = lambda t: len(t) // 3 + 2  # noqa: E731 - plan_batches' estimate at 3 characters a token
-    mixed = [(f"h{i}", "w" * n) for i, n in enumerate([200, 12, 60, 190, 30, 15, 100, 58])]
-    assert len(embedding.plan_batches(mixed, max_length=512)) == 1
-    batches = embedding.plan_batches(mixed, max_length=512, pad_ratio=1.5, min_split=1)
-    assert sorted(h for b in batches for h, _ in b) == sorted(h for h, _ in mixed)
-    for b in batches:
-        longest = max(est(t) for _, t in b)
-        assert all(longest <= 1.5 * est(t) for _, t in b), [len(t) for _, t in b]
-    assert len(batches) > 1
-    # a batch is split only once it holds min_split texts (a forward pass has a fixed cost)
-    two = embedding.plan_batches(mixed, max_length=512, pad_ratio=1.5, min_split=4)
-    assert [len(b) for b in two] == [4, 4] and len(embedding.plan_batches(mixed, 512, pad_ratio=1.5)) == 1
-    alike = [(f"a{i}", "w" * (60 + i)) for i in range(8)]
-    assert len(embedding.plan_batches(alike, max_length=512, pad_ratio=1.5)) == 1
+def test_query_length_groups_are_the_least_cost_partition():
+    """The service's micro-batch of queries: groups of neighbours in length order whose cost (query_pass_tokens a
+    forward pass + size x longest) is least, checked against every such partition; alike lengths stay one
+    batch, and the groups cover every index once."""
+    import itertools
+    import random
+
+    from memsifter.service.index import length_groups
+
+    def cost(groups, lengths, call):
+        return sum(call + len(g) * max(lengths[i] for i in g) for g in groups)
+
+    rng = random.Random(3)
+    for _ in range(40):
+        lengths = [rng.choice([5, 9, 12, 13, 20, 22, 40, 68]) for _ in range(rng.randint(1, 9))]
+        call = rng.choice([0, 10, 40, 1000])
+        got = length_groups(lengths, call)
+        assert sorted(i for g in got for i in g) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (len(order),))], lengths, call)
+                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(got, lengths, call) == best, (lengths, call, got)
+    assert length_groups([13, 14, 13, 12] * 8, 40) == [sorted(range(32), key=lambda i: (-[13, 14, 13, 12][i % 4], i))]
+    assert len(length_groups([68] * 8 + [13] * 24, 40)) == 2
 
 
 def test_service_query_batches_are_length_buckets_with_the_same_vectors():
-    """The service encodes a micro-batch of queries in length buckets (index.QUERY_PAD_RATIO): the vectors are
-    those of one padded batch (padding is masked out), each text's own, in the caller's order."""
+    """The service encodes a micro-batch of queries of mixed lengths in length groups (index.length_groups):
+    the vectors are those of one padded batch (padding is masked out), each text's own, in the caller's order."""
     from memsifter.service import index
 
     spec = embedding.ModelSpec.resolve("all-MiniLM-L6-v2")

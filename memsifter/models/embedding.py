@@ -467,17 +467,9 @@ class EmbeddingStore:
 
 # --------------------------------------------------------------------------- batching
 def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_batch: int = 16384,
-                 max_batch_size: int = 64, chars_per_token: float = 3.0,
-                 pad_ratio: float | None = None, min_split: int = 8) -> list[list[tuple[str, str]]]:
+                 max_batch_size: int = 64, chars_per_token: float = 3.0) -> list[list[tuple[str, str]]]:
     """Length-bucketed batches of (hash, text): longest first, each batch sized so that
-    ``batch_size × estimated padded length`` stays under ``tokens_per_batch``. Deterministic.
-
-    ``pad_ratio``: also start a new batch, once the current one holds ``min_split`` texts, where a text would
-    be padded to more than ``pad_ratio`` times its own estimated length. Over a large set the sorted order
-    already keeps neighbours alike; a few texts of mixed lengths (the service's micro-batch of queries) would
-    otherwise all run at the longest one's length. A forward pass on a CPU costs its padded tokens plus a
-    fixed part worth tens of short texts, so a batch is split only where it holds ``min_split`` texts (on 2
-    cores, 4 questions split by length alone ran slower than one batch; ``benchmarks/bench_query_encoder.py``)."""
+    ``batch_size × estimated padded length`` stays under ``tokens_per_batch``. Deterministic."""
     def est(t: str) -> int:
         return max(1, min(max_length, int(len(t) / chars_per_token) + 2))
 
@@ -488,8 +480,7 @@ def plan_batches(items: Sequence[tuple[str, str]], max_length: int, tokens_per_b
     for it in order:
         e = est(it[1])
         m = max(cur_max, e)
-        if cur and ((len(cur) + 1) * m > tokens_per_batch or len(cur) >= max_batch_size
-                    or (pad_ratio is not None and len(cur) >= min_split and m > pad_ratio * e)):
+        if cur and ((len(cur) + 1) * m > tokens_per_batch or len(cur) >= max_batch_size):
             batches.append(cur)
             cur, m = [], e
         cur.append(it)

@@ -124,6 +124,10 @@ class ServeConfig(_Model):
                                       "but one, 1 to 2: memsifter.service.index.encoder_threads)")
     query_batch: int = Field(32, ge=1, description="queries embedded in one forward pass at most")
     query_batch_wait_s: float = Field(0.002, ge=0, description="how long a query waits for others to batch with")
+    query_pass_tokens: int = Field(40, ge=0, description="a forward pass's fixed cost in tokens, for splitting a "
+                                   "batch of queries into length groups (memsifter.service.index.length_groups; "
+                                   "40 suits all-MiniLM-L6-v2 on a CPU; a large value: one batch padded to its "
+                                   "longest query)")
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: Limits = Field(default_factory=Limits)
     ranker: RankerSettings | None = Field(None, description="the ranker (mode ranked); null: ranked falls back")

@@ -169,7 +169,7 @@ class RetrievalService:
         self.ranker = ranker
         t0 = time.time()
         index = PublishedIndex.load(cfg, progress=lambda m: log.info("serve: %s", m))
-        encoder = Encoder(index.settings.spec, cfg.torch_threads)
+        encoder = Encoder(index.settings.spec, cfg.torch_threads, cfg.query_pass_tokens)
         self.state = State(index, encoder, Units(index.vectors, encoder, index.settings.turn_words))
         self.metrics.reloads.labels("ok").inc()
         log.info("serve: index %s loaded in %.1fs: %d corpora, %d sessions, method %s", redact(cfg.index),
@@ -260,7 +260,7 @@ class RetrievalService:
         old = self.state
         index = PublishedIndex.load(self.cfg, previous=old.index)
         same = index.settings.spec.key == old.settings.spec.key and index.settings.turn_words == old.settings.turn_words
-        encoder = old.encoder if same else Encoder(index.settings.spec, self.cfg.torch_threads)
+        encoder = old.encoder if same else Encoder(index.settings.spec, self.cfg.torch_threads, self.cfg.query_pass_tokens)
         if not same and index.settings.method in DENSE_METHODS:   # warm before it serves
             encoder.encode([index.settings.query_instruction + "warm-up"], urgent=True)
         units = old.units if same else Units(index.vectors, encoder, index.settings.turn_words)

@@ -57,10 +57,27 @@ def views_of(method: str) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- vectors
 BULK_BATCH = 4
-# A query of a micro-batch runs in a batch whose longest text is at most this many times its own length
-# (embedding.plan_batches' pad_ratio). 1.25, 1.5 and 2 encode mixed LongMemEval questions alike on a CPU;
-# 1.5 leaves fewer, larger batches for an accelerator.
-QUERY_PAD_RATIO = 1.5
+def length_groups(lengths: Sequence[int], call_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` (token counts) grouped for forward passes: groups of neighbours in length order,
+    chosen so that ``call_tokens`` per pass plus each group's size x its longest length is least (exact: a
+    shortest path over the sorted lengths). Queries of mixed lengths in one padded batch all run at the longest
+    one's length; alike lengths stay one batch. A forward pass costs about its padded tokens plus a fixed part,
+    ``call_tokens`` (the service's ``query_pass_tokens``): for all-MiniLM-L6-v2 on a CPU about 40, one ~22-token
+    question taking about what 32 of them take per question in length groups twice over
+    (benchmarks/bench_query_encoder.py); 0 gives every length its own pass, a large value one padded batch."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n = len(order)
+    best, start = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):   # group order[i:j], its longest is order[i]
+            c = best[i] + call_tokens + (j - i) * lengths[order[i]]
+            if c < best[j]:
+                best[j], start[j] = c, i
+    groups, j = [], n
+    while j:
+        groups.append(order[start[j]:j])
+        j = start[j]
+    return groups[::-1]
 
 
 def encoder_threads(cores: int | None = None) -> int:
@@ -82,8 +99,8 @@ class Encoder:
     (:data:`BULK_BATCH` texts), never for the rest of a large append's or of the load's unit vectors, which
     yield the model between batches while a query waits."""
 
-    def __init__(self, spec: embedding.ModelSpec, threads: int | None = None):
-        self.spec, self.threads = spec, threads
+    def __init__(self, spec: embedding.ModelSpec, threads: int | None = None, pass_tokens: int = 40):
+        self.spec, self.threads, self.pass_tokens = spec, threads, pass_tokens
         self._model: embedding.Embedder | None = None
         self._cv = threading.Condition()
         self._busy = False
@@ -122,24 +139,27 @@ class Encoder:
         return self._model
 
     def encode(self, texts: Sequence[str], batch_size: int = 64, urgent: bool = False) -> np.ndarray:
-        """Vectors of ``texts`` in order (length-bucketed batches, as the stage plans them): ``urgent`` (a
-        query's) in one turn of the model, else :data:`BULK_BATCH` texts a turn."""
+        """Vectors of ``texts`` in order: ``urgent`` (a micro-batch of queries) in one turn of the model, in
+        :func:`length_groups`; else length-bucketed batches as the stage plans them, :data:`BULK_BATCH` texts a
+        turn."""
+        texts = list(texts)
         with self._turn(urgent):
             model = self._load()
         out = np.zeros((len(texts), model.dim), dtype=np.float32)
         items = [(str(i), t) for i, t in enumerate(texts)]
-        # queries (urgent): length buckets within the micro-batch, no text padded past QUERY_PAD_RATIO x its length
-        batches = embedding.plan_batches(items, self.spec.max_length,
-                                         max_batch_size=batch_size if urgent else min(batch_size, BULK_BATCH),
-                                         pad_ratio=QUERY_PAD_RATIO if urgent else None)
-        if urgent:
+        if urgent:   # queries: a micro-batch in length groups (exact token counts), in one turn of the model
             with self._turn(True):
-                for b in batches:
-                    out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
-        else:
-            for b in batches:
-                with self._turn(False):
-                    out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
+                for part in range(0, len(texts), batch_size):
+                    lengths = [len(ids) for ids in model.token_ids(texts[part:part + batch_size])]
+                    for g in length_groups(lengths, self.pass_tokens):
+                        idx = [part + k for k in g]
+                        out[idx] = model.encode([texts[k] for k in idx])
+            self.texts += len(texts)
+            return out
+        batches = embedding.plan_batches(items, self.spec.max_length, max_batch_size=min(batch_size, BULK_BATCH))
+        for b in batches:
+            with self._turn(False):
+                out[[int(i) for i, _ in b]] = model.encode([t for _, t in b])
         self.texts += len(texts)
         return out
 
