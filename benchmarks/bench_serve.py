@@ -682,7 +682,7 @@ def main() -> int:
                    "counts, a restart, searches with adds running, the baseline; written to --out/writes.{json,md} and "
                    "each measured request's latency to --out/requests.json")
     p.add_argument("--queries", choices=("own", "sample"), default="own",
-                   help="--writes: each corpus searched with its own question (own) or with each of the shipped "
+                   help="each corpus searched with its own question (own) or with each of the shipped "
                         "sample's 30 questions (sample: mixed query lengths)")
     p.add_argument("--sample", type=int, metavar="N", help="data: the first N LongMemEval questions shipped with "
                    "memsifter (as `memsifter serve` uses them) instead of shared/'s 348")
@@ -706,7 +706,8 @@ def main() -> int:
         logdir = os.path.join(work, "logs")
         os.makedirs(logdir, exist_ok=True)
         res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": {**machine(), "loadavg": os.getloadavg()[0]},
-               "command": "benchmarks/bench_serve.py " + " ".join(sys.argv[1:]), "args": vars(args)}
+               "command": (f"BENCH_SERVE_SET='{os.environ['BENCH_SERVE_SET']}' " if os.environ.get("BENCH_SERVE_SET")
+                           else "") + "benchmarks/bench_serve.py " + " ".join(sys.argv[1:]), "args": vars(args)}
         res["writes"] = writes(prep, workload(prep["data"], queries=args.queries), args.writes, args.seconds,
                                args.warmup, logdir)
         res["machine"]["loadavg_end"] = os.getloadavg()[0]
@@ -726,7 +727,7 @@ def main() -> int:
         prep = {k: os.path.join(work, k2) for k, k2 in (("data", "data"), ("index", "embed"), ("state", "state"))}
         logdir = os.path.join(work, "logs")
         os.makedirs(logdir, exist_ok=True)
-        res["soak"] = soak(prep, workload(prep["data"]), args.soak_minutes or 10, args.soak_clients, args.rss_every,
+        res["soak"] = soak(prep, workload(prep["data"], queries=args.queries), args.soak_minutes or 10, args.soak_clients, args.rss_every,
                            free_port(), logdir)
         res["soak"]["date"] = time.strftime("%Y-%m-%d %H:%M")
         report(res, args.out)
@@ -736,7 +737,7 @@ def main() -> int:
     prep = prepare(work, source) if not args.skip_identity else {
         "data": os.path.join(work, "data"), "index": os.path.join(work, "embed"), "state": os.path.join(work, "state")}
     res["prepare"] = {**prep, "seconds": round(time.time() - t0, 1)}
-    items = workload(prep["data"])
+    items = workload(prep["data"], queries=args.queries)
     levels = [int(x) for x in args.levels.split(",") if x]
     logdir = os.path.join(work, "logs")
     os.makedirs(logdir, exist_ok=True)

@@ -150,7 +150,9 @@ class Encoder:
         if urgent:   # queries: a micro-batch in length groups (exact token counts), in one turn of the model
             with self._turn(True):
                 for part in range(0, len(texts), batch_size):
-                    lengths = [len(ids) for ids in model.token_ids(texts[part:part + batch_size])]
+                    # token counts on this thread (the stage's tokenizer pool costs more than it saves here)
+                    lengths = [len(ids) for ids in model.tokenizer(texts[part:part + batch_size], truncation=True,
+                                                                    max_length=self.spec.max_length)["input_ids"]]
                     for g in length_groups(lengths, self.pass_tokens):
                         idx = [part + k for k in g]
                         out[idx] = model.encode([texts[k] for k in idx])
