@@ -1067,6 +1067,21 @@ WRITES_QUIET = "benchmarks/results/serve-writes-2026-11-27"   # the same command
 # session 49's runs on a loaded machine (load 8-21): the old code as control, then the new code twice
 WRITES_49 = {name: f"benchmarks/results/serve-writes-2026-11-27-{name}" for name in
              ("groupcommit", "2-before", "2-run1", "2")}
+# session 50's runs on quiet cores (load 0.7-2.2), alternating: the code before a461cb8 (c2d563e) and after it,
+# twice each; then the query micro-batch split by length (README of the folder)
+WRITES_AB = {name: f"benchmarks/results/serve-writes-2026-11-27-ab/{name}" for name in
+             ("before-1", "after-1", "before-2", "after-2", "ratio-rule", "groups-own", "groups-sample", "padded-sample")}
+
+
+QUERY_ENCODER = "benchmarks/results/query-encoder-2026-11-27"
+
+
+def table_query_encoder() -> list[str]:
+    """``bench_query_encoder.py``'s table, from its committed ``encoder.json`` (its own report function)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_query_encoder
+
+    return bench_query_encoder.report(load_json(f"{QUERY_ENCODER}/encoder.json"))
 
 
 def table_serve_writes(folder: str = WRITES) -> list[str]:
@@ -1327,6 +1342,10 @@ TABLES = {
     **{f"serve-writes-2026-11-27-{name}": ((lambda folder=folder: table_serve_writes(folder)),
                                            [f"{folder}/writes.json"], [f"{folder}/writes.md"])
        for name, folder in WRITES_49.items()},
+    **{f"serve-writes-2026-11-27-ab-{name}": ((lambda folder=folder: table_serve_writes(folder)),
+                                              [f"{folder}/writes.json"], [f"{folder}/writes.md"])
+       for name, folder in WRITES_AB.items()},
+    "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
     "serve": (table_serve, [f"{SERVE}/serve.json"], [README_BENCH, f"{SERVE}/serve.md"]),
