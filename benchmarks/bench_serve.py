@@ -38,6 +38,10 @@ a new ``_SUCCESS``: what re-running the embed stage does), which the server relo
 (``reload_poll_s`` 5 s). Reported: requests, errors (any non-200 or malformed answer), RSS first/last/max,
 the reload seen by ``/healthz``.
 
+``--queries sample``: each corpus searched with each of the 30 questions of the shipped LongMemEval sample (mixed
+lengths) instead of its own question, in every mode. ``BENCH_SERVE_SET`` (environment): more ``--set`` options
+for the memsifter servers (not the baseline), recorded in the ``--writes`` report's command.
+
 Output (``--out``): ``serve.json`` (every number, the machine), ``serve.md`` (the tables), ``serve.png``
 (queries/s and p99 by clients; RSS over the soak).
 """
