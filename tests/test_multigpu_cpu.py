@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import shutil
 import tempfile
@@ -108,6 +109,11 @@ def two_gpu_nodes():
     node = {"num_cpus": 3 * GPN, "num_gpus": GPN, "object_store_memory": 80 * 1024 ** 2}
     system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
     tmp = tempfile.mkdtemp(prefix="mg", dir="/tmp")
+    # Cluster records its address in the default temp root (RAY_TMPDIR/ray), whatever the nodes' temp_dir: under
+    # a fresh RAY_TMPDIR (CI gives each pytest process one) nothing has created that folder yet
+    from ray._private.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     with env_vars(RAY_ENV):
         cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False,
                                                                  "_system_config": system, "temp_dir": tmp})
