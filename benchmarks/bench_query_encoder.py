@@ -28,9 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from memsifter.service.config import ServeConfig  # noqa: E402
-
-CALL_TOKENS = ServeConfig.model_fields["query_pass_tokens"].default
+from memsifter.service.config import QUERY_PASS_TOKENS as CALL_TOKENS  # noqa: E402
 
 
 def questions() -> list[str]:

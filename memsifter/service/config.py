@@ -98,6 +98,10 @@ class RankerSettings(RankerOptions):
     max_replicas: int = Field(1, ge=1)
 
 
+# A query encoder's forward pass's fixed cost in tokens (memsifter.service.index.length_groups)
+QUERY_PASS_TOKENS = 40
+
+
 class ServeConfig(_Model):
     """``memsifter serve``: the online first stage (and ranker) over an embed stage's publication."""
 
@@ -124,7 +128,7 @@ class ServeConfig(_Model):
                                       "but one, 1 to 2: memsifter.service.index.encoder_threads)")
     query_batch: int = Field(32, ge=1, description="queries embedded in one forward pass at most")
     query_batch_wait_s: float = Field(0.002, ge=0, description="how long a query waits for others to batch with")
-    query_pass_tokens: int = Field(40, ge=0, description="a forward pass's fixed cost in tokens, for splitting a "
+    query_pass_tokens: int = Field(QUERY_PASS_TOKENS, ge=0, description="a forward pass's fixed cost in tokens, for splitting a "
                                    "batch of queries into length groups (memsifter.service.index.length_groups; "
                                    "40 suits all-MiniLM-L6-v2 on a CPU; a large value: one batch padded to its "
                                    "longest query)")

@@ -40,7 +40,7 @@ from ..store import storage
 from ..data.model import Dataset, Session, read_dataset
 from ..errors import ConfigError
 from ..retrieval import first_stage as F
-from .config import ServeConfig
+from .config import QUERY_PASS_TOKENS, ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ def views_of(method: str) -> tuple[str, ...]:
 
 # --------------------------------------------------------------------------- vectors
 BULK_BATCH = 4
+
+
 def length_groups(lengths: Sequence[int], call_tokens: int) -> list[list[int]]:
     """Indices of ``lengths`` (token counts) grouped for forward passes: groups of neighbours in length order,
     chosen so that ``call_tokens`` per pass plus each group's size x its longest length is least (exact: a
@@ -99,7 +101,8 @@ class Encoder:
     (:data:`BULK_BATCH` texts), never for the rest of a large append's or of the load's unit vectors, which
     yield the model between batches while a query waits."""
 
-    def __init__(self, spec: embedding.ModelSpec, threads: int | None = None, pass_tokens: int = 40):
+    def __init__(self, spec: embedding.ModelSpec, threads: int | None = None,
+                 pass_tokens: int = QUERY_PASS_TOKENS):
         self.spec, self.threads, self.pass_tokens = spec, threads, pass_tokens
         self._model: embedding.Embedder | None = None
         self._cv = threading.Condition()
