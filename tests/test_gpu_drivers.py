@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -728,13 +729,66 @@ def test_dapo_4b_table_rows_come_from_the_raw_files(tmp_path):
     assert "random weights" in text and "4.02B" in text
 
 
-@pytest.mark.parametrize("name,prompt,tokens_per_micro_batch",
-                         [("train_4b_8k_1gpu.yaml", 8192, 33792), ("train_4b_32k_1gpu.yaml", 32768, 33024)])
-def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, tokens_per_micro_batch,
-                                                                           tmp_path, capsys):
+def test_dapo_4b_mfu_counts_every_gpu_and_scaling_compares_like_steps():
+    """On g GPUs the update's MFU divides by g peaks; the scaling rows compare each phase with the one-GPU run of
+    the same prompt budget, over the steps after the first (warm-up) when a run logged more."""
+    t = importlib.import_module("dapo_4b_table")
+    base = {"config": "c", "batch": 8, "n": 4, "exit": 0, "wall_s": 1.0, "steps_logged": 2,
+            "gpu_peak_mib_nvidia_smi": 1, "matmul_peak_flops": 800e12, "device": "d"}
+    step = {"prompt_length/mean": 8000.0, "response_length/mean": 256.0, "timing_s/gen": 10.0}
+    one, two = {**base, "tag": "8k", "gpus": 1}, {**base, "tag": "8k", "gpus": 2, "config": "c2"}
+    rows = [t.step_row(one, {**step, "step": 1, "timing_s/step": 500.0, "timing_s/update_actor": 400.0}),
+            t.step_row(one, {**step, "step": 2, "timing_s/step": 300.0, "timing_s/update_actor": 200.0}),
+            t.step_row(two, {**step, "step": 1, "timing_s/step": 999.0, "timing_s/update_actor": 999.0}),
+            t.step_row(two, {**step, "step": 2, "timing_s/step": 200.0, "timing_s/update_actor": 50.0})]
+    assert rows[3]["mfu"] == rows[3]["update_flops"] / 50.0 / (2 * 800e12)
+    assert rows[1]["mfu"] == pytest.approx(rows[3]["mfu"] / 2)  # the same FLOPs: 1 GPU in 200 s, 2 GPUs in 50 s
+    (sc,) = t.scaling(rows)
+    assert sc["gpus"] == 2 and sc["step_s"] == {"1": 300.0, "2": 200.0, "speedup": 1.5, "efficiency": 0.75}
+    assert sc["update_s"]["efficiency"] == 2.0 and sc["gen_s"]["efficiency"] == 0.5
+    assert t.device_peaks({"gpu_peak_mib_nvidia_smi": 2048, "gpu_peak_mib_per_gpu": [1024, 2048]}) == "1.0 / 2.0"
+    assert t.scaling(rows[:2]) == []  # one GPU only: nothing to compare
+
+
+def test_gpu_memory_peaks_are_read_for_the_visible_gpus_only():
+    """Runs side by side on one host each watch their own GPUs: nvidia-smi lists all, CUDA_VISIBLE_DEVICES picks."""
+    rr = importlib.import_module("run_rank")
+    m = rr.GpuMem(visible="2,3")
+    m.sample("100\n200\n300\n400\n")
+    m.sample("900\n100\n350\n10\n")
+    assert m.peaks == [350, 400] and m.peak == 400
+    everything = rr.GpuMem(visible="")
+    everything.sample("5\n7\n")
+    assert everything.peaks == [5, 7]
+
+
+def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch):
+    """With RAY_TMPDIR set the driver stops only the Ray processes under that folder (``ray stop`` would end the
+    other runs' clusters on the host); names: the prompt budget, and the GPU count past one."""
+    drv = importlib.import_module("run_dapo_4b")
+    killed, ran = [], []
+    monkeypatch.setattr("memsifter.testing.servers._kill_matching", killed.append)
+    monkeypatch.setattr(drv.subprocess, "run", lambda *a, **k: ran.append(a[0]))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "rt"))
+    drv.stop_own_ray()
+    assert killed == [str(tmp_path / "rt" / "ray")] and ran == []
+    monkeypatch.delenv("RAY_TMPDIR")
+    drv.stop_own_ray()
+    assert ran == [["ray", "stop", "--force"]]
+    assert drv.run_tag({"prompt": 8192, "gpus": 1}) == "8k" and drv.run_tag({"prompt": 8192, "gpus": 4}) == "8k-4gpu"
+
+
+@pytest.mark.parametrize("name,prompt,gpus,tokens_per_micro_batch,offload",
+                         [("train_4b_8k_1gpu.yaml", 8192, 1, 33792, True),
+                          ("train_4b_32k_1gpu.yaml", 32768, 1, 33024, True),
+                          ("train_4b_8k_2gpu.yaml", 8192, 2, 16896, False),
+                          ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False)])
+def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, gpus, tokens_per_micro_batch,
+                                                                           offload, tmp_path, capsys):
     """The committed 4B train configs, with exactly what run_dapo_4b.py adds on the command line, compose and
-    validate as verl's config (`memsifter run train --dry-run`): FSDP2 with host offload, recomputation, one
-    GPU without Ulysses, SDPA; dynamic sampling on in the file, off only by the driver's flag."""
+    validate as verl's config (`memsifter run train --dry-run`): FSDP2 with host offload on one GPU, sharded on
+    the GPUs without offload on several, recomputation, no Ulysses, SDPA; dynamic sampling on in the file, off
+    only by the driver's flag."""
     import argparse
 
     import yaml
@@ -744,15 +798,18 @@ def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name,
     drv = importlib.import_module("run_dapo_4b")
     path = str(REPO / "memsifter" / "configs" / name)
     facts = drv.config_facts(path)
-    assert facts["prompt"] == prompt and facts["gpus"] == 1 and facts["config"] == f"memsifter/configs/{name}"
+    assert facts["prompt"] == prompt and facts["gpus"] == gpus and facts["config"] == f"memsifter/configs/{name}"
     a = argparse.Namespace(work=str(tmp_path), steps=2, set=[], dynamic_sampling=False)
-    args = drv.train_args(a, f"{prompt // 1024}k", str(tmp_path / "model"))
+    args = drv.train_args(a, f"{prompt // 1024}k", str(tmp_path / "model"), drv.run_tag(facts))
+    assert f"data=s3://memsifter/dapo4b/rl-{prompt // 1024}k" in args
+    assert f"output=s3://memsifter/dapo4b/train-{drv.run_tag(facts)}" in args
     assert "verl.algorithm.filter_groups.enable=false" in args
     main(["run", "train", "--config", path, "--dry-run", *args])
     text = capsys.readouterr().out
     cfg = yaml.safe_load(text)
     actor, model = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["model"]
-    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["offload_policy"] is True
+    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["offload_policy"] is offload
+    assert cfg["trainer"]["n_gpus_per_node"] == gpus and cfg["trainer"]["nnodes"] == 1
     assert actor["ppo_max_token_len_per_gpu"] == tokens_per_micro_batch and actor["use_dynamic_bsz"] is True
     assert actor["ulysses_sequence_parallel_size"] == 1 and model["enable_gradient_checkpointing"] is True
     assert model["override_config"]["attn_implementation"] == "sdpa"
@@ -1011,3 +1068,34 @@ def test_the_ranker_run_brings_back_what_its_driver_polls_into_the_run_folder(tm
     assert (out / "table.md").read_text() == "| ranker | ndcg |"
     with tarfile.open(out / "ranker.tgz") as tar:
         assert "results/table.md" in tar.getnames()
+
+
+def test_side_by_side_runs_get_their_own_gpus_ray_folder_and_work(tmp_path):
+    """side_by_side.sh starts each run of a layout through the detached helper with its own CUDA_VISIBLE_DEVICES,
+    RAY_TMPDIR (made, with Ray's folder in it) and work folder, waits for all, and brings each back as one file."""
+    cfg = tmp_path / "echo.yaml"
+    cfg.write_text(
+        "name: echo\nwork: /nonexistent\n"
+        "command: [\"{python}\", \"-c\", \"import os,sys,json; json.dump({k: os.environ.get(k) for k in "
+        "('CUDA_VISIBLE_DEVICES','RAY_TMPDIR')} | {'argv': sys.argv[1:], 'ray_dir': os.path.isdir(os.environ['RAY_TMPDIR'] + '/ray')}, "
+        "open('{dir}/seen.json','w'))\"]\n"
+        "collect: [seen.json]\narchive: null\n")
+    layout = tmp_path / "two.layout"
+    layout.write_text(f"# a comment\na  {cfg}  0,1  --x 1\n\nb  {cfg}  3\n")
+    env = {**os.environ, "SBS_ROOT": str(tmp_path / "root"), "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    script = str(REPO / "benchmarks" / "gpu" / "side_by_side.sh")
+    out = tmp_path / "out"
+    out.mkdir()
+    for args in (["start"], ["wait", "60"], ["collect", str(out)]):
+        p = subprocess.run(["bash", script, args[0], str(layout), *args[1:]], env=env, capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert p.returncode == 0, p.stderr
+    assert "a: " in p.stdout or "collected a" in p.stdout
+    seen = {}
+    for name in ("a", "b"):
+        with tarfile.open(out / f"{name}.tgz") as t:
+            seen[name] = json.load(t.extractfile(f"{name}/seen.json"))
+    root = tmp_path / "root"
+    assert seen["a"] == {"CUDA_VISIBLE_DEVICES": "0,1", "RAY_TMPDIR": f"{root}/rt-a", "argv": ["--x", "1"], "ray_dir": True}
+    assert seen["b"] == {"CUDA_VISIBLE_DEVICES": "3", "RAY_TMPDIR": f"{root}/rt-b", "argv": [], "ray_dir": True}
+    assert (root / "sbs-a" / "detached" / "run.json").exists() and (root / "sbs-b" / "detached" / "run.json").exists()

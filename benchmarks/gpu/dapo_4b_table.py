@@ -55,7 +55,34 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     peak = run.get("matmul_peak_flops")
     if upd and peak and prompt is not None and resp is not None:
         flops = train_flops(cfg, [prompt + resp] * rows)
-        out.update(update_flops=flops, update_tflops_s=flops / upd / 1e12, mfu=flops / upd / peak)
+        # MFU per GPU: the update's FLOPs over its seconds and every GPU's peak
+        out.update(update_flops=flops, update_tflops_s=flops / upd / 1e12, mfu=flops / upd / (peak * run["gpus"]))
+    return out
+
+
+PHASES = (("step_s", "step"), ("gen_s", "rollout"), ("old_log_prob_s", "old log-prob"), ("update_s", "actor update"))
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """Scaling efficiency of each phase against the one-GPU run of the same prompt budget, from rows measured
+    with the same work per step: t(1 GPU) / (g x t(g GPUs)), the phase's seconds averaged over the steps after
+    the first (which carries the warm-up) where a run logged more than one."""
+    def mean_phase(rs: list[dict], key: str) -> float | None:
+        later = [r for r in rs if r["step"] > 1] or rs
+        vals = [r[key] for r in later if r.get(key)]
+        return sum(vals) / len(vals) if vals else None
+
+    out = []
+    for tag in dict.fromkeys(r["tag"] for r in rows):
+        one = [r for r in rows if r["tag"] == tag and r["gpus"] == 1]
+        for g in sorted({r["gpus"] for r in rows if r["tag"] == tag and r["gpus"] > 1}):
+            many = [r for r in rows if r["tag"] == tag and r["gpus"] == g]
+            row = {"tag": tag, "gpus": g}
+            for key, _ in PHASES:
+                t1, tg = (mean_phase(one, key) if one else None), mean_phase(many, key)
+                row[key] = {"1": t1, str(g): tg, "speedup": t1 / tg if t1 and tg else None,
+                            "efficiency": t1 / (g * tg) if t1 and tg else None}
+            out.append(row)
     return out
 
 
@@ -70,6 +97,12 @@ def fmt(v, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def device_peaks(run: dict) -> str:
+    """nvidia-smi's peak GiB of each GPU the run used (``a / b`` for two), or of the one it read."""
+    per = run.get("gpu_peak_mib_per_gpu") or [run["gpu_peak_mib_nvidia_smi"]]
+    return " / ".join(f"{m / 1024:.1f}" for m in per)
+
+
 def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
     rows = []
     lines = ["| prompt | GPUs | step | rows × (prompt + response) tokens | step s | rollout s | old log-prob s | "
@@ -81,7 +114,7 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
         mine = [s for s in steps if s.get("tag") == run["tag"] and s.get("config") == run["config"]]
         if not mine:
             lines.append(f"| {run['tag']} | {run['gpus']} | - | no step logged (exit {run['exit']}, "
-                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} | |")
+                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {device_peaks(run)} | |")
             continue
         for st in mine:
             r = step_row(run, st)
@@ -92,7 +125,7 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                 f"{fmt(r['old_log_prob_s'])} | {fmt(r['update_s'])} | {fmt(r['rollout_gen_tok_s'], ',.0f')} | "
                 f"{fmt(r['rollout_prompt_tok_s'], ',.0f')} | {fmt(r.get('update_tflops_s'), '.0f')} | "
                 f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
-                f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {run['gpu_peak_mib_nvidia_smi'] / 1024:.1f} | "
+                f"{fmt(r['mem_alloc_gb'])} / {fmt(r['mem_reserved_gb'])} | {device_peaks(run)} | "
                 f"{fmt(r['host_mem_gb'])} |")
     p = model_params(QWEN3_4B)
     head = [f"- model: Qwen3-4B's architecture ({(p['body'] + p['lm_head']) / 1e9:.2f}B matmul weights with the tied "
@@ -102,7 +135,21 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                     f"(verl start included), {run['steps_logged']} step(s), dynamic sampling "
                     f"{'on' if run.get('dynamic_sampling') else 'off'}; device {run['device']}, bf16 matmul peak "
                     f"{fmt(run.get('matmul_peak_flops') and run['matmul_peak_flops'] / 1e12)} TFLOP/s")
-    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n", rows
+    text = "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
+    sc = scaling(rows)
+    if sc:
+        text += ("\nScaling against one GPU (same prompts and samples per step; seconds averaged over the steps after "
+                 "the first where a run logged more; efficiency = t1 / (GPUs x tN)):\n\n| prompt | GPUs | "
+                 + " | ".join(f"{name} s (1 → N), speedup, efficiency" for _, name in PHASES) + " |\n|---|---:|"
+                 + "---|" * len(PHASES) + "\n")
+        for r in sc:
+            cells = []
+            for key, _ in PHASES:
+                c = r[key]
+                cells.append(f"{fmt(c['1'])} → {fmt(c[str(r['gpus'])])}, {fmt(c['speedup'], '.2f')}x, "
+                             f"{fmt(c['efficiency'] and 100 * c['efficiency'], '.0f')}%")
+            text += f"| {r['tag']} | {r['gpus']} | " + " | ".join(cells) + " |\n"
+    return text, rows
 
 
 def main() -> None:

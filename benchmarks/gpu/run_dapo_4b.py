@@ -79,10 +79,18 @@ def prepare(a) -> tuple[str, dict]:
     return model, pk
 
 
-def train_args(a, tag: str, model: str) -> list[str]:
-    """What the driver sets on ``memsifter run train --config FILE``: the run's own locations, its length,
-    no checkpoint, ``--set`` extras; dynamic sampling off unless ``--dynamic-sampling``."""
-    sets = [f"output={RUN}/train-{tag}", f"data={RUN}/rl-{tag}", f"model={model}", f"local_dir={a.work}/pod-{tag}",
+def run_tag(facts: dict) -> str:
+    """A run's name: its prompt budget (``8k``), and its GPU count when more than one (``8k-2gpu``)."""
+    tag = f"{facts['prompt'] // 1024}k"
+    return tag if facts["gpus"] == 1 else f"{tag}-{facts['gpus']}gpu"
+
+
+def train_args(a, tag: str, model: str, run: str | None = None) -> list[str]:
+    """What the driver sets on ``memsifter run train --config FILE``: the run's own locations (``run``, default
+    ``tag``: the data of prompt budget ``tag``), its length, no checkpoint, ``--set`` extras; dynamic sampling
+    off unless ``--dynamic-sampling``."""
+    run = run or tag
+    sets = [f"output={RUN}/train-{run}", f"data={RUN}/rl-{tag}", f"model={model}", f"local_dir={a.work}/pod-{run}",
             f"verl.trainer.total_training_steps={a.steps}", "verl.trainer.save_freq=-1", *a.set]
     if not a.dynamic_sampling:
         sets.append("verl.algorithm.filter_groups.enable=false")
@@ -94,8 +102,8 @@ def one(a, path: str, model: str, pk: dict) -> None:
     from run_rank import GpuMem
 
     f = config_facts(path)
-    tag = f"{f['prompt'] // 1024}k"
-    rl, out = f"{RUN}/rl-{tag}", f"{RUN}/train-{tag}"
+    tag, name = f"{f['prompt'] // 1024}k", run_tag(f)
+    rl, out = f"{RUN}/rl-{tag}", f"{RUN}/train-{name}"
     if not storage.exists(f"{rl}/_SUCCESS"):
         rows = f["batch"] * a.steps
         cfg = write_yaml(f"{a.work}/prepare_rl_{tag}.yaml", {
@@ -104,10 +112,10 @@ def one(a, path: str, model: str, pk: dict) -> None:
             "history_budget_tokens": f["prompt"] - 1024, "max_prompt_tokens": f["prompt"], "shard_rows": 2000})
         sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl_{tag}.log")
     stats = storage.read_manifest(rl).get("stats", {})
-    sets = train_args(a, tag, model)
-    shutil.rmtree(f"{a.work}/pod-{tag}", ignore_errors=True)
+    sets = train_args(a, tag, model, name)
+    shutil.rmtree(f"{a.work}/pod-{name}", ignore_errors=True)
     storage.delete(out)
-    log = f"{a.out}/train-{tag}.log"
+    log = f"{a.out}/train-{name}.log"
     with GpuMem() as mem:
         rc, dt = sh(ms("run", "train", "--config", path, *sets), log, check=False)
     steps = verl_steps(log)
@@ -116,14 +124,29 @@ def one(a, path: str, model: str, pk: dict) -> None:
             fh.write(json.dumps({**f, "tag": tag, **r}) + "\n")
     with open(f"{a.out}/runs.jsonl", "a") as fh:
         fh.write(json.dumps({**f, "tag": tag, "exit": rc, "wall_s": round(dt, 1), "steps_logged": len(steps),
-                             "gpu_peak_mib_nvidia_smi": mem.peak, "matmul_peak_flops": pk["peak"],
+                             "gpu_peak_mib_nvidia_smi": mem.peak, "gpu_peak_mib_per_gpu": mem.peaks,
+                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "matmul_peak_flops": pk["peak"],
                              "device": pk["device"], "dynamic_sampling": a.dynamic_sampling,
                              "prepare_rl_stats": stats, "overrides": sets}) + "\n")
     if storage.exists(f"{out}/metrics.jsonl"):
-        storage.copy_file(f"{out}/metrics.jsonl", f"{a.out}/metrics-{tag}.jsonl")
+        storage.copy_file(f"{out}/metrics.jsonl", f"{a.out}/metrics-{name}.jsonl")
+
+
+def stop_own_ray() -> None:
+    """Stop what is left of the Ray cluster a train run started: with ``RAY_TMPDIR`` set (runs side by side on
+    one host, each on its own GPUs), only the processes under that folder; else every Ray process here."""
+    tmp = os.environ.get("RAY_TMPDIR")
+    if tmp:
+        from memsifter.testing.servers import _kill_matching
+
+        _kill_matching(os.path.join(tmp, "ray"))
+    else:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
 
 
 def main_run(a) -> None:
+    if os.environ.get("RAY_TMPDIR"):  # Ray writes its address file there before it makes the folder
+        os.makedirs(os.path.join(os.environ["RAY_TMPDIR"], "ray"), exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     from memsifter.store import storage
@@ -137,7 +160,7 @@ def main_run(a) -> None:
             t = time.time()
             one(a, path, model, pk)
             print(f"[{time.strftime('%H:%M:%S')}] {path}: {time.time() - t:.0f}s", flush=True)
-            subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+            stop_own_ray()
     print("] done", flush=True)
 
 

@@ -119,18 +119,32 @@ def roofline(cfg, lengths: list[int], peak: float, new: int = 0) -> dict:
 
 
 class GpuMem:
-    """Peak GPU memory in use (nvidia-smi, whole device) while a block runs."""
+    """Peak GPU memory in use (nvidia-smi, whole device) while a block runs: ``peaks`` per GPU this process may
+    use (``CUDA_VISIBLE_DEVICES``, as nvidia-smi numbers them; every GPU when unset), ``peak`` their largest."""
 
-    def __init__(self) -> None:
-        self.peak = 0
+    def __init__(self, visible: str | None = None) -> None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+        self.gpus = [int(x) for x in visible.split(",") if x.strip()] if visible else None
+        self.peaks: list[int] = []
         self._stop = threading.Event()
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks, default=0)
+
+    def sample(self, out: str) -> None:
+        """Fold one ``nvidia-smi --query-gpu=memory.used`` reading (a line per GPU) into the peaks."""
+        used = [int(x) for x in out.split()]
+        mine = used if self.gpus is None else [used[i] for i in self.gpus if i < len(used)]
+        if not self.peaks:
+            self.peaks = [0] * len(mine)
+        self.peaks = [max(a, b) for a, b in zip(self.peaks, mine)]
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout
-                self.peak = max(self.peak, int(out.split()[0]))
+                self.sample(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                           capture_output=True, text=True, timeout=5).stdout)
             except Exception:  # noqa: BLE001
                 pass
             time.sleep(0.5)
