@@ -1099,3 +1099,45 @@ def test_side_by_side_runs_get_their_own_gpus_ray_folder_and_work(tmp_path):
     assert seen["a"] == {"CUDA_VISIBLE_DEVICES": "0,1", "RAY_TMPDIR": f"{root}/rt-a", "argv": ["--x", "1"], "ray_dir": True}
     assert seen["b"] == {"CUDA_VISIBLE_DEVICES": "3", "RAY_TMPDIR": f"{root}/rt-b", "argv": [], "ray_dir": True}
     assert (root / "sbs-a" / "detached" / "run.json").exists() and (root / "sbs-b" / "detached" / "run.json").exists()
+
+
+def test_dapo_4b_table_reads_side_by_side_runs_and_an_unfinished_one(tmp_path):
+    """A results folder of runs side by side (one sub-folder each, named after the run) gives rows named by run;
+    a run collected before its driver ended counts from its train log, with no exit; scaling compares each
+    multi-GPU run with each one-GPU run of the same prompt budget."""
+    import shutil
+
+    t = importlib.import_module("dapo_4b_table")
+    base = {"config": "memsifter/configs/train_4b_8k_1gpu.yaml", "prompt": 8192, "response": 256, "batch": 8, "n": 4,
+            "gpus": 1, "tag": "8k", "exit": 0, "wall_s": 300.0, "steps_logged": 2, "gpu_peak_mib_nvidia_smi": 70000,
+            "matmul_peak_flops": 800e12, "device": "H100", "dynamic_sampling": False}
+    step = {"prompt_length/mean": 7000.0, "response_length/mean": 256.0, "timing_s/gen": 10.0}
+    for name, gpus, cfg, upd in (("one", 1, "train_4b_8k_1gpu.yaml", 40.0), ("two", 2, "train_4b_8k_2gpu.yaml", 25.0)):
+        d = tmp_path / name
+        d.mkdir()
+        run = {**base, "gpus": gpus, "config": f"memsifter/configs/{cfg}"}
+        (d / "runs.jsonl").write_text(json.dumps(run) + "\n")
+        (d / "steps.jsonl").write_text("".join(json.dumps({**step, "tag": "8k", "config": run["config"], "step": i,
+                                                           "timing_s/step": 2 * upd, "timing_s/update_actor": upd}) + "\n"
+                                               for i in (1, 2)))
+    late = tmp_path / "late"
+    late.mkdir()
+    argv = ["python3", "benchmarks/gpu/run_dapo_4b.py", "run", "--out", "/x", "--work", "/w", "--configs",
+            "memsifter/configs/train_4b_8k_1gpu.yaml", "--steps", "2", "--set", "verl.actor_rollout_ref.actor.x=1"]
+    (late / "run.json").write_text(json.dumps({"argv": argv, "env": {"CUDA_VISIBLE_DEVICES": "3"}, "state": "running"}))
+    (late / "driver.log").write_text("model ready\nmatmul peak 790.5 TFLOP/s on NVIDIA H100 80GB HBM3\n")
+    (late / "train-8k.log").write_text("(TaskRunner pid=1) step:1 - timing_s/step:100.0 - timing_s/update_actor:80.0 - "
+                                       "timing_s/gen:10.0 - prompt_length/mean:7000.0 - response_length/mean:256.0\n")
+    runs, steps = t.load(str(tmp_path))
+    assert sorted(r["run"] for r in runs) == ["late", "one", "two"] and len(steps) == 5
+    (lr,) = [r for r in runs if r["run"] == "late"]
+    assert lr["exit"] is None and lr["matmul_peak_flops"] == 790.5e12 and lr["cuda_visible_devices"] == "3"
+    assert lr["overrides"] == ["--set", "verl.actor_rollout_ref.actor.x=1"] and lr["steps_logged"] == 1
+    text, rows = t.table(runs, steps)
+    assert "8k (late)" in text and "**not finished**" in text and "`verl.actor_rollout_ref.actor.x=1`" in text
+    sc = {(r["run"], r["base"]): r for r in t.scaling(rows)}
+    assert set(sc) == {("two", "one"), ("two", "late")}
+    assert sc[("two", "one")]["update_s"]["efficiency"] == 40.0 / (2 * 25.0)
+    assert sc[("two", "late")]["update_s"]["1"] == 80.0  # its only step
+    assert "8k: two vs one" in text
+    shutil.rmtree(late)

@@ -42,7 +42,7 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     rows = run["batch"] * run["n"]
     prompt, resp = st.get("prompt_length/mean"), st.get("response_length/mean")
     gen, upd = st.get("timing_s/gen"), st.get("timing_s/update_actor")
-    out = {"tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
+    out = {"run": run.get("run"), "tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
            "prompt_mean": prompt, "response_mean": resp, "step_s": st.get("timing_s/step"), "gen_s": gen,
            "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
            "rollout_gen_tok_s": rows * resp / gen if gen and resp is not None else None,
@@ -64,43 +64,102 @@ PHASES = (("step_s", "step"), ("gen_s", "rollout"), ("old_log_prob_s", "old log-
 
 
 def scaling(rows: list[dict]) -> list[dict]:
-    """Scaling efficiency of each phase against the one-GPU run of the same prompt budget, from rows measured
-    with the same work per step: t(1 GPU) / (g x t(g GPUs)), the phase's seconds averaged over the steps after
-    the first (which carries the warm-up) where a run logged more than one."""
+    """Scaling efficiency of each phase of every multi-GPU run against each one-GPU run of the same prompt budget
+    (``base``: that run's name, None for an unnamed one), from rows measured with the same work per step:
+    t(1 GPU) / (g x t(g GPUs)), the phase's seconds averaged over the steps after the first (which carries the
+    warm-up) where a run logged more than one."""
     def mean_phase(rs: list[dict], key: str) -> float | None:
         later = [r for r in rs if r["step"] > 1] or rs
         vals = [r[key] for r in later if r.get(key)]
         return sum(vals) / len(vals) if vals else None
 
+    def by_run(pred) -> dict:
+        out: dict = {}
+        for r in rows:
+            if pred(r):
+                out.setdefault((r.get("run"), r["tag"], r["gpus"]), []).append(r)
+        return out
+
+    ones, manys = by_run(lambda r: r["gpus"] == 1), by_run(lambda r: r["gpus"] > 1)
     out = []
-    for tag in dict.fromkeys(r["tag"] for r in rows):
-        one = [r for r in rows if r["tag"] == tag and r["gpus"] == 1]
-        for g in sorted({r["gpus"] for r in rows if r["tag"] == tag and r["gpus"] > 1}):
-            many = [r for r in rows if r["tag"] == tag and r["gpus"] == g]
-            row = {"tag": tag, "gpus": g}
+    for (name, tag, g), many in manys.items():
+        for (base, btag, _), one in ones.items():
+            if btag != tag:
+                continue
+            row = {"tag": tag, "gpus": g, "run": name, "base": base}
             for key, _ in PHASES:
-                t1, tg = (mean_phase(one, key) if one else None), mean_phase(many, key)
+                t1, tg = mean_phase(one, key), mean_phase(many, key)
                 row[key] = {"1": t1, str(g): tg, "speedup": t1 / tg if t1 and tg else None,
                             "efficiency": t1 / (g * tg) if t1 and tg else None}
             out.append(row)
     return out
 
 
+def _unfinished(path: str, name: str | None) -> tuple[list[dict], list[dict]]:
+    """A run whose driver had not ended when its files were collected (the machine's time was up): its facts
+    from the detached run's ``run.json`` (the driver's argv) and the config files, its steps from the train logs
+    written so far, the matmul peak from the driver's log; ``exit`` is None."""
+    import re
+
+    import run_dapo_4b
+    from run_train import verl_steps
+
+    info = json.load(open(os.path.join(path, "run.json")))
+    a = run_dapo_4b.build_parser().parse_args(info["argv"][2:])
+    text = open(os.path.join(path, "driver.log"), errors="replace").read()
+    m = re.search(r"matmul peak ([0-9.]+) TFLOP/s on (.+)", text)
+    runs, steps = [], []
+    for cfg in [c for c in a.configs.split(",") if c]:
+        facts = run_dapo_4b.config_facts(os.path.join(run_dapo_4b.ROOT, cfg))
+        tag = f"{facts['prompt'] // 1024}k"
+        log = os.path.join(path, f"train-{run_dapo_4b.run_tag(facts)}.log")
+        if not os.path.exists(log):
+            continue
+        mine = [{**facts, "tag": tag, "run": name, **r} for r in verl_steps(log)]
+        steps += mine
+        runs.append({**facts, "tag": tag, "run": name, "exit": None, "wall_s": None, "steps_logged": len(mine),
+                     "gpu_peak_mib_nvidia_smi": None, "matmul_peak_flops": float(m.group(1)) * 1e12 if m else None,
+                     "device": m.group(2).strip() if m else "?", "dynamic_sampling": a.dynamic_sampling,
+                     "cuda_visible_devices": info.get("env", {}).get("CUDA_VISIBLE_DEVICES"),
+                     "overrides": [x for s_ in a.set for x in ("--set", s_)]})
+    return runs, steps
+
+
 def load(folder: str) -> tuple[list[dict], list[dict]]:
-    def jl(name: str) -> list[dict]:
-        path = os.path.join(folder, name)
-        return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
-    return jl("runs.jsonl"), jl("steps.jsonl")
+    """The runs and steps of ``folder``, and of each of its sub-folders (runs side by side on one host, each
+    collected into a folder named after it: its rows carry that name as ``run``)."""
+    def jl(path: str, name: str | None) -> list[dict]:
+        rows = [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+        return [{**r, "run": name} if name else r for r in rows]
+
+    def one(path: str, name: str | None) -> tuple[list[dict], list[dict]]:
+        if os.path.exists(os.path.join(path, "runs.jsonl")):
+            return jl(os.path.join(path, "runs.jsonl"), name), jl(os.path.join(path, "steps.jsonl"), name)
+        if os.path.exists(os.path.join(path, "run.json")):
+            return _unfinished(path, name)
+        return [], []
+
+    runs, steps = one(folder, None)
+    for sub in sorted(os.listdir(folder)):
+        if os.path.isdir(os.path.join(folder, sub)):
+            r, s_ = one(os.path.join(folder, sub), sub)
+            runs, steps = runs + r, steps + s_
+    return runs, steps
 
 
 def fmt(v, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def label(run: dict) -> str:
+    """A run's name in the table: its prompt budget, and the name it ran under side by side."""
+    return f"{run['tag']} ({run['run']})" if run.get("run") else run["tag"]
+
+
 def device_peaks(run: dict) -> str:
     """nvidia-smi's peak GiB of each GPU the run used (``a / b`` for two), or of the one it read."""
-    per = run.get("gpu_peak_mib_per_gpu") or [run["gpu_peak_mib_nvidia_smi"]]
-    return " / ".join(f"{m / 1024:.1f}" for m in per)
+    per = run.get("gpu_peak_mib_per_gpu") or [run.get("gpu_peak_mib_nvidia_smi")]
+    return " / ".join("-" if m is None else f"{m / 1024:.1f}" for m in per)
 
 
 def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
@@ -111,17 +170,18 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
              "host mem GB (actor) |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for run in runs:
-        mine = [s for s in steps if s.get("tag") == run["tag"] and s.get("config") == run["config"]]
+        mine = [s for s in steps if s.get("tag") == run["tag"] and s.get("config") == run["config"]
+                and s.get("run") == run.get("run")]
         if not mine:
-            lines.append(f"| {run['tag']} | {run['gpus']} | - | no step logged (exit {run['exit']}, "
-                         f"{run['wall_s']:.0f} s) | | | | | | | | | | | {device_peaks(run)} | |")
+            lines.append(f"| {label(run)} | {run['gpus']} | - | no step logged (exit {run['exit']}, "
+                         f"{fmt(run['wall_s'], '.0f')} s) | | | | | | | | | | | {device_peaks(run)} | |")
             continue
         for st in mine:
             r = step_row(run, st)
             rows.append(r)
             shape = (f"{r['rows']} × ({fmt(r['prompt_mean'], ',.0f')} + {fmt(r['response_mean'], '.0f')})")
             lines.append(
-                f"| {r['tag']} | {r['gpus']} | {r['step']} | {shape} | {fmt(r['step_s'])} | {fmt(r['gen_s'])} | "
+                f"| {label(run)} | {r['gpus']} | {r['step']} | {shape} | {fmt(r['step_s'])} | {fmt(r['gen_s'])} | "
                 f"{fmt(r['old_log_prob_s'])} | {fmt(r['update_s'])} | {fmt(r['rollout_gen_tok_s'], ',.0f')} | "
                 f"{fmt(r['rollout_prompt_tok_s'], ',.0f')} | {fmt(r.get('update_tflops_s'), '.0f')} | "
                 f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
@@ -131,8 +191,12 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
     head = [f"- model: Qwen3-4B's architecture ({(p['body'] + p['lm_head']) / 1e9:.2f}B matmul weights with the tied "
             f"LM head), **random weights** (speed and memory depend on shape and tokens, not on weight values)"]
     for run in runs:
-        head.append(f"- {run['tag']}: `{run['config']}`, exit {run['exit']}, {run['wall_s']:.0f} s wall "
-                    f"(verl start included), {run['steps_logged']} step(s), dynamic sampling "
+        extra = [o for o in run.get("overrides", []) if o != "--set" and o.startswith("verl.actor_rollout_ref")]
+        ended = (f"exit {run['exit']}, {run['wall_s']:.0f} s wall (verl start included)" if run["exit"] is not None
+                 else "**not finished** when collected (the machine's time ended; steps from its log)")
+        head.append(f"- {label(run)}: `{run['config']}`{' with ' + ', '.join(f'`{o}`' for o in extra) if extra else ''}, "
+                    f"{ended}, {run['steps_logged']} step(s), "
+                    f"{'GPUs ' + run['cuda_visible_devices'] + ', ' if run.get('cuda_visible_devices') else ''}dynamic sampling "
                     f"{'on' if run.get('dynamic_sampling') else 'off'}; device {run['device']}, bf16 matmul peak "
                     f"{fmt(run.get('matmul_peak_flops') and run['matmul_peak_flops'] / 1e12)} TFLOP/s")
     text = "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
@@ -148,7 +212,8 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                 c = r[key]
                 cells.append(f"{fmt(c['1'])} → {fmt(c[str(r['gpus'])])}, {fmt(c['speedup'], '.2f')}x, "
                              f"{fmt(c['efficiency'] and 100 * c['efficiency'], '.0f')}%")
-            text += f"| {r['tag']} | {r['gpus']} | " + " | ".join(cells) + " |\n"
+            text += (f"| {r['tag']}: {r['run'] or '-'} vs {r['base'] or '-'} | {r['gpus']} | " + " | ".join(cells)
+                     + " |\n")
     return text, rows
 
 
