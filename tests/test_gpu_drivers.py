@@ -1141,3 +1141,21 @@ def test_dapo_4b_table_reads_side_by_side_runs_and_an_unfinished_one(tmp_path):
     assert sc[("two", "late")]["update_s"]["1"] == 80.0  # its only step
     assert "8k: two vs one" in text
     shutil.rmtree(late)
+
+
+def test_ranker_paired_differences_come_from_the_per_question_files(tmp_path):
+    """ranker_paired.py: each pair A:B is the mean per-question difference over the questions both ranked, per
+    held-out part and pooled (ids kept apart by part), with a paired interval; it writes paired.md / paired.json."""
+    (tmp_path / "ndcg10-per-question-a.json").write_text(json.dumps(
+        {"x": {"q1": 1.0, "q2": 0.5, "q3": 0.0}, "y": {"q1": 0.5, "q2": 0.5, "q9": 1.0}}))
+    (tmp_path / "ndcg10-per-question-b.json").write_text(json.dumps({"x": {"q1": 0.2}, "y": {"q1": 0.1}}))
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "ranker_paired.py"), str(tmp_path), "x:y"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    res = json.load(open(tmp_path / "paired.json"))
+    assert res["a"]["pairs"]["x:y"]["n"] == 2 and res["a"]["pairs"]["x:y"]["diff"] == 0.25
+    assert res["pooled"]["pairs"]["x:y"]["n"] == 3 and res["pooled"]["pairs"]["x:y"]["diff"] == round(0.6 / 3, 4)
+    assert res["a"]["ndcg10"]["x"]["n"] == 3 and "| pooled | x − y | 3 |" in (tmp_path / "paired.md").read_text()
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "ranker_paired.py"), str(tmp_path), "xy"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "A:B expected" in bad.stderr
