@@ -781,6 +781,7 @@ def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch
 @pytest.mark.parametrize("name,prompt,gpus,tokens_per_micro_batch,offload",
                          [("train_4b_8k_1gpu.yaml", 8192, 1, 33792, True),
                           ("train_4b_32k_1gpu.yaml", 32768, 1, 33024, True),
+                          ("train_4b_8k_1gpu_gpu_adam.yaml", 8192, 1, 8448, False),
                           ("train_4b_8k_2gpu.yaml", 8192, 2, 16896, False),
                           ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False)])
 def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, gpus, tokens_per_micro_batch,
@@ -1140,6 +1141,11 @@ def test_dapo_4b_table_reads_side_by_side_runs_and_an_unfinished_one(tmp_path):
     assert sc[("two", "one")]["update_s"]["efficiency"] == 40.0 / (2 * 25.0)
     assert sc[("two", "late")]["update_s"]["1"] == 80.0  # its only step
     assert "8k: two vs one" in text
+    c = {r["run"]: r for r in t.cost(runs, rows)}
+    assert c["8k (two)"]["step_s"] == 50.0 and c["8k (two)"]["gpu_hours"] == 100 * 50.0 * 2 / 3600
+    assert c["8k (one)"]["start_s"] == 300.0 - 160.0 and c["8k (late)"]["start_s"] is None
+    t.plot(runs, rows, str(tmp_path / "steps.png"))
+    assert (tmp_path / "steps.png").stat().st_size > 0
     shutil.rmtree(late)
 
 

@@ -214,7 +214,85 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                              f"{fmt(c['efficiency'] and 100 * c['efficiency'], '.0f')}%")
             text += (f"| {r['tag']}: {r['run'] or '-'} vs {r['base'] or '-'} | {r['gpus']} | " + " | ".join(cells)
                      + " |\n")
+    text += cost_lines(runs, rows)
     return text, rows
+
+
+def cost(runs: list[dict], rows: list[dict], steps: int = 100) -> list[dict]:
+    """What a run of ``steps`` steps of each measured recipe takes: its steady step seconds (mean over the steps
+    after the first where it logged more), hours and GPU-hours for ``steps`` steps, the start-up (the train
+    stage's wall time less its logged steps: verl, Ray and vLLM start, model load, teardown), peak memory."""
+    out = []
+    for run in runs:
+        mine = [r for r in rows if r.get("run") == run.get("run") and r["tag"] == run["tag"] and r["gpus"] == run["gpus"]]
+        later = [r for r in mine if r["step"] > 1] or mine
+        st = [r["step_s"] for r in later if r.get("step_s")]
+        if not st:
+            continue
+        step_s = sum(st) / len(st)
+        start = run["wall_s"] - sum(r["step_s"] for r in mine if r.get("step_s")) if run.get("wall_s") else None
+        per = run.get("gpu_peak_mib_per_gpu") or ([run["gpu_peak_mib_nvidia_smi"]] if run.get("gpu_peak_mib_nvidia_smi") else [])
+        out.append({"run": label(run), "gpus": run["gpus"], "prompts_x_samples": f"{run['batch']} x {run['n']}",
+                    "step_s": step_s, "hours": steps * step_s / 3600, "gpu_hours": steps * step_s * run["gpus"] / 3600,
+                    "start_s": start, "device_peak_gib": max(per) / 1024 if per else None,
+                    "host_gb": max((r["host_mem_gb"] for r in mine if r.get("host_mem_gb")), default=None)})
+    return out
+
+
+def cost_lines(runs: list[dict], rows: list[dict], steps: int = 100) -> str:
+    c = cost(runs, rows, steps)
+    if not c:
+        return ""
+    lines = [f"\n{steps} steps of each recipe as measured (steady step: the mean after the first step where a run "
+             "logged more; start-up: the train stage's wall time less its steps):\n",
+             f"| run | GPUs | prompts × samples a step | steady step s | {steps} steps h | GPU-hours | start-up s | "
+             "device peak GiB (largest GPU) | host GB (actor) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in c:
+        lines.append(f"| {r['run']} | {r['gpus']} | {r['prompts_x_samples']} | {fmt(r['step_s'])} | {fmt(r['hours'], '.2f')} | "
+                     f"{fmt(r['gpu_hours'], '.2f')} | {fmt(r['start_s'], '.0f')} | {fmt(r['device_peak_gib'])} | "
+                     f"{fmt(r['host_gb'])} |")
+    return "\n".join(lines) + "\n"
+
+
+H100_MIB = 81559  # memory.total of an H100 80GB HBM3 in nvidia-smi
+
+
+def plot(runs: list[dict], rows: list[dict], path: str) -> None:
+    """Steady step seconds (split into rollout, old log-prob, actor update and the rest) and device peak memory
+    of each run, labelled by prompt budget, GPU count and run name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = cost(runs, rows)
+    if not c:
+        return
+    names = [f"{r['run']}\n{r['gpus']} GPU" for r in c]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottoms = [0.0] * len(c)
+    for key, name in PHASES[1:]:
+        vals = []
+        for r in c:
+            mine = [x for x in rows if label({**x, "run": x.get("run")}) == r["run"] and x["gpus"] == r["gpus"]]
+            later = [x for x in mine if x["step"] > 1] or mine
+            v = [x[key] for x in later if x.get(key)]
+            vals.append(sum(v) / len(v) if v else 0.0)
+        ax1.bar(names, vals, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax1.bar(names, [max(0.0, r["step_s"] - b) for r, b in zip(c, bottoms)], bottom=bottoms, label="other")
+    ax1.set_ylabel("steady step, s")
+    ax1.set_title("DAPO step of the Qwen3-4B-shaped model")
+    ax1.legend(fontsize=8)
+    ax2.bar(names, [r["device_peak_gib"] or 0 for r in c], color="tab:gray")
+    ax2.axhline(H100_MIB / 1024, color="tab:red", linestyle="--", linewidth=1,
+                label=f"H100 80GB: {H100_MIB / 1024:.1f} GiB (nvidia-smi total)")
+    ax2.set_ylabel("device peak GiB (largest GPU, nvidia-smi)")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -229,6 +307,7 @@ def main() -> None:
         f.write(text)
     with open(os.path.join(a.folder, "table.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    plot(runs, rows, os.path.join(a.folder, "steps.png"))
     print(text)
 
 
