@@ -1257,6 +1257,50 @@ def table_vllm_cpu_wait() -> list[str]:
     return [line for line in bench.table(rows, bench.SETTINGS["wait"], 2, 1).splitlines() if line.startswith("|")]
 
 
+# Issue 43/44 runs of 2026-11-27 on one 4-GPU host: the 4B DAPO runs (each run's runs.jsonl / steps.jsonl / train log,
+# read by dapo_4b_table.py) and the ranker's DAPO with the improvement reward (the driver's table.json and the
+# per-question NDCG@10 files, read by run_ranker.py's and ranker_paired.py's own code).
+DAPO_X4 = f"{GPU}/2026-11-27-h100x4-4b-dapo"
+DAPO_X1 = f"{GPU}/2026-11-26-h100-4b-dapo"
+RANKER_IMPROVE = f"{GPU}/2026-11-27-h100x4-ranker-improve"
+IMPROVE_PAIRS = [("improve-shuf", "sft-shuf"), ("improve-shuf", "first-stage"), ("sft-shuf", "first-stage"),
+                 ("improve-shuf", "base-structured-shuf")]
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def table_dapo_4b_folder(folder: str) -> list[str]:
+    """A 4B DAPO results folder's tables (per step, scaling, 100-step cost), as ``dapo_4b_table.py`` prints them."""
+    t = gpu_script("dapo_4b_table")
+    runs, steps = t.load(os.path.join(ROOT, folder))
+    return _table_rows(t.table(runs, steps)[0])
+
+
+def table_train_4b_cost() -> list[str]:
+    """README's training section: the 100-step cost rows of both 4B results folders."""
+    t = gpu_script("dapo_4b_table")
+    lines = []
+    for folder in (DAPO_X1, DAPO_X4):
+        runs, steps = t.load(os.path.join(ROOT, folder))
+        _, rows = t.table(runs, steps)
+        cost = t.cost_lines(runs, rows)
+        lines += [x for x in _table_rows(cost) if x not in lines]
+    return lines
+
+
+def table_ranker_improve() -> list[str]:
+    """The ranker-improve run's held-out tables, as the driver wrote them (``run_ranker.table_lines``)."""
+    return _table_rows("\n".join(gpu_script("run_ranker").table_lines(load_json(f"{RANKER_IMPROVE}/results/table.json"))))
+
+
+def table_ranker_improve_paired() -> list[str]:
+    """Paired NDCG@10 differences of the ranker-improve run, from its per-question files (``ranker_paired.py``)."""
+    rp = gpu_script("ranker_paired")
+    return _table_rows(rp.report(rp.load(os.path.join(ROOT, RANKER_IMPROVE, "results")), IMPROVE_PAIRS)[0])
+
+
 TABLES = {
     "agents-grpo-paired": (table_agents_grpo_paired, [f"{AGENTS_GRPO}/answers/*.parquet",
                                                       "memsifter/samples/locomo_dev2.json.gz"],
@@ -1354,6 +1398,14 @@ TABLES = {
 
 # Tables whose command runs a stage over a large shared file (a minute or more on 2 cores): test_tables checks them
 # only with --heavy, and where the shared file is present.
+TABLES.update({
+    "dapo-4b-x4": (functools.partial(table_dapo_4b_folder, DAPO_X4), [f"{DAPO_X4}/*/runs.jsonl", f"{DAPO_X4}/*/steps.jsonl",
+                                                               f"{DAPO_X4}/d8k1/train-8k.log"], [f"{DAPO_X4}/README.md"]),
+    "train-4b-cost": (table_train_4b_cost, [f"{DAPO_X1}/runs.jsonl", f"{DAPO_X4}/*/runs.jsonl"], ["README.md"]),
+    "ranker-improve": (table_ranker_improve, [f"{RANKER_IMPROVE}/results/table.json"], [f"{RANKER_IMPROVE}/README.md"]),
+    "ranker-improve-paired": (table_ranker_improve_paired, [f"{RANKER_IMPROVE}/results/ndcg10-per-question-*.json"],
+                              [f"{RANKER_IMPROVE}/README.md"]),
+})
 HEAVY = {"reference-rows": SHARED_LME}
 
 

@@ -429,6 +429,12 @@ def phase_answers(a, url: str, names: list[str]) -> dict:
 
 
 def write_table(table: dict) -> None:
+    open(os.path.join(RES, "table.md"), "w").write("\n".join(table_lines(table)) + "\n")
+    log("table.md written")
+
+
+def table_lines(table: dict) -> list[str]:
+    """``table.md``'s lines from ``table.json``'s {held-out part: {ranker: aggregates}}."""
     from memsifter.retrieval.metrics import INPUT_ORDER_NOTE
 
     lines = ["*order changed vs input*: questions on which the ranker's order of the sessions it was shown differs "
@@ -455,8 +461,7 @@ def write_table(table: dict) -> None:
                          f"{r['recall_any@5']:.3f} | {gain} | {changed} | {tau} |")
         lines += ["", "answers (working LLM SmolLM2-135M-Instruct, F1 per context):", "",
                   "```", json.dumps(rows.get("_answers"), indent=1)[:3000], "```", ""]
-    open(os.path.join(RES, "table.md"), "w").write("\n".join(lines) + "\n")
-    log("table.md written")
+    return lines
 
 
 def phase_order(token: str, default: str) -> tuple[str, str]:
