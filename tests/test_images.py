@@ -66,8 +66,9 @@ def base_image(dockerfile: Path) -> str:
     return f"{ray_repo}:{arg_default(dockerfile, 'MEMSIFTER_BASE').rpartition(':')[2]}"
 
 
-def install_step(dockerfile: Path) -> tuple[str | None, list[str]]:
-    """(overrides file or None, requirement specs) of the family's `RUN sh /src/images/install.sh ...`."""
+def install_step(dockerfile: Path, build: list | None = None) -> tuple[str | None, list[str]]:
+    """(overrides file or None, requirement specs) of the family's `RUN sh /src/images/install.sh ...`; the spec
+    it builds from source (``-b``) is appended to ``build`` when given."""
     text = dockerfile.read_text().replace("\\\n", " ")
     runs = re.findall(r"^RUN (.*)$", text, re.M)
     assert len(runs) == 1, f"{dockerfile}: a family file has exactly one RUN, the install step"
@@ -75,8 +76,12 @@ def install_step(dockerfile: Path) -> tuple[str | None, list[str]]:
     assert args[:2] == ["sh", "/src/images/install.sh"], runs[0]
     args = args[2:]
     overrides = None
-    if args[:1] == ["-o"]:
-        overrides, args = args[1], args[2:]
+    while args[:1] in (["-o"], ["-b"]):
+        if args[0] == "-o":
+            overrides = args[1]
+        elif build is not None:
+            build.append(args[1])
+        args = args[2:]
     return overrides, args
 
 
@@ -122,6 +127,9 @@ def test_base_dockerfile_policy():
                 "images/gpu-overrides.txt", "memsifter /src/memsifter"):
         assert re.search(rf"^COPY .*{re.escape(src)}", text, re.M), src
     assert "MEMSIFTER_GIT_SHA=${MEMSIFTER_GIT_SHA}" in text
+    # a stage's checks know they run in the image its workers run in (train: flash-attn or one line, exit 2)
+    from memsifter.training.verl_settings import IMAGE_ENV
+    assert re.search(rf"^\s+{IMAGE_ENV}=1 \\$", text, re.M)
     assert not re.search(r"^RUN .*pip install", text, re.M), "the base installs nothing: the family's one step does"
     install = (IMAGES / "install.sh").read_text()
     assert re.search(r"^pip install -c /opt/memsifter/constraints\.txt \"\$@\"$", install, re.M)
@@ -158,6 +166,53 @@ def test_dockerfile_policy(dockerfile):
     assert all(re.fullmatch(r"[A-Za-z0-9_.-]+(\[[a-z,]+\])?==[\w.]+", s) for s in specs if "/src" not in s
                and not s.startswith("ray[")), specs  # pinned (ray by the constraints and the base)
     _no_secrets(dockerfile)
+
+
+def test_train_image_builds_flash_attn_for_hopper_against_its_torch():
+    """Issue 43 item 6: verl's remove-padding path (Ulysses sequence parallelism) needs a varlen attention with a
+    backward pass; vLLM's bundled FlashAttention has none, so the train image compiles flash-attn 2 from PyPI's
+    source for sm_90, after torch is in (no build isolation), and imports it; the other images do not."""
+    built = []
+    _, specs = install_step(IMAGES / "train" / "Dockerfile", built)
+    assert built == ["flash-attn==2.8.3.post2"] and any(s.startswith("torch==") for s in specs)
+    text = (IMAGES / "train" / "Dockerfile").read_text()
+    env = dict(re.findall(r"(\w+)=(\S+)", re.search(r"^ENV (.*)$", text, re.M).group(1)))
+    assert env["FLASH_ATTENTION_FORCE_BUILD"] == "TRUE" and env["FLASH_ATTN_CUDA_ARCHS"] == "90"
+    for p in FAMILY_DOCKERFILES:
+        if p.parent.name != "train":
+            other: list = []
+            install_step(p, other)
+            assert other == [], p
+
+
+def test_install_script_builds_the_source_spec_after_the_rest_and_imports_it(tmp_path):
+    """install.sh -b SPEC: pip installs the SPECs first, then builds SPEC without build isolation or deps, then
+    imports its module; a failing import fails the step (a fake pip and python3 record the calls)."""
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("pip", "memsifter", "ray"):
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\n")
+    (bin_dir / "python3").write_text(f"#!/bin/sh\necho python3 \"$@\" >> {calls}\n"
+                                     "case \"$*\" in *import_module*) [ \"$FAIL_IMPORT\" = 1 ] && exit 1;; esac\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = (IMAGES / "install.sh").read_text().replace("/opt/memsifter/constraints.txt", str(tmp_path / "c.txt"))
+    script = script.replace("rm -rf /src", "true")
+    (tmp_path / "install.sh").write_text(script)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    p = subprocess.run(["sh", str(tmp_path / "install.sh"), "-o", "gpu-overrides.txt", "-b", "flash-attn==2.8.3",
+                        "torch==2.13.0", "/src[train]"], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    lines = calls.read_text().splitlines()
+    pips = [x for x in lines if x.startswith("pip ")]
+    assert pips[0].endswith("torch==2.13.0 /src[train]")
+    assert "--no-build-isolation --no-deps flash-attn==2.8.3" in pips[1]
+    assert any("import_module" in x and x.endswith(" flash_attn") for x in lines)
+    calls.unlink()
+    p = subprocess.run(["sh", str(tmp_path / "install.sh"), "-b", "flash-attn==2.8.3", "torch==2.13.0"],
+                       env={**env, "FAIL_IMPORT": "1"}, capture_output=True, text=True)
+    assert p.returncode != 0 and "memsifter" not in calls.read_text()
 
 
 def test_layered_images_share_no_block():

@@ -605,6 +605,27 @@ def test_dry_run_never_touches_the_output_store_and_says_what_it_did_not_check(t
     assert "output s3://nowhere/train: not touched" in p.stderr
 
 
+def test_inside_an_image_without_flash_attn_the_recipe_is_refused_in_one_line(tmp_path):
+    """Issue 43 item 6: where the run's own image runs the dry run (MEMSIFTER_IMAGE, set by images/base), a recipe
+    that needs flash-attn (Ulysses > 1, or flash_attention_2 asked for) and an image without it is one line, exit 2,
+    before anything runs; outside an image it stays a warning (the pods' image is not this machine)."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(yaml.safe_dump({"output": str(tmp_path / "out"), "data": "s3://nowhere/rl", "model": "m"}))
+    env = {k: v for k, v in os.environ.items() if k != "MEMSIFTER_IMAGE"}
+    args = [sys.executable, "-m", "memsifter.cli", "run", "train", "--config", str(cfg), "--dry-run"]
+    outside = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert outside.returncode == 0, outside.stderr[-2000:]
+    assert "needs flash_attention_2: the GPU pods' image must carry flash-attn" in outside.stderr
+    inside = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**env, "MEMSIFTER_IMAGE": "1"})
+    assert inside.returncode == 2, inside.stderr[-2000:]
+    err = [line for line in inside.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "ulysses_sequence_parallel_size=2 needs flash-attn" in err[0] and "this image" in err[0]
+    assert not (tmp_path / "out").exists() and not inside.stdout
+    one = subprocess.run([*args, "--set", "verl.actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"],
+                         capture_output=True, text=True, timeout=600, env={**env, "MEMSIFTER_IMAGE": "1"})
+    assert one.returncode == 0, one.stderr[-2000:]
+
+
 def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
     """verl 0.9.1 loads the actor with flash_attention_2 unless told otherwise; without the flash-attn
     package transformers refuses (the first real GPU run stopped there). auto picks SDPA on padded

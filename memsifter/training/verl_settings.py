@@ -371,6 +371,10 @@ def _q(v: Any) -> str:
     return f"'{s}'"
 
 
+# Set in every memsifter image (images/base/Dockerfile): the environment is the one a stage's workers run in.
+IMAGE_ENV = "MEMSIFTER_IMAGE"
+
+
 def attention(s: VerlSettings) -> tuple[str, bool]:
     """(attn_implementation, use_remove_padding) for the FSDP actor and ref, from
     ``verl.actor_rollout_ref.model.override_config.attn_implementation`` (unset or ``auto``: chosen here).
@@ -388,12 +392,19 @@ def attention(s: VerlSettings) -> tuple[str, bool]:
     sp = s.get(key)
     sp = sp if isinstance(sp, int) and not isinstance(sp, bool) else 1
     impl = s.get(ATTN_KEY) or "auto"
+    have = importlib.util.find_spec("flash_attn") is not None
     if impl == "auto":
-        have = importlib.util.find_spec("flash_attn") is not None
         impl = "flash_attention_2" if have or sp > 1 else "sdpa"
-        if not have and impl == "flash_attention_2":
-            log.warning("train: flash-attn is not installed here, but verl.%s=%d needs flash_attention_2: the GPU "
-                        "pods' image must carry flash-attn (or set verl.%s=1 for SDPA)", key, sp, key)
+    if impl == "flash_attention_2" and not have:
+        why = f"verl.{key}={sp}" if sp > 1 else f"verl.{ATTN_KEY}=flash_attention_2"
+        if os.environ.get(IMAGE_ENV):
+            # inside a memsifter image (the RayJob's, or `docker run IMAGE memsifter run train --dry-run`): this
+            # environment is the one the actor runs in, and it cannot run the recipe
+            raise ConfigError(f"train: {why} needs flash-attn (flash_attention_2, varlen kernels), which this image "
+                              f"does not carry: use the memsifter train image (images/train/Dockerfile builds it) or "
+                              f"set verl.{key}=1 (SDPA on padded rows)")
+        log.warning("train: flash-attn is not installed here, but %s needs flash_attention_2: the GPU pods' image "
+                    "must carry flash-attn (the memsifter train image does), or set verl.%s=1 for SDPA", why, key)
     if impl != "flash_attention_2" and sp > 1:
         raise ConfigError(f"train: verl.{key}={sp} needs flash_attention_2 (remove padding), not {impl!r} "
                           f"(verl.{ATTN_KEY})")
