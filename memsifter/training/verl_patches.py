@@ -11,8 +11,8 @@ of a whole DAPO step took ~1 s and ~3 s, verl's ``old_log_prob`` and ``update_ac
 :func:`logprobs_rows` computes the same values over blocks of rows (``block_rows``), so each block is a
 few large kernels; it keeps the fallback's numerics (``log_softmax`` in the input dtype for 16-bit
 logits, ``x - logsumexp(x)`` for float32/64) and its memory: autograd keeps the same per-row tensors,
-only grouped. The train stage turns it on with its ``fast_logprobs`` setting (default on); the pods'
-image normally carries no flash-attn (it needs a CUDA build), so the fallback is the path they run.
+only grouped. The train stage turns it on with its ``fast_logprobs`` setting (default on): it is the path runs
+take where flash-attn is missing (hosts and images other than the train image, which compiles it for sm_90).
 """
 from __future__ import annotations
 
