@@ -1091,7 +1091,10 @@ def test_side_by_side_runs_get_their_own_gpus_ray_folder_and_work(tmp_path):
         p = subprocess.run(["bash", script, args[0], str(layout), *args[1:]], env=env, capture_output=True, text=True,
                            cwd=REPO, timeout=120)
         assert p.returncode == 0, p.stderr
-    assert "a: " in p.stdout or "collected a" in p.stdout
+    assert "collected a" in p.stdout and "collected b" in p.stdout
+    p = subprocess.run(["bash", script, "poll", str(layout)], env=env, capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert p.returncode == 0 and p.stdout.splitlines()[0].startswith("a: done exit 0 "), p.stdout + p.stderr
     seen = {}
     for name in ("a", "b"):
         with tarfile.open(out / f"{name}.tgz") as t:

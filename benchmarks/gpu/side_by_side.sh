@@ -24,7 +24,11 @@ case $what in
     done ;;
   poll)
     runs | while read -r name cfg gpus args; do
-      echo "$name: $($py -m memsifter.runs.detached poll "$cfg" $(sets "$name" "$gpus") | tr -d '\n' | cut -c1-300)"
+      $py -m memsifter.runs.detached poll "$cfg" $(sets "$name" "$gpus") | $py -c "
+import json, sys, time
+d = json.load(sys.stdin)
+s = d.get('elapsed_s') or (d.get('ended') or time.time()) - d.get('started', time.time())
+print(f\"{sys.argv[1]}: {d.get('state')} exit {d.get('rc', '-')} {s:.0f} s\")" "$name"
     done ;;
   wait)
     end=$(( $(date +%s) + ${3:-540} ))
