@@ -15,7 +15,7 @@ from memsifter.store import storage
 from memsifter.errors import ConfigError
 from memsifter.stage import code_version
 from memsifter.stages import train
-from memsifter.stages.train import TrainConfig
+from memsifter.stages.train import TrainConfig, sync_checkpoint
 from memsifter.training import checkpoints, placement, verl_config, verl_settings
 from memsifter.training.checkpoints import (COMPLETE_MARKER, TRACKER, S3CheckpointCallback, complete_steps,
                                             missing_files)
@@ -537,9 +537,70 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     with pytest.raises(ConfigError, match=r"written by 2 GPU processes and this run has nnodes x "
                                           r"n_gpus_per_node = 1; .*collect.*merge"):
         train.run({"output": out, "data": data, "local_dir": str(tmp_path / "pod3"), "experiment_name": "one",
-                   "model": model, "n_gpus_per_node": 1}, force=True, replace=True)
+                   "model": model, "n_gpus_per_node": 1, "resume_other_size": "refuse"}, force=True, replace=True)
     assert seen == [0, 10], "verl never started"
     assert checkpoints.checkpoint_world_size(storage.join(out, "checkpoints"), 20) == 2
+
+
+def test_a_run_goes_on_at_another_gpu_count_from_the_checkpoints_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 43 item 4: real FSDP2 checkpoints written by 2 processes (verl's own checkpoint manager, gloo, CPU),
+    resumed on 1 GPU. The stage collects the newest step's weights and starts verl from them without verl's resume,
+    for the steps left; the steps and checkpoints it then writes are numbered on from that step, the metrics
+    continue, the report says what was not carried (optimizer, data order). verl itself is replaced by a stand-in
+    that checks what it is given and saves like verl (no GPU here)."""
+    import torch
+    from safetensors.torch import load_file
+    from test_collect import expected_weights, make_fsdp_checkpoints
+
+    from memsifter.stages import train
+    from memsifter.training.checkpoints import ENV_STEP_OFFSET
+
+    fsdp = make_fsdp_checkpoints(tiny_model_dir, str(tmp_path / "fsdp"))
+    out, data = str(tmp_path / "train"), fake_prepare_rl(str(tmp_path / "rl"))
+    ckpt = storage.join(out, "checkpoints")
+    for step in (2, 4):
+        sync_checkpoint(os.path.join(fsdp, f"global_step_{step}"), ckpt, step)
+    seen = {}
+
+    def fake_verl(overrides, sink=None, guard=None):
+        ov = dict(o.lstrip("+").split("=", 1) for o in overrides)
+        seen.update(ov)
+        local = ov["trainer.default_local_dir"].strip("'")
+        assert not os.path.exists(os.path.join(local, TRACKER)), "verl is not told to resume"
+        env = "ray_kwargs.ray_init.runtime_env.env_vars."
+        monkeypatch.setenv(checkpoints.ENV_CHECKPOINT_URI, ov[env + checkpoints.ENV_CHECKPOINT_URI].strip("'"))
+        monkeypatch.setenv(ENV_STEP_OFFSET, ov[env + ENV_STEP_OFFSET].strip("'"))
+        for step in (1, 2):   # verl counts from 1 again
+            sink.feed(f"(TaskRunner pid=1) step:{step} - critic/score/mean:{0.1 * step}")
+            S3CheckpointCallback().on_save(global_step=step, checkpoint_dir=write_fake_step(local, step, world_size=1))
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(train, "_run_verl", fake_verl)
+    monkeypatch.setattr(train, "compose", lambda config, overrides=None, timeout=300: "composed: true\n")
+    cfg = {"output": out, "data": data, "local_dir": str(tmp_path / "pod"), "model": tiny_model_dir,
+           "n_gpus_per_node": 1, "verl": {"trainer": {"total_training_steps": 10}}}
+    with pytest.raises(ConfigError, match="written by 2 GPU processes and this run has nnodes x n_gpus_per_node = 1"):
+        train.run({**cfg, "resume_other_size": "refuse"})
+    m = train.run(cfg)
+    start = seen["actor_rollout_ref.model.path"].strip("'")
+    assert start == storage.join(out, "_work", "resized-from-4", "global_step_4")
+    got = load_file(os.path.join(start, "model.safetensors"))
+    want = expected_weights(tiny_model_dir, 4)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), "step 4's weights"
+    assert seen["trainer.resume_mode"] == "'disable'" and seen["trainer.total_training_steps"] == "6"
+    rec = m["stats"]["resized"]
+    assert rec["from_step"] == 4 and rec["written_by_gpus"] == 2 and rec["gpus"] == 1 and rec["steps_left"] == 6
+    assert rec["optimizer"].startswith("fresh") and rec["what"] == "model"
+    assert m["stats"]["complete_steps"] == [2, 4, 5, 6] and checkpoints.checkpoint_world_size(ckpt, 6) == 1
+    steps = [json.loads(x)["step"] for x in storage.read_text(storage.join(out, "metrics.jsonl")).splitlines()]
+    assert steps == [5, 6]
+    # the next attempt at this size is an ordinary resume, from step 6
+    seen.clear()
+    monkeypatch.setattr(train, "_run_verl", lambda overrides, sink=None, guard=None: seen.update(
+        dict(o.lstrip("+").split("=", 1) for o in overrides)))
+    m2 = train.run({**cfg, "experiment_name": "again"}, force=True, replace=True)
+    assert m2["stats"]["resumed_from"] == 6 and "resized" not in m2["stats"]
+    assert seen["actor_rollout_ref.model.path"].strip("'") == tiny_model_dir
 
 
 def test_example_train_config_validates_and_matches_the_defaults():

@@ -82,7 +82,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..errors import ConfigError
 from ..stage import StageConfig, runtime_field, stage, uri_field
 from ..store import storage
-from ..training.checkpoints import check_resume_world_size, complete_steps, record_base, restore_step
+from ..training.checkpoints import (ENV_STEP_OFFSET, check_resume_world_size, checkpoint_world_size, complete_steps,
+                                    record_base, restore_step)
 from ..training.placement import _ray_connected, on_every_node, placement_request, wait_for_gpu_nodes
 from ..training.reward_settings import RewardSettings
 from ..training.verl_config import (adapter_source, check_loggers, checkpoint_uri, compose, data_files, dry_run,
@@ -153,6 +154,11 @@ class TrainConfig(StageConfig):
     logger: list[str] = Field(default_factory=lambda: ["console"], description="trainer.logger backends")
     keep_local_checkpoints: int = Field(2, ge=1, description="checkpoints kept on local disk "
                                         "(trainer.max_actor_ckpt_to_keep); S3 keeps every one")
+    resume_other_size: Literal["weights", "refuse"] = Field(
+        "weights", description="when the newest checkpoint was written by another GPU count (an autoscaled pool "
+        "that shrank or grew; verl 0.9.1 reloads FSDP shards only at the size that wrote them): weights = collect "
+        "that step's weights and go on from them for the steps left (a fresh optimizer; the step count continues; "
+        "recorded as `resized` in the run's report); refuse = stop in one line", json_schema_extra={"runtime": True})
     extra_overrides: list[str] = Field(default_factory=list, description=(
         "more Hydra overrides for verl main_ppo, as on its command line (after verl_overrides_file; "
         "passed to verl as written)"))
@@ -332,9 +338,66 @@ def preview(config: TrainConfig) -> dict:
     return {"unchecked": unchecked}
 
 
+def resize_start(config: TrainConfig, ckpt_uri: str, step: int, written: int, work: str) -> tuple[TrainConfig, dict]:
+    """Go on from checkpoint ``step``, written by ``written`` GPU processes, on this config's GPU count: its weights
+    (``collect``: the model, or a LoRA run's adapter) become the run's start, verl starts without resuming
+    (``resume_mode: disable``: a fresh optimizer and data order) for the steps left, and its steps and checkpoints
+    are numbered on from ``step`` (``MEMSIFTER_STEP_OFFSET``: the checkpoint callback uploads step k as
+    ``step + k``; the metrics continue the curves). A later resume at this size is an ordinary one."""
+    verl = settings(config, override_lines(config))
+    total = verl.get("trainer.total_training_steps")
+    now = config.nnodes * config.n_gpus_per_node
+    if not isinstance(total, int) or isinstance(total, bool) or total <= step:
+        raise ConfigError(f"train: resuming step {step} (written by {written} GPU processes) on {now} needs "
+                          f"verl.trainer.total_training_steps set above {step} (the run goes on for the steps left; "
+                          f"it is {total!r}), or resume_other_size: refuse")
+    dest = storage.join(work, f"resized-from-{step}")
+    if not storage.exists(storage.join(dest, storage.MANIFEST)):
+        cmd = [sys.executable, "-m", "memsifter.cli", "run", "collect", "--checkpoints", ckpt_uri, "--steps",
+               str(step), "--output", dest, "-q"]
+        log.info("train: step %d was written by %d GPU processes and this run has %d: collecting its weights -> %s",
+                 step, written, now, dest)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"train: collecting step {step} to go on at another size failed: {tail}")
+    weights = storage.join(dest, f"global_step_{step}")
+    adapter = storage.join(weights, "adapter")
+    lora = storage.exists(storage.join(adapter, "adapter_config.json"))
+    update: dict[str, Any] = {"init_adapter": adapter} if lora else {"model": weights}
+    extra = {"trainer.resume_mode": "disable", "trainer.total_training_steps": total - step,
+             f"ray_kwargs.ray_init.runtime_env.env_vars.{ENV_STEP_OFFSET}": str(step)}
+    resized = TrainConfig(**{**config.model_dump(), **update,
+                             "verl": _merge_verl(config.verl, extra)})
+    record = {"from_step": step, "written_by_gpus": written, "gpus": now, "start": adapter if lora else weights,
+              "what": "adapter" if lora else "model", "steps_left": total - step,
+              "optimizer": "fresh: verl 0.9.1 reloads optimizer shards only at the size that wrote them",
+              "data": "a fresh data order from the first batch (verl's dataloader state is not carried)"}
+    return resized, record
+
+
+def _merge_verl(block: dict, extra: dict) -> dict:
+    from ..training.verl_settings import _merge, expand
+
+    return _merge(expand(block or {}), expand(extra))
+
+
 @stage("train", TrainConfig, family="train", gpus=8, preview=preview,
        help="DAPO training of the ranker with verl (checkpoints to S3, resume from S3; --dry-run composes only)")
 def run(config: TrainConfig, out: storage.Publication) -> dict:
+    ckpt_uri = checkpoint_uri(config)
+    steps = complete_steps(ckpt_uri)
+    verl = settings(config, override_lines(config))
+    resume = steps[-1] if steps and verl.get("trainer.resume_mode") == "auto" else None
+    resized = None
+    if resume is not None:
+        written = checkpoint_world_size(ckpt_uri, resume)
+        if written is not None and written != config.nnodes * config.n_gpus_per_node \
+                and config.resume_other_size == "weights":
+            config, resized = resize_start(config, ckpt_uri, resume, written, out.work)
+            resume = None
+        else:
+            check_resume_world_size(config, ckpt_uri, resume)
     train, test = data_files(config)
     p = local_paths(config)
     lines = override_lines(config)
@@ -342,11 +405,6 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
                                lines, remote=True)
     verl = settings(config, lines)
     composed = compose(config, overrides)
-    ckpt_uri = checkpoint_uri(config)
-    steps = complete_steps(ckpt_uri)
-    resume = steps[-1] if steps and verl.get("trainer.resume_mode") == "auto" else None
-    if resume is not None:
-        check_resume_world_size(config, ckpt_uri, resume)
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
@@ -366,7 +424,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
 
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
     # run continues the curves)
-    sink = MetricsSink(storage.join(out.work, "metrics.jsonl"))
+    sink = MetricsSink(storage.join(out.work, "metrics.jsonl"), offset=resized["from_step"] if resized else 0)
     record_base(ckpt_uri, config.model, config.init_adapter)
     stopped = _run_verl(overrides, sink, collapse_guard(verl.tree))
     steps = complete_steps(ckpt_uri)
@@ -375,6 +433,7 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
     out.write_json("checkpoints.json", {"uri": ckpt_uri, "steps": steps})
     metrics = publish_metrics(out, sink, f"{config.experiment_name}: {config.model}, reward {config.reward.mode}")
     return {"checkpoint_uri": ckpt_uri, "complete_steps": steps, "resumed_from": resume, "nodes": len(staged),
+            **({"resized": resized} if resized else {}),
             "placement": placement_request(config), "metrics": metrics,
             **({"stopped_early": {"reason": stopped, "last_complete_step": steps[-1] if steps else None}}
                if stopped else {})}

@@ -27,6 +27,9 @@ from .placement import on_every_node
 
 log = logging.getLogger("memsifter.stages.train")   # the train stage's warnings
 ENV_CHECKPOINT_URI = "MEMSIFTER_CHECKPOINT_URI"   # where S3CheckpointCallback uploads (the Ray job's env)
+# Set by the train stage when a run goes on from a checkpoint of another GPU count (``resize_start``): verl numbers
+# its steps from 1 again, the callback uploads step k as global_step_<offset + k>.
+ENV_STEP_OFFSET = "MEMSIFTER_STEP_OFFSET"
 
 CHECKPOINTS = "checkpoints"                       # under the train output
 COMPLETE_MARKER = "_COMPLETE.json"                # in a step directory, written last
@@ -195,7 +198,7 @@ class S3CheckpointCallback:
             log.warning("async checkpoint save: step %s is uploaded when the next synchronous save happens",
                         global_step)
             return
-        sync_checkpoint(checkpoint_dir, self.uri, int(global_step))
+        sync_checkpoint(checkpoint_dir, self.uri, int(global_step) + int(os.environ.get(ENV_STEP_OFFSET) or 0))
 
 
 def sync_checkpoint(local_step_dir: str, ckpt_uri: str, step: int) -> dict:

@@ -77,10 +77,11 @@ def read_jsonl(text: str) -> list[dict]:
 
 
 class MetricsSink:
-    """Per-step records, kept in ``uri`` (JSONL), merged with what an earlier attempt saved there."""
+    """Per-step records, kept in ``uri`` (JSONL), merged with what an earlier attempt saved there; ``offset`` is
+    added to each step (a run that goes on from step ``offset`` of another GPU count numbers its steps from 1)."""
 
-    def __init__(self, uri: str | None, flush_every_s: float = 30.0):
-        self.uri, self.flush_every_s = uri, flush_every_s
+    def __init__(self, uri: str | None, flush_every_s: float = 30.0, offset: int = 0):
+        self.uri, self.flush_every_s, self.offset = uri, flush_every_s, offset
         self.records: dict[int, dict] = {}
         self._dirty, self._last = False, time.time()
         if uri and storage.exists(uri):
@@ -90,6 +91,8 @@ class MetricsSink:
     def feed(self, line: str) -> dict | None:
         rec = parse_line(line)
         if rec:
+            if self.offset:
+                rec = {**rec, "step": rec["step"] + self.offset}
             self.records[rec["step"]] = rec
             self._dirty = True
             if time.time() - self._last >= self.flush_every_s:
