@@ -1168,3 +1168,44 @@ def test_ranker_paired_differences_come_from_the_per_question_files(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "ranker_paired.py"), str(tmp_path), "xy"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "A:B expected" in bad.stderr
+
+
+def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypatch):
+    """Issue 43 item 4 on the GPU: two configs in one driver run (one SeaweedFS) write one train output
+    (--output-tag) and the second keeps the first's checkpoints (--keep-output) with its own step count (--steps
+    2,4); logs stay per config. The driver's train calls are recorded instead of run."""
+    drv = importlib.import_module("run_dapo_4b")
+    a = drv.resolve(drv.build_parser().parse_args(
+        ["run", "--configs", "memsifter/configs/train_4b_8k_4gpu.yaml,memsifter/configs/train_4b_8k_2gpu.yaml",
+         "--steps", "2,4", "--output-tag", "resize", "--keep-output", "--work", str(tmp_path), "--out", str(tmp_path)]))
+    assert a.steps_each == [2, 4] and a.max_steps == 4
+    calls, deleted = [], []
+
+    class Store:
+        def exists(self, uri):
+            return True
+
+        def read_manifest(self, uri):
+            return {"stats": {}}
+
+        def delete(self, uri):
+            deleted.append(uri)
+
+        def copy_file(self, src, dst):
+            pass
+
+    import memsifter.store as store_pkg
+    monkeypatch.setattr(store_pkg, "storage", Store())
+    monkeypatch.setattr(drv, "sh", lambda cmd, log, check=True: (calls.append((cmd, log)), (0, 1.0))[1])
+    monkeypatch.setattr(drv, "verl_steps", lambda log: [])
+    for path, n in zip(a.configs, a.steps_each):
+        drv.one(importlib.import_module("argparse").Namespace(**{**vars(a), "steps": n}), path, "/m",
+                {"peak": 1.0, "device": "d"})
+    (c1, log1), (c2, log2) = calls
+    assert "output=s3://memsifter/dapo4b/train-resize" in c1 and "output=s3://memsifter/dapo4b/train-resize" in c2
+    assert "verl.trainer.total_training_steps=2" in c1 and "verl.trainer.total_training_steps=4" in c2
+    assert log1.endswith("train-8k-4gpu.log") and log2.endswith("train-8k-2gpu.log") and deleted == []
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_dapo_4b.py"), "run", "--configs",
+                          "memsifter/configs/train_4b_8k_4gpu.yaml", "--steps", "2,4"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert bad.returncode == 2 and "one per config" in bad.stderr

@@ -103,18 +103,19 @@ def one(a, path: str, model: str, pk: dict) -> None:
 
     f = config_facts(path)
     tag, name = f"{f['prompt'] // 1024}k", run_tag(f)
-    rl, out = f"{RUN}/rl-{tag}", f"{RUN}/train-{name}"
+    rl, out = f"{RUN}/rl-{tag}", f"{RUN}/train-{a.output_tag or name}"
     if not storage.exists(f"{rl}/_SUCCESS"):
-        rows = f["batch"] * a.steps
+        rows = f["batch"] * a.max_steps
         cfg = write_yaml(f"{a.work}/prepare_rl_{tag}.yaml", {
             "output": rl, "datasets": [f"{RUN}/synth"], "tokenizer": model,
             "recipe": {"train": {"synth": rows}, "test": {"synth": 2}},
             "history_budget_tokens": f["prompt"] - 1024, "max_prompt_tokens": f["prompt"], "shard_rows": 2000})
         sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl_{tag}.log")
     stats = storage.read_manifest(rl).get("stats", {})
-    sets = train_args(a, tag, model, name)
-    shutil.rmtree(f"{a.work}/pod-{name}", ignore_errors=True)
-    storage.delete(out)
+    sets = train_args(a, tag, model, a.output_tag or name)
+    shutil.rmtree(f"{a.work}/pod-{a.output_tag or name}", ignore_errors=True)
+    if not a.keep_output:
+        storage.delete(out)
     log = f"{a.out}/train-{name}.log"
     with GpuMem() as mem:
         rc, dt = sh(ms("run", "train", "--config", path, *sets), log, check=False)
@@ -156,9 +157,9 @@ def main_run(a) -> None:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
         model, pk = prepare(a)
-        for path in a.configs:
+        for path, n in zip(a.configs, a.steps_each):
             t = time.time()
-            one(a, path, model, pk)
+            one(argparse.Namespace(**{**vars(a), "steps": n}), path, model, pk)
             print(f"[{time.strftime('%H:%M:%S')}] {path}: {time.time() - t:.0f}s", flush=True)
             stop_own_ray()
     print("] done", flush=True)
@@ -170,19 +171,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", default="memsifter/configs/train_4b_8k_1gpu.yaml,memsifter/configs/train_4b_32k_1gpu.yaml")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/root/gpu-dapo4b")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", default="2", help="training steps of each config: one number for all, or one per "
+                    "config (2,4)")
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--sessions", type=int, default=800, help="haystack sessions per synthetic question")
     ap.add_argument("--set", action="append", default=[], help="one more train setting KEY=VALUE (all configs)")
+    ap.add_argument("--output-tag", default=None, help="the train output's name (default: the prompt budget and GPU "
+                    "count, e.g. 8k-2gpu): two runs with one tag share the output, e.g. to resume at another size")
+    ap.add_argument("--keep-output", action="store_true", help="keep the train output of an earlier run (its "
+                    "checkpoints: the train stage resumes from them; default: start clean)")
     ap.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
                     help="keep the configs' dynamic sampling (a random model then discards every group)")
     return ap
 
 
-def main() -> None:
-    a = build_parser().parse_args()
+def resolve(a: argparse.Namespace) -> argparse.Namespace:
+    """The parsed arguments with ``configs`` as absolute paths and ``steps_each`` (one count per config)."""
     a.configs = [os.path.abspath(c) for c in a.configs.split(",") if c]
-    main_run(a)
+    each = [int(x) for x in str(a.steps).split(",") if x.strip()]
+    if len(each) == 1:
+        each = each * len(a.configs)
+    if len(each) != len(a.configs) or min(each, default=0) < 1:
+        print(f"run_dapo_4b: --steps {a.steps}: one count >= 1, or one per config ({len(a.configs)})", file=sys.stderr)
+        raise SystemExit(2)
+    a.steps_each, a.max_steps = each, max(each)
+    return a
+
+
+def main() -> None:
+    main_run(resolve(build_parser().parse_args()))
 
 
 if __name__ == "__main__":
