@@ -230,12 +230,13 @@ def cost(runs: list[dict], rows: list[dict], steps: int = 100) -> list[dict]:
         if not st:
             continue
         step_s = sum(st) / len(st)
+        first_only = all(r["step"] == 1 for r in later)
         start = run["wall_s"] - sum(r["step_s"] for r in mine if r.get("step_s")) if run.get("wall_s") else None
         per = run.get("gpu_peak_mib_per_gpu") or ([run["gpu_peak_mib_nvidia_smi"]] if run.get("gpu_peak_mib_nvidia_smi") else [])
         extra = [o for o in run.get("overrides", []) if o.startswith("verl.actor_rollout_ref")]
         config = os.path.basename(run["config"]) + (f" + {len(extra)} actor setting(s)" if extra else "")
         out.append({"run": label(run), "config": config, "gpus": run["gpus"], "prompts_x_samples": f"{run['batch']} x {run['n']}",
-                    "step_s": step_s, "hours": steps * step_s / 3600, "gpu_hours": steps * step_s * run["gpus"] / 3600,
+                    "step_s": step_s, "first_step_only": first_only, "hours": steps * step_s / 3600, "gpu_hours": steps * step_s * run["gpus"] / 3600,
                     "start_s": start, "device_peak_gib": max(per) / 1024 if per else None,
                     "host_gb": max((r["host_mem_gb"] for r in mine if r.get("host_mem_gb")), default=None)})
     return out
@@ -250,7 +251,8 @@ def cost_lines(runs: list[dict], rows: list[dict], steps: int = 100) -> str:
              f"| run | config | GPUs | prompts × samples a step | steady step s | {steps} steps h | GPU-hours | start-up s | "
              "device peak GiB (largest GPU) | host GB (actor) |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in c:
-        lines.append(f"| {r['run']} | `{r['config']}` | {r['gpus']} | {r['prompts_x_samples']} | {fmt(r['step_s'])} | {fmt(r['hours'], '.2f')} | "
+        step = fmt(r["step_s"]) + (" (step 1 only)" if r["first_step_only"] else "")
+        lines.append(f"| {r['run']} | `{r['config']}` | {r['gpus']} | {r['prompts_x_samples']} | {step} | {fmt(r['hours'], '.2f')} | "
                      f"{fmt(r['gpu_hours'], '.2f')} | {fmt(r['start_s'], '.0f')} | {fmt(r['device_peak_gib'])} | "
                      f"{fmt(r['host_gb'])} |")
     return "\n".join(lines) + "\n"
