@@ -783,7 +783,9 @@ def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch
                           ("train_4b_32k_1gpu.yaml", 32768, 1, 33024, True),
                           ("train_4b_8k_1gpu_gpu_adam.yaml", 8192, 1, 8448, False),
                           ("train_4b_8k_2gpu.yaml", 8192, 2, 16896, False),
-                          ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False)])
+                          ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False),
+                          ("train_4b_8k_1gpu_lora.yaml", 8192, 1, 8448, False),
+                          ("train_4b_8k_4gpu_lora.yaml", 8192, 4, 16896, False)])
 def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, gpus, tokens_per_micro_batch,
                                                                            offload, tmp_path, capsys):
     """The committed 4B train configs, with exactly what run_dapo_4b.py adds on the command line, compose and
@@ -819,6 +821,12 @@ def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name,
     assert cfg["actor_rollout_ref"]["rollout"]["mode"] == "async" and cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
     file_cfg = yaml.safe_load(open(path))
     assert "filter_groups" not in file_cfg["verl"].get("algorithm", {}), "the file keeps the recipe's dynamic sampling"
+    if "lora" in name:  # issue 43 item 5: an adapter of rank 32 on every linear layer, merged for each weight sync
+        assert model["lora_rank"] == 32 and model["lora_alpha"] == 64 and model["target_modules"] == "all-linear"
+        assert model["lora"]["merge"] is True and cfg["actor_rollout_ref"]["rollout"]["load_format"] == "safetensors"
+        assert actor["fsdp_config"]["param_offload"] is False and actor["fsdp_config"]["optimizer_offload"] is False
+    else:
+        assert model["lora_rank"] == 0
 
 
 # --- one vLLM launcher, one detached-run helper (issue 45 item 3) ---
@@ -967,6 +975,37 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
     dapo = detached.load(str(GPU_CONFIGS / "dapo_4b.yaml"))
     for c in importlib.import_module("run_dapo_4b").build_parser().parse_args(detached.argv(dapo)[2:]).configs.split(","):
         assert (REPO / c).is_file(), c
+
+
+def test_committed_layouts_run_configs_on_the_gpus_they_name():
+    """Each committed side-by-side layout names a committed run config and arguments its driver accepts; a 4B
+    train config asks for no more GPUs than its line names; runs of one layout use disjoint GPUs; the runs started
+    beside x4_resize.layout's 2-GPU part (the first two of its GPUs) use none of those."""
+    from memsifter.runs import detached
+
+    drv = importlib.import_module("run_dapo_4b")
+    used = {}
+    for path in sorted(GPU_CONFIGS.glob("*.layout")):
+        lines = [x.split() for x in path.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+        assert lines, path.name
+        gpus_of = []
+        for name, cfg, gpus, *args in lines:
+            assert (REPO / cfg).is_file(), (path.name, cfg)
+            ids = [int(g) for g in gpus.split(",")]
+            gpus_of.append(set(ids))
+            if cfg.endswith("dapo_4b.yaml"):
+                base = drv.build_parser().parse_args(detached.argv(detached.load(str(REPO / cfg)))[2:] + args)
+                a = drv.resolve(base)
+                for c in a.configs:
+                    assert os.path.isfile(c), c
+                    assert drv.config_facts(c)["gpus"] <= len(ids), (path.name, name, c)
+        assert sum(map(len, gpus_of)) == len(set().union(*gpus_of)), f"{path.name}: two runs share a GPU"
+        used[path.stem] = (lines, gpus_of)
+    resize_lines, _ = used["x4_resize"]
+    a = drv.resolve(drv.build_parser().parse_args(
+        detached.argv(detached.load(str(REPO / resize_lines[0][1])))[2:] + resize_lines[0][3:]))
+    last = drv.own_gpus(drv.config_facts(a.configs[-1])["gpus"], resize_lines[0][2])
+    assert {int(g) for g in last.split(",")}.isdisjoint(set().union(*used["x4_after_resize"][1]))
 
 
 def test_a_detached_run_from_a_committed_config_reaches_done_and_is_collected(tmp_path):
@@ -1152,6 +1191,37 @@ def test_dapo_4b_table_reads_side_by_side_runs_and_an_unfinished_one(tmp_path):
     shutil.rmtree(late)
 
 
+def test_dapo_4b_table_a_resumed_run_and_a_checkpoint(tmp_path):
+    """A run resumed at another GPU count logs steps 3-4: its warm-up is its own first step (3), not step 1; a
+    checkpoint verl saved inside a step is left out of the step's seconds and shown beside them."""
+    t = importlib.import_module("dapo_4b_table")
+    base = {"prompt": 8192, "response": 256, "batch": 8, "n": 4, "tag": "8k", "exit": 0, "wall_s": 900.0,
+            "steps_logged": 2, "gpu_peak_mib_nvidia_smi": 70000, "matmul_peak_flops": 800e12, "device": "H100",
+            "dynamic_sampling": False, "run": "resize"}
+    four = {**base, "gpus": 4, "config": "memsifter/configs/train_4b_8k_4gpu.yaml"}
+    two = {**base, "gpus": 2, "config": "memsifter/configs/train_4b_8k_2gpu.yaml"}
+    one = {**base, "gpus": 1, "config": "memsifter/configs/train_4b_8k_1gpu_gpu_adam.yaml", "run": "scale1"}
+    step = {"prompt_length/mean": 7000.0, "response_length/mean": 256.0, "timing_s/gen": 10.0, "tag": "8k",
+            "timing_s/update_actor": 20.0}
+    steps = [{**step, "config": four["config"], "run": "resize", "step": 1, "timing_s/step": 90.0},
+             {**step, "config": four["config"], "run": "resize", "step": 2, "timing_s/step": 70.0,
+              "timing_s/save_checkpoint": 40.0},
+             {**step, "config": two["config"], "run": "resize", "step": 3, "timing_s/step": 200.0},
+             {**step, "config": two["config"], "run": "resize", "step": 4, "timing_s/step": 45.0,
+              "timing_s/save_checkpoint": 5.0},
+             {**step, "config": one["config"], "run": "scale1", "step": 1, "timing_s/step": 150.0},
+             {**step, "config": one["config"], "run": "scale1", "step": 2, "timing_s/step": 60.0}]
+    text, rows = t.table([four, two, one], steps)
+    by = {(r["gpus"], r["step"]): r for r in rows}
+    assert by[(4, 2)]["step_s"] == 30.0 and by[(4, 2)]["checkpoint_s"] == 40.0 and by[(4, 1)]["step_s"] == 90.0
+    assert "| 30.0 (+ 40.0 checkpoint) |" in text
+    sc = {r["gpus"]: r for r in t.scaling(rows)}
+    assert sc[2]["step_s"]["2"] == 40.0, "step 3 is the resumed run's warm-up; step 4 less its checkpoint"
+    assert sc[4]["step_s"]["efficiency"] == 60.0 / (4 * 30.0)
+    c = {r["gpus"]: r for r in t.cost([four, two, one], rows)}
+    assert c[2]["step_s"] == 40.0 and c[2]["first_step_only"] is None
+
+
 def test_ranker_paired_differences_come_from_the_per_question_files(tmp_path):
     """ranker_paired.py: each pair A:B is the mean per-question difference over the questions both ranked, per
     held-out part and pooled (ids kept apart by part), with a paired interval; it writes paired.md / paired.json."""
@@ -1196,8 +1266,11 @@ def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypa
 
     import memsifter.store as store_pkg
     monkeypatch.setattr(store_pkg, "storage", Store())
-    monkeypatch.setattr(drv, "sh", lambda cmd, log, check=True: (calls.append((cmd, log)), (0, 1.0))[1])
+    seen_gpus = []
+    monkeypatch.setattr(drv, "sh", lambda cmd, log, env=None, check=True: (
+        calls.append((cmd, log)), seen_gpus.append(env["CUDA_VISIBLE_DEVICES"]), (0, 1.0))[2])
     monkeypatch.setattr(drv, "verl_steps", lambda log: [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     for path, n in zip(a.configs, a.steps_each):
         drv.one(importlib.import_module("argparse").Namespace(**{**vars(a), "steps": n}), path, "/m",
                 {"peak": 1.0, "device": "d"})
@@ -1205,6 +1278,10 @@ def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypa
     assert "output=s3://memsifter/dapo4b/train-resize" in c1 and "output=s3://memsifter/dapo4b/train-resize" in c2
     assert "verl.trainer.total_training_steps=2" in c1 and "verl.trainer.total_training_steps=4" in c2
     assert log1.endswith("train-8k-4gpu.log") and log2.endswith("train-8k-2gpu.log") and deleted == []
+    # the 2-GPU config runs on the first two of the driver's GPUs and leaves the others to another run
+    assert seen_gpus == ["0,1,2,3", "0,1"]
+    assert [json.loads(x)["cuda_visible_devices"] for x in open(tmp_path / "runs.jsonl")] == ["0,1,2,3", "0,1"]
+    assert drv.own_gpus(2, "") is None and drv.own_gpus(1, "3") == "3" and drv.own_gpus(2, "2, 3") == "2,3"
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "run_dapo_4b.py"), "run", "--configs",
                           "memsifter/configs/train_4b_8k_4gpu.yaml", "--steps", "2,4"], capture_output=True, text=True,
                          cwd=REPO)

@@ -42,8 +42,11 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     rows = run["batch"] * run["n"]
     prompt, resp = st.get("prompt_length/mean"), st.get("response_length/mean")
     gen, upd = st.get("timing_s/gen"), st.get("timing_s/update_actor")
+    # verl times a checkpoint's save inside the step: the step's training seconds leave it out (its own column)
+    step_s, ckpt = st.get("timing_s/step"), st.get("timing_s/save_checkpoint")
     out = {"run": run.get("run"), "tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
-           "prompt_mean": prompt, "response_mean": resp, "step_s": st.get("timing_s/step"), "gen_s": gen,
+           "prompt_mean": prompt, "response_mean": resp, "checkpoint_s": ckpt,
+           "step_s": step_s - ckpt if step_s is not None and ckpt else step_s, "gen_s": gen,
            "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
            "rollout_gen_tok_s": rows * resp / gen if gen and resp is not None else None,
            "rollout_prompt_tok_s": run["batch"] * prompt / gen if gen and prompt is not None else None,
@@ -60,6 +63,13 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     return out
 
 
+def after_first(rs: list[dict]) -> list[dict]:
+    """A run's steps after the first it logged (which carries the warm-up; a run resumed from a checkpoint starts
+    past step 1), or all of them where it logged one."""
+    first = min((r["step"] for r in rs), default=None)
+    return [r for r in rs if r["step"] != first] or rs
+
+
 PHASES = (("step_s", "step"), ("gen_s", "rollout"), ("old_log_prob_s", "old log-prob"), ("update_s", "actor update"))
 
 
@@ -69,7 +79,7 @@ def scaling(rows: list[dict]) -> list[dict]:
     t(1 GPU) / (g x t(g GPUs)), the phase's seconds averaged over the steps after the first (which carries the
     warm-up) where a run logged more than one."""
     def mean_phase(rs: list[dict], key: str) -> float | None:
-        later = [r for r in rs if r["step"] > 1] or rs
+        later = after_first(rs)
         vals = [r[key] for r in later if r.get(key)]
         return sum(vals) / len(vals) if vals else None
 
@@ -181,7 +191,8 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
             rows.append(r)
             shape = (f"{r['rows']} × ({fmt(r['prompt_mean'], ',.0f')} + {fmt(r['response_mean'], '.0f')})")
             lines.append(
-                f"| {label(run)} | {r['gpus']} | {r['step']} | {shape} | {fmt(r['step_s'])} | {fmt(r['gen_s'])} | "
+                f"| {label(run)} | {r['gpus']} | {r['step']} | {shape} | {fmt(r['step_s'])}"
+                + (f" (+ {r['checkpoint_s']:.1f} checkpoint)" if r.get("checkpoint_s") else "") + f" | {fmt(r['gen_s'])} | "
                 f"{fmt(r['old_log_prob_s'])} | {fmt(r['update_s'])} | {fmt(r['rollout_gen_tok_s'], ',.0f')} | "
                 f"{fmt(r['rollout_prompt_tok_s'], ',.0f')} | {fmt(r.get('update_tflops_s'), '.0f')} | "
                 f"{fmt(r.get('mfu') and 100 * r['mfu'])}% | {fmt(r['verl_mfu_actor'] and 100 * r['verl_mfu_actor'])}% | "
@@ -225,12 +236,12 @@ def cost(runs: list[dict], rows: list[dict], steps: int = 100) -> list[dict]:
     out = []
     for run in runs:
         mine = [r for r in rows if r.get("run") == run.get("run") and r["tag"] == run["tag"] and r["gpus"] == run["gpus"]]
-        later = [r for r in mine if r["step"] > 1] or mine
+        later = after_first(mine)
         st = [r["step_s"] for r in later if r.get("step_s")]
         if not st:
             continue
         step_s = sum(st) / len(st)
-        first_only = all(r["step"] == 1 for r in later)
+        first_only = later[0]["step"] if len(later) == len(mine) else None  # one step logged: its number
         start = run["wall_s"] - sum(r["step_s"] for r in mine if r.get("step_s")) if run.get("wall_s") else None
         per = run.get("gpu_peak_mib_per_gpu") or ([run["gpu_peak_mib_nvidia_smi"]] if run.get("gpu_peak_mib_nvidia_smi") else [])
         extra = [o for o in run.get("overrides", []) if o.startswith("verl.actor_rollout_ref")]
@@ -251,7 +262,7 @@ def cost_lines(runs: list[dict], rows: list[dict], steps: int = 100) -> str:
              f"| run | config | GPUs | prompts × samples a step | steady step s | {steps} steps h | GPU-hours | start-up s | "
              "device peak GiB (largest GPU) | host GB (actor) |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in c:
-        step = fmt(r["step_s"]) + (" (step 1 only)" if r["first_step_only"] else "")
+        step = fmt(r["step_s"]) + (f" (step {r['first_step_only']} only)" if r["first_step_only"] else "")
         lines.append(f"| {r['run']} | `{r['config']}` | {r['gpus']} | {r['prompts_x_samples']} | {step} | {fmt(r['hours'], '.2f')} | "
                      f"{fmt(r['gpu_hours'], '.2f')} | {fmt(r['start_s'], '.0f')} | {fmt(r['device_peak_gib'])} | "
                      f"{fmt(r['host_gb'])} |")
@@ -279,7 +290,7 @@ def plot(runs: list[dict], rows: list[dict], path: str) -> None:
         vals = []
         for r in c:
             mine = [x for x in rows if label({**x, "run": x.get("run")}) == r["run"] and x["gpus"] == r["gpus"]]
-            later = [x for x in mine if x["step"] > 1] or mine
+            later = after_first(mine)
             v = [x[key] for x in later if x.get(key)]
             vals.append(sum(v) / len(v) if v else 0.0)
         ax1.bar(names, vals, bottom=bottoms, label=name)

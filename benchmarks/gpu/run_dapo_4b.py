@@ -97,6 +97,15 @@ def train_args(a, tag: str, model: str, run: str | None = None) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
+def own_gpus(gpus: int, visible: str | None = None) -> str | None:
+    """The GPUs a config of ``gpus`` GPUs runs on: the first ``gpus`` of ``CUDA_VISIBLE_DEVICES`` (the driver's
+    own), so that the GPUs a smaller config leaves free can take another run and its memory peaks are its own;
+    unchanged (None: unset) where it names no more than that."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [x.strip() for x in (visible or "").split(",") if x.strip()]
+    return ",".join(ids[:gpus]) if ids else None
+
+
 def one(a, path: str, model: str, pk: dict) -> None:
     from memsifter.store import storage
     from run_rank import GpuMem
@@ -117,8 +126,11 @@ def one(a, path: str, model: str, pk: dict) -> None:
     if not a.keep_output:
         storage.delete(out)
     log = f"{a.out}/train-{name}.log"
-    with GpuMem() as mem:
-        rc, dt = sh(ms("run", "train", "--config", path, *sets), log, check=False)
+    gpus = own_gpus(f["gpus"])
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
+    print(f"{name}: GPUs {gpus or 'all'}", flush=True)
+    with GpuMem(visible=gpus) as mem:
+        rc, dt = sh(ms("run", "train", "--config", path, *sets), log, env=env, check=False)
     steps = verl_steps(log)
     with open(f"{a.out}/steps.jsonl", "a") as fh:
         for r in steps:
@@ -126,7 +138,7 @@ def one(a, path: str, model: str, pk: dict) -> None:
     with open(f"{a.out}/runs.jsonl", "a") as fh:
         fh.write(json.dumps({**f, "tag": tag, "exit": rc, "wall_s": round(dt, 1), "steps_logged": len(steps),
                              "gpu_peak_mib_nvidia_smi": mem.peak, "gpu_peak_mib_per_gpu": mem.peaks,
-                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "matmul_peak_flops": pk["peak"],
+                             "cuda_visible_devices": gpus, "matmul_peak_flops": pk["peak"],
                              "device": pk["device"], "dynamic_sampling": a.dynamic_sampling,
                              "prepare_rl_stats": stats, "overrides": sets}) + "\n")
     if storage.exists(f"{out}/metrics.jsonl"):
