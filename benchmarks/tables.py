@@ -1262,6 +1262,7 @@ def table_vllm_cpu_wait() -> list[str]:
 # per-question NDCG@10 files, read by run_ranker.py's and ranker_paired.py's own code).
 DAPO_X4 = f"{GPU}/2026-11-27-h100x4-4b-dapo"
 DAPO_X1 = f"{GPU}/2026-11-26-h100-4b-dapo"
+DAPO_RESIZE = f"{GPU}/2026-11-27-h100x4-4b-resize"   # the second 4-GPU host: resume 4 -> 2, 1 vs 4 GPUs, LoRA
 RANKER_IMPROVE = f"{GPU}/2026-11-27-h100x4-ranker-improve"
 IMPROVE_PAIRS = [("improve-shuf", "sft-shuf"), ("improve-shuf", "first-stage"), ("sft-shuf", "first-stage"),
                  ("improve-shuf", "base-structured-shuf")]
@@ -1282,7 +1283,7 @@ def table_train_4b_cost() -> list[str]:
     """README's training section: the 100-step cost rows of both 4B results folders."""
     t = gpu_script("dapo_4b_table")
     lines = []
-    for folder in (DAPO_X1, DAPO_X4):
+    for folder in (DAPO_X1, DAPO_X4, DAPO_RESIZE):
         runs, steps = t.load(os.path.join(ROOT, folder))
         _, rows = t.table(runs, steps)
         cost = t.cost_lines(runs, rows)
@@ -1401,7 +1402,11 @@ TABLES = {
 TABLES.update({
     "dapo-4b-x4": (functools.partial(table_dapo_4b_folder, DAPO_X4), [f"{DAPO_X4}/*/runs.jsonl", f"{DAPO_X4}/*/steps.jsonl",
                                                                f"{DAPO_X4}/d8k1/train-8k.log"], [f"{DAPO_X4}/README.md"]),
-    "train-4b-cost": (table_train_4b_cost, [f"{DAPO_X1}/runs.jsonl", f"{DAPO_X4}/*/runs.jsonl"], ["README.md"]),
+    "dapo-4b-resize": (functools.partial(table_dapo_4b_folder, DAPO_RESIZE),
+                       [f"{DAPO_RESIZE}/*/runs.jsonl", f"{DAPO_RESIZE}/*/steps.jsonl", f"{DAPO_RESIZE}/resize2/run.json",
+                        f"{DAPO_RESIZE}/resize2/train-8k-2gpu.log"], [f"{DAPO_RESIZE}/README.md"]),
+    "train-4b-cost": (table_train_4b_cost, [f"{DAPO_X1}/runs.jsonl", f"{DAPO_X4}/*/runs.jsonl",
+                                            f"{DAPO_RESIZE}/*/runs.jsonl", f"{DAPO_RESIZE}/*/steps.jsonl"], ["README.md"]),
     "ranker-improve": (table_ranker_improve, [f"{RANKER_IMPROVE}/results/table.json"], [f"{RANKER_IMPROVE}/README.md"]),
     "ranker-improve-paired": (table_ranker_improve_paired, [f"{RANKER_IMPROVE}/results/ndcg10-per-question-*.json"],
                               [f"{RANKER_IMPROVE}/README.md"]),

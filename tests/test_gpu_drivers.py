@@ -1220,6 +1220,16 @@ def test_dapo_4b_table_a_resumed_run_and_a_checkpoint(tmp_path):
     assert sc[4]["step_s"]["efficiency"] == 60.0 / (4 * 30.0)
     c = {r["gpus"]: r for r in t.cost([four, two, one], rows)}
     assert c[2]["step_s"] == 40.0 and c[2]["first_step_only"] is None
+    # the resize, timed from the train log's lines (the stage's, then verl's)
+    log = ("16:47:31 INFO memsifter.stages.train: train: step 2 was written by 4 GPU processes and this run has 2: "
+           "collecting its weights -> s3://b/x/_work/resized-from-2\n"
+           "16:53:26 INFO memsifter.stages.train: staged on 1 node(s); going on from step 2's model\n"
+           "(TaskRunnerV1 pid=1) INFO:2026-11-27 16:58:34,095:all initialize finished, ready to fit\n")
+    assert t.resize_events(log) == {"from_step": 2, "written_by_gpus": 4, "gpus": 2, "collect_s": 355,
+                                    "start_to_ready_s": 308}
+    assert t.resize_events("16:47:31 INFO memsifter.stages.train: staged on 1 node(s); resuming from step 2") is None
+    text, _ = t.table([{**two, "resize": t.resize_events(log)}], steps)
+    assert "went on from step 2, written by 4 GPU processes, on 2: collecting that step's weights took 355 s" in text
 
 
 def test_ranker_paired_differences_come_from_the_per_question_files(tmp_path):
@@ -1249,6 +1259,8 @@ def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypa
         ["run", "--configs", "memsifter/configs/train_4b_8k_4gpu.yaml,memsifter/configs/train_4b_8k_2gpu.yaml",
          "--steps", "2,4", "--output-tag", "resize", "--keep-output", "--work", str(tmp_path), "--out", str(tmp_path)]))
     assert a.steps_each == [2, 4] and a.max_steps == 4
+    # 8 prompts a step for 4 steps: 32 train rows, 2 test rows, 2 to spare (20 questions gave 18 rows: 2 steps)
+    assert a.questions == 36
     calls, deleted = [], []
 
     class Store:
@@ -1277,6 +1289,7 @@ def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypa
     (c1, log1), (c2, log2) = calls
     assert "output=s3://memsifter/dapo4b/train-resize" in c1 and "output=s3://memsifter/dapo4b/train-resize" in c2
     assert "verl.trainer.total_training_steps=2" in c1 and "verl.trainer.total_training_steps=4" in c2
+    assert "--replace" in c2, "the 4-GPU config published the output: the 2-GPU one goes on from its checkpoints"
     assert log1.endswith("train-8k-4gpu.log") and log2.endswith("train-8k-2gpu.log") and deleted == []
     # the 2-GPU config runs on the first two of the driver's GPUs and leaves the others to another run
     assert seen_gpus == ["0,1,2,3", "0,1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -542,7 +543,8 @@ def test_train_stage_resumes_from_s3_on_fresh_local_disk(s3_env, s3_root, tmp_pa
     assert checkpoints.checkpoint_world_size(storage.join(out, "checkpoints"), 20) == 2
 
 
-def test_a_run_goes_on_at_another_gpu_count_from_the_checkpoints_weights(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_run_goes_on_at_another_gpu_count_from_the_checkpoints_weights(tiny_model_dir, tmp_path, monkeypatch,
+                                                                         caplog):
     """Issue 43 item 4: real FSDP2 checkpoints written by 2 processes (verl's own checkpoint manager, gloo, CPU),
     resumed on 1 GPU. The stage collects the newest step's weights and starts verl from them without verl's resume,
     for the steps left; the steps and checkpoints it then writes are numbered on from that step, the metrics
@@ -581,7 +583,9 @@ def test_a_run_goes_on_at_another_gpu_count_from_the_checkpoints_weights(tiny_mo
            "n_gpus_per_node": 1, "verl": {"trainer": {"total_training_steps": 10}}}
     with pytest.raises(ConfigError, match="written by 2 GPU processes and this run has nnodes x n_gpus_per_node = 1"):
         train.run({**cfg, "resume_other_size": "refuse"})
+    caplog.set_level(logging.INFO, logger="memsifter.stages.train")
     m = train.run(cfg)
+    assert "going on from step 4's model (written by 2 GPU processes, now 1) for 6 step(s)" in caplog.text
     start = seen["actor_rollout_ref.model.path"].strip("'")
     assert start == storage.join(out, "_work", "resized-from-4", "global_step_4")
     got = load_file(os.path.join(start, "model.safetensors"))

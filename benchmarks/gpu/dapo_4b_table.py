@@ -12,7 +12,8 @@ run, which includes vLLM), and the actor update's MFU:
 
 (forward + backward = 3 forward passes; 2 FLOPs per weight per token, the LM head over every position as the
 actor computes it; causal attention QK^T and AV = 4 q_dim L^2 / 2 per layer; gradient checkpointing's
-recomputation not counted, as MFU does not count it), with L = mean prompt + mean response length of the step
+recomputation not counted, as MFU does not count it; a LoRA run's frozen weights get no gradient: 2 forward passes,
+not 3), with L = mean prompt + mean response length of the step
 and rows = prompts x samples, over the update's seconds, against the bf16 matmul peak measured in the same run.
 """
 from __future__ import annotations
@@ -30,11 +31,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from memsifter.models.tiny import QWEN3_4B  # noqa: E402
 
 
-def train_flops(cfg: dict, lengths: list[float]) -> float:
-    """Model FLOPs of one forward + backward over rows of these lengths (see the module's docstring)."""
+def train_flops(cfg: dict, lengths: list[float], lora: bool = False) -> float:
+    """Model FLOPs of one forward + backward over rows of these lengths (see the module's docstring). With a LoRA
+    adapter the frozen weights get no gradient: the backward computes only the activations' gradients (one
+    forward's FLOPs; the adapter's own are under 2% of the model's), so 2 forward passes, not 3."""
     p = model_params(cfg)
     fwd = sum(2 * (p["body"] + p["lm_head"]) * L + 2 * p["layers"] * p["q_dim"] * L * L for L in lengths)
-    return 3 * fwd
+    return (2 if lora else 3) * fwd
+
+
+def lora_rank(run: dict) -> int:
+    """The LoRA rank a run trained with: its record's, else its committed config file's (0: full fine-tuning)."""
+    if "lora_rank" in run:
+        return run["lora_rank"] or 0
+    import yaml
+
+    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), run.get("config", ""))
+    if not os.path.isfile(path):
+        return 0
+    v = (yaml.safe_load(open(path)) or {}).get("verl", {})
+    return (v.get("actor_rollout_ref", {}).get("model", {}) or {}).get("lora_rank", 0) or 0
 
 
 def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
@@ -44,7 +60,9 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     gen, upd = st.get("timing_s/gen"), st.get("timing_s/update_actor")
     # verl times a checkpoint's save inside the step: the step's training seconds leave it out (its own column)
     step_s, ckpt = st.get("timing_s/step"), st.get("timing_s/save_checkpoint")
+    lora = lora_rank(run)
     out = {"run": run.get("run"), "tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
+           "lora_rank": lora,
            "prompt_mean": prompt, "response_mean": resp, "checkpoint_s": ckpt,
            "step_s": step_s - ckpt if step_s is not None and ckpt else step_s, "gen_s": gen,
            "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
@@ -57,7 +75,7 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
            "verl_mfu_actor": st.get("perf/mfu/actor")}
     peak = run.get("matmul_peak_flops")
     if upd and peak and prompt is not None and resp is not None:
-        flops = train_flops(cfg, [prompt + resp] * rows)
+        flops = train_flops(cfg, [prompt + resp] * rows, lora=lora > 0)
         # MFU per GPU: the update's FLOPs over its seconds and every GPU's peak
         out.update(update_flops=flops, update_tflops_s=flops / upd / 1e12, mfu=flops / upd / (peak * run["gpus"]))
     return out
@@ -87,14 +105,14 @@ def scaling(rows: list[dict]) -> list[dict]:
         out: dict = {}
         for r in rows:
             if pred(r):
-                out.setdefault((r.get("run"), r["tag"], r["gpus"]), []).append(r)
+                out.setdefault((r.get("run"), r["tag"], r["gpus"], r.get("lora_rank", 0)), []).append(r)
         return out
 
     ones, manys = by_run(lambda r: r["gpus"] == 1), by_run(lambda r: r["gpus"] > 1)
     out = []
-    for (name, tag, g), many in manys.items():
-        for (base, btag, _), one in ones.items():
-            if btag != tag:
+    for (name, tag, g, lora), many in manys.items():
+        for (base, btag, _, blora), one in ones.items():
+            if btag != tag or blora != lora:  # the same recipe: full fine-tuning, or LoRA of one rank
                 continue
             row = {"tag": tag, "gpus": g, "run": name, "base": base}
             for key, _ in PHASES:
@@ -102,6 +120,33 @@ def scaling(rows: list[dict]) -> list[dict]:
                 row[key] = {"1": t1, str(g): tg, "speedup": t1 / tg if t1 and tg else None,
                             "efficiency": t1 / (g * tg) if t1 and tg else None}
             out.append(row)
+    return out
+
+
+def resize_events(text: str) -> dict | None:
+    """A train log's resume at another GPU count, timed from its log lines: the step it went on from, the GPU
+    processes that wrote it and the run's, the seconds collecting that step's weights (to the stage's "staged"
+    line) and from there until verl was ready to fit; None where the run did not resize."""
+    import re
+    from datetime import datetime
+
+    def secs(hms: str) -> int:
+        h, m, s = map(int, hms.split(":"))
+        return 3600 * h + 60 * m + s
+
+    m = re.search(r"^(\d\d:\d\d:\d\d) INFO .*step (\d+) was written by (\d+) GPU processes and this run has "
+                  r"(\d+): collecting", text, re.M)
+    if not m:
+        return None
+    out = {"from_step": int(m.group(2)), "written_by_gpus": int(m.group(3)), "gpus": int(m.group(4)),
+           "collect_s": None, "start_to_ready_s": None}
+    staged = re.search(r"^(\d\d:\d\d:\d\d) INFO .*staged on \d+ node", text, re.M)
+    ready = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+:all initialize finished, ready to fit", text)
+    if staged:
+        out["collect_s"] = (secs(staged.group(1)) - secs(m.group(1))) % 86400
+        if ready:
+            t_ready = datetime.strptime(ready.group(1), "%Y-%m-%d %H:%M:%S")
+            out["start_to_ready_s"] = (secs(t_ready.strftime("%H:%M:%S")) - secs(staged.group(1))) % 86400
     return out
 
 
@@ -128,6 +173,7 @@ def _unfinished(path: str, name: str | None) -> tuple[list[dict], list[dict]]:
         mine = [{**facts, "tag": tag, "run": name, **r} for r in verl_steps(log)]
         steps += mine
         runs.append({**facts, "tag": tag, "run": name, "exit": None, "wall_s": None, "steps_logged": len(mine),
+                     "resize": resize_events(open(log, errors="replace").read()),
                      "gpu_peak_mib_nvidia_smi": None, "matmul_peak_flops": float(m.group(1)) * 1e12 if m else None,
                      "device": m.group(2).strip() if m else "?", "dynamic_sampling": a.dynamic_sampling,
                      "cuda_visible_devices": info.get("env", {}).get("CUDA_VISIBLE_DEVICES"),
@@ -162,8 +208,10 @@ def fmt(v, spec: str = ".1f") -> str:
 
 
 def label(run: dict) -> str:
-    """A run's name in the table: its prompt budget, and the name it ran under side by side."""
-    return f"{run['tag']} ({run['run']})" if run.get("run") else run["tag"]
+    """A run's name in the table: its prompt budget (and LoRA rank), and the name it ran under side by side."""
+    rank = lora_rank(run)
+    tag = f"{run['tag']} LoRA r{rank}" if rank else run["tag"]
+    return f"{tag} ({run['run']})" if run.get("run") else tag
 
 
 def device_peaks(run: dict) -> str:
@@ -210,6 +258,12 @@ def table(runs: list[dict], steps: list[dict]) -> tuple[str, list[dict]]:
                     f"{'GPUs ' + run['cuda_visible_devices'] + ', ' if run.get('cuda_visible_devices') else ''}dynamic sampling "
                     f"{'on' if run.get('dynamic_sampling') else 'off'}; device {run['device']}, bf16 matmul peak "
                     f"{fmt(run.get('matmul_peak_flops') and run['matmul_peak_flops'] / 1e12)} TFLOP/s")
+    for run in runs:
+        rz = run.get("resize")
+        if rz:
+            head.append(f"- {label(run)} went on from step {rz['from_step']}, written by {rz['written_by_gpus']} GPU "
+                        f"processes, on {rz['gpus']}: collecting that step's weights took {fmt(rz['collect_s'], '.0f')} s, "
+                        f"verl's start from them until ready to fit {fmt(rz['start_to_ready_s'], '.0f')} s")
     text = "\n".join(head) + "\n\n" + "\n".join(lines) + "\n"
     sc = scaling(rows)
     if sc:
@@ -242,7 +296,8 @@ def cost(runs: list[dict], rows: list[dict], steps: int = 100) -> list[dict]:
             continue
         step_s = sum(st) / len(st)
         first_only = later[0]["step"] if len(later) == len(mine) else None  # one step logged: its number
-        start = run["wall_s"] - sum(r["step_s"] for r in mine if r.get("step_s")) if run.get("wall_s") else None
+        start = (run["wall_s"] - sum(r["step_s"] + (r.get("checkpoint_s") or 0) for r in mine if r.get("step_s"))
+                 if run.get("wall_s") else None)
         per = run.get("gpu_peak_mib_per_gpu") or ([run["gpu_peak_mib_nvidia_smi"]] if run.get("gpu_peak_mib_nvidia_smi") else [])
         extra = [o for o in run.get("overrides", []) if o.startswith("verl.actor_rollout_ref")]
         config = os.path.basename(run["config"]) + (f" + {len(extra)} actor setting(s)" if extra else "")

@@ -130,7 +130,11 @@ def one(a, path: str, model: str, pk: dict) -> None:
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
     print(f"{name}: GPUs {gpus or 'all'}", flush=True)
     with GpuMem(visible=gpus) as mem:
-        rc, dt = sh(ms("run", "train", "--config", path, *sets), log, env=env, check=False)
+        # --keep-output: this config goes on from the output's checkpoints even where an earlier config finished
+        # and published it (--replace keeps the checkpoints; without it a published output of another config is
+        # refused in one line)
+        rc, dt = sh(ms("run", "train", "--config", path, *sets, *(["--replace"] if a.keep_output else [])), log,
+                    env=env, check=False)
     steps = verl_steps(log)
     with open(f"{a.out}/steps.jsonl", "a") as fh:
         for r in steps:
@@ -185,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work", default="/root/gpu-dapo4b")
     ap.add_argument("--steps", default="2", help="training steps of each config: one number for all, or one per "
                     "config (2,4)")
-    ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--questions", type=int, default=None, help="synthetic questions (default: enough for every "
+                    "config's steps: batch x steps train rows, 2 test rows and 2 to spare, at least 20)")
     ap.add_argument("--sessions", type=int, default=800, help="haystack sessions per synthetic question")
     ap.add_argument("--set", action="append", default=[], help="one more train setting KEY=VALUE (all configs)")
     ap.add_argument("--output-tag", default=None, help="the train output's name (default: the prompt budget and GPU "
@@ -207,6 +212,9 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
         print(f"run_dapo_4b: --steps {a.steps}: one count >= 1, or one per config ({len(a.configs)})", file=sys.stderr)
         raise SystemExit(2)
     a.steps_each, a.max_steps = each, max(each)
+    if a.questions is None:  # one synthetic question makes one RL row; too few rows end verl's epoch early
+        need = max((config_facts(c)["batch"] * n for c, n in zip(a.configs, each)), default=0)
+        a.questions = max(20, need + 4)
     return a
 
 

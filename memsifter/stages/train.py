@@ -419,7 +419,12 @@ def run(config: TrainConfig, out: storage.Publication) -> dict:
             import ray
 
             ray.shutdown()
-    log.info("staged on %d node(s); resuming from step %s", len(staged), resume)
+    if resized:
+        log.info("staged on %d node(s); going on from step %d's %s (written by %d GPU processes, now %d) for %d "
+                 "step(s), a fresh optimizer", len(staged), resized["from_step"], resized["what"],
+                 resized["written_by_gpus"], resized["gpus"], resized["steps_left"])
+    else:
+        log.info("staged on %d node(s); resuming from step %s", len(staged), resume)
     from ..training.trainmetrics import MetricsSink
 
     # verl's per-step metrics, kept under the output as they come (they outlive the pod; a resumed
