@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pkgutil
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -570,11 +571,22 @@ def _unreadable_value(what: str, e: Exception) -> ConfigError:
     return ConfigError(f"{what}: a value cannot be read: {msg}")
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, also reading a number in exponent form without a dot (``2e-05``, YAML 1.2's float) as
+    a float: helm and kubectl write floats so (Go), and YAML 1.1 alone reads that a string, which reached verl as
+    a learning rate of ``'2e-05'`` from a config document the chart had rendered."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def parse_value(raw: str, what: str = "--set value") -> Any:
     """A ``--set`` value as YAML (a plain word stays a string). ``what`` names it in errors
     (``--set key``)."""
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError:
         return raw
     except RecursionError:
@@ -640,7 +652,7 @@ def load_config_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not a text config file (byte {e.start} is not UTF-8: {e.reason})") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=ConfigLoader) or {}  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML/JSON: {_one_line(e)}") from e
     except RecursionError:

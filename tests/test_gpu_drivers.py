@@ -785,7 +785,8 @@ def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch
                           ("train_4b_8k_2gpu.yaml", 8192, 2, 16896, False),
                           ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False),
                           ("train_4b_8k_1gpu_lora.yaml", 8192, 1, 8448, False),
-                          ("train_4b_8k_4gpu_lora.yaml", 8192, 4, 16896, False)])
+                          ("train_4b_8k_4gpu_lora.yaml", 8192, 4, 16896, False),
+                          ("train_4b_8k_2x2gpu.yaml", 8192, 4, 16896, False)])
 def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, gpus, tokens_per_micro_batch,
                                                                            offload, tmp_path, capsys):
     """The committed 4B train configs, with exactly what run_dapo_4b.py adds on the command line, compose and
@@ -812,7 +813,9 @@ def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name,
     cfg = yaml.safe_load(text)
     actor, model = cfg["actor_rollout_ref"]["actor"], cfg["actor_rollout_ref"]["model"]
     assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["offload_policy"] is offload
-    assert cfg["trainer"]["n_gpus_per_node"] == gpus and cfg["trainer"]["nnodes"] == 1
+    nodes = 2 if "2x2" in name else 1
+    assert facts["nodes"] == nodes and cfg["trainer"]["nnodes"] == nodes
+    assert cfg["trainer"]["n_gpus_per_node"] * nodes == gpus
     assert actor["ppo_max_token_len_per_gpu"] == tokens_per_micro_batch and actor["use_dynamic_bsz"] is True
     assert actor["ulysses_sequence_parallel_size"] == 1 and model["enable_gradient_checkpointing"] is True
     assert model["override_config"]["attn_implementation"] == "sdpa"
@@ -975,6 +978,65 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
     dapo = detached.load(str(GPU_CONFIGS / "dapo_4b.yaml"))
     for c in importlib.import_module("run_dapo_4b").build_parser().parse_args(detached.argv(dapo)[2:]).configs.split(","):
         assert (REPO / c).is_file(), c
+
+
+def test_dapo_4b_two_nodes_start_as_raylets_on_their_own_gpus_behind_the_rayjob_entrypoint():
+    """Issue 43 item 3: a config of 2 nodes of 2 GPUs runs on a Ray cluster of two raylets on the host (a head and
+    a worker, as KubeRay's pods), each seeing only its 2 GPUs, and the train stage behind the entrypoint the RayJob
+    runs it with (await-capacity for 2 nodes of 2 GPUs, then exec)."""
+    drv = importlib.import_module("run_dapo_4b")
+    f = drv.config_facts(str(REPO / "memsifter" / "configs" / "train_4b_8k_2x2gpu.yaml"))
+    assert f["nodes"] == 2 and f["gpus"] == 4 and drv.run_tag(f) == "8k-2x2gpu"
+    (env0, head), (env1, worker) = drv.ray_node_commands(["4", "5", "6", "7"], 2, 6390)
+    assert env0["CUDA_VISIBLE_DEVICES"] == "4,5" and env1["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert head[:3] == ["ray", "start", "--head"] and "--port" in head and "6390" in head
+    assert worker[:4] == ["ray", "start", "--address", "127.0.0.1:6390"]
+    for argv in (head, worker):
+        assert argv[argv.index("--num-gpus") + 1] == "2" and argv[argv.index("--num-cpus") + 1] == "16"
+    with pytest.raises(ValueError, match="do not split"):
+        drv.ray_node_commands(["0", "1", "2"], 2, 1)
+    cmd = drv.train_command("/c.yaml", ["--set", "x=1"], f, keep_output=False)
+    i = cmd.index("await-capacity")
+    assert cmd[i + 1:i + 5] == ["--nodes", "2", "--gpus-per-node", "2"]
+    rest = cmd[cmd.index("--") + 1:]
+    assert rest[-6:] == ["run", "train", "--config", "/c.yaml", "--set", "x=1"]
+    one = drv.train_command("/c.yaml", [], {**f, "nodes": 1, "gpus": 4}, keep_output=True)
+    assert "await-capacity" not in one and one[-1] == "--replace"
+
+
+@pytest.mark.slow
+def test_dapo_4b_two_raylets_form_one_cluster_that_await_capacity_accepts(monkeypatch):
+    """The two raylets the driver starts (real `ray start`, logical GPUs here) join one cluster of 2 nodes with 2
+    GPUs each: the RayJob's entrypoint (`memsifter k8s await-capacity --nodes 2 --gpus-per-node 2 -- CMD`) finds
+    them and execs CMD, which sees both nodes; the driver's stop ends only this cluster's processes."""
+    import shutil
+    import tempfile
+
+    drv = importlib.import_module("run_dapo_4b")
+    tmp_path = tempfile.mkdtemp(prefix="r2", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    monkeypatch.setenv("RAY_TMPDIR", os.path.join(tmp_path, "rt"))
+    os.makedirs(os.path.join(tmp_path, "rt", "ray"))
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        address = drv.start_ray_nodes(["0", "1", "2", "3"], 2)
+        probe = ("import ray; ray.init(); ns = [n for n in ray.nodes() if n['Alive']]; "
+                 "print('nodes', len(ns), sorted(n['Resources'].get('GPU', 0) for n in ns))")
+        cmd = drv.ms("k8s", "await-capacity", "--nodes", "2", "--gpus-per-node", "2", "--timeout", "120",
+                     "--poll", "1", "--", sys.executable, "-c", probe)
+        p = subprocess.run(cmd, env={**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"},
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "nodes 2 [2.0, 2.0]" in p.stdout
+    finally:
+        drv.stop_own_ray()
+    import psutil
+
+    time.sleep(2)
+    left = [q for q in psutil.process_iter(["cmdline"])
+            if any(os.path.join(tmp_path, "rt") in c for c in q.info["cmdline"] or [])]
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert not left
 
 
 def test_committed_layouts_run_configs_on_the_gpus_they_name():

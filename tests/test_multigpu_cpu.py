@@ -258,3 +258,46 @@ def test_chart_gpu_group_fits_the_placement_groups_per_ray_autoscaler():
     scorer = partial(_default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({}))
     to_add, residual = get_nodes_for(types, {"headgroup": 1}, "headgroup", auto["max_workers"], demands, scorer)
     assert residual == [] and dict(to_add) == {"gpu": NODES}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (chart.REPO / "memsifter" / "configs").glob("train_4b_*.yaml")))
+def test_chart_renders_each_committed_4b_train_config_as_a_valid_rayjob(name, crd):
+    """Issue 43 item 7: each committed 4B train config, given to the chart as the train section of a plan, renders a
+    RayJob valid against the KubeRay CRD; its GPU worker pods and the entrypoint's await-capacity ask for the
+    config's nodes and GPUs, and the mounted config document is the file's (its verl block included)."""
+    import yaml
+
+    doc_in = yaml.safe_load(open(chart.REPO / "memsifter" / "configs" / name))
+    nodes, gpn = doc_in.get("nnodes", 1), doc_in["n_gpus_per_node"]
+    section = {k: v for k, v in doc_in.items() if k not in ("output",)}
+    plan = chart_plan({"run": "s3://my-bucket/runs/example", "stages": {"train": section}})
+    docs = chart.render_docs([chart.JOBS_DIR / "values.yaml"], [f"stages.train.workers.gpus={gpn}"],
+                             values={"pipeline": plan},
+                             show_only=["templates/configmaps.yaml", "templates/rayjobs.yaml"])
+    (rj,) = [d for d in docs if d["kind"] == "RayJob"]
+    assert validate.validate_rayjob(rj, crd) == []
+    (wg,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    (ctr,) = wg["template"]["spec"]["containers"]
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == gpn and wg["maxReplicas"] == nodes
+    words = shlex.split(validate.submitted_entrypoint(rj["spec"]["entrypoint"]))
+    assert words[:7] == ["memsifter", "k8s", "await-capacity", "--nodes", str(nodes), "--gpus-per-node", str(gpn)]
+    doc = chart.stage_config(docs, rj)
+    assert (doc["nnodes"], doc["n_gpus_per_node"]) == (nodes, gpn) and doc["verl"] == doc_in["verl"]
+    stg.validate_config("train", doc)
+
+
+def test_values_helm_reads_keep_one_letter_keys_and_exponent_floats():
+    """helm reads values as YAML 1.1 in Go: a plain `n` key is the boolean false there, and it writes a float as
+    `2e-05`, which PyYAML alone reads as a string. The plan's values file quotes such words (helmyaml), and a stage
+    reads `2e-05` as a float (stage.ConfigLoader); the chart test above renders through real helm."""
+    import yaml
+
+    from memsifter.k8s import helmyaml
+    from memsifter.k8s.plan import values_text
+
+    text = values_text({"run": "s3://b/r", "steps": [{"name": "train", "stage": "train", "config": {
+        "verl": {"actor_rollout_ref": {"rollout": {"n": 4}}}, "y": "n", "on": True, "note": "no"}}]})
+    assert "'n': 4" in text and "'y': 'n'" in text and "note: 'no'" in text
+    assert yaml.safe_load(text)["pipeline"]["steps"][0]["config"]["verl"]["actor_rollout_ref"]["rollout"] == {"n": 4}
+    assert helmyaml.GO_YAML_BOOLS >= {"y", "Y", "n", "N", "yes", "NO", "On", "off"}
+    assert yaml.load("lr: 2e-05\nx: 1.5e3\nid: 2e5x\n", Loader=stg.ConfigLoader) == {"lr": 2e-05, "x": 1500.0, "id": "2e5x"}

@@ -36,6 +36,36 @@ def test_large_file_copy_is_multipart_safe(store_root, tmp_path):
     assert storage.read_bytes(storage.join(store_root, "big.bin")) == payload
 
 
+def test_copies_of_one_file_to_one_local_path_at_once_leave_it_whole(tmp_path):
+    """Two Ray nodes on one host (or pods on a shared volume) stage the same file to the same local path at the
+    same time: each writes its own part and renames it, so the file is whole whichever rename comes last (one
+    shared part file interleaves their writes, or loses the rename)."""
+    import threading
+
+    src = tmp_path / "model.bin"
+    payload = bytes(range(256)) * 4096 * 8   # 8 MiB, copied 64 KiB at a time
+    src.write_bytes(payload)
+    dst = str(tmp_path / "node" / "model.bin")
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def copy() -> None:
+        try:
+            start.wait()
+            storage.copy_file(str(src), dst, chunk=64 << 10)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=copy) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert open(dst, "rb").read() == payload
+    assert sorted(p.name for p in (tmp_path / "node").iterdir()) == ["model.bin"], "no part file left behind"
+
+
 def _publication(uri: str, cfg: dict | None = None) -> storage.Publication:
     return storage.Publication(uri, "test", cfg or {"a": 1}, "h1", "0.0")
 

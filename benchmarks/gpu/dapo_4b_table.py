@@ -62,7 +62,7 @@ def step_row(run: dict, st: dict, cfg: dict = QWEN3_4B) -> dict:
     step_s, ckpt = st.get("timing_s/step"), st.get("timing_s/save_checkpoint")
     lora = lora_rank(run)
     out = {"run": run.get("run"), "tag": run["tag"], "gpus": run["gpus"], "step": st["step"], "rows": rows,
-           "lora_rank": lora,
+           "lora_rank": lora, "nodes": run.get("nodes") or 1,
            "prompt_mean": prompt, "response_mean": resp, "checkpoint_s": ckpt,
            "step_s": step_s - ckpt if step_s is not None and ckpt else step_s, "gen_s": gen,
            "old_log_prob_s": st.get("timing_s/old_log_prob"), "update_s": upd,
@@ -211,6 +211,8 @@ def label(run: dict) -> str:
     """A run's name in the table: its prompt budget (and LoRA rank), and the name it ran under side by side."""
     rank = lora_rank(run)
     tag = f"{run['tag']} LoRA r{rank}" if rank else run["tag"]
+    if (run.get("nodes") or 1) > 1:
+        tag += f" {run['nodes']} nodes"
     return f"{tag} ({run['run']})" if run.get("run") else tag
 
 

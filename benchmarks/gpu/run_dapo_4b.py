@@ -48,7 +48,7 @@ def config_facts(path: str) -> dict:
     d, ar = v.get("data", {}), v.get("actor_rollout_ref", {})
     return {"config": os.path.relpath(os.path.abspath(path), ROOT), "prompt": d["max_prompt_length"],
             "response": d["max_response_length"], "batch": d["train_batch_size"], "n": ar["rollout"]["n"],
-            "gpus": cfg.get("nnodes", 1) * cfg.get("n_gpus_per_node", 1)}
+            "gpus": cfg.get("nnodes", 1) * cfg.get("n_gpus_per_node", 1), "nodes": cfg.get("nnodes", 1)}
 
 
 def prepare(a) -> tuple[str, dict]:
@@ -82,6 +82,9 @@ def prepare(a) -> tuple[str, dict]:
 def run_tag(facts: dict) -> str:
     """A run's name: its prompt budget (``8k``), and its GPU count when more than one (``8k-2gpu``)."""
     tag = f"{facts['prompt'] // 1024}k"
+    nodes = facts.get("nodes", 1)
+    if nodes > 1:  # 8k-2x2gpu: 2 nodes of 2 GPUs
+        return f"{tag}-{nodes}x{facts['gpus'] // nodes}gpu"
     return tag if facts["gpus"] == 1 else f"{tag}-{facts['gpus']}gpu"
 
 
@@ -104,6 +107,52 @@ def own_gpus(gpus: int, visible: str | None = None) -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     ids = [x.strip() for x in (visible or "").split(",") if x.strip()]
     return ",".join(ids[:gpus]) if ids else None
+
+
+def ray_node_commands(ids: list[str], nodes: int, port: int, cpus_per_gpu: int = 8) -> list[tuple[dict, list[str]]]:
+    """``ray start`` of each node of a Ray cluster of ``nodes`` raylets on this host, as KubeRay's head pod and
+    worker pods run it: (env, argv), the head first; the GPUs ``ids`` split evenly, each raylet seeing only its
+    own (``CUDA_VISIBLE_DEVICES``: Ray numbers a node's GPUs from it). Ray's folders follow ``RAY_TMPDIR``."""
+    if nodes < 1 or len(ids) % nodes:
+        raise ValueError(f"{len(ids)} GPU(s) do not split over {nodes} node(s)")
+    per = len(ids) // nodes
+    common = ["--num-gpus", str(per), "--num-cpus", str(cpus_per_gpu * per), "--node-ip-address", "127.0.0.1",
+              "--disable-usage-stats"]
+    out = []
+    for i in range(nodes):
+        # a raylet joining a head is refused where RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0 (set by the tests'
+        # servers, memsifter.testing.servers.RAY_ENV); Linux's default is 1
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[i * per:(i + 1) * per]), "RAY_AUTH_MODE": "disabled",
+               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        where = (["--head", "--port", str(port), "--include-dashboard", "false"] if i == 0
+                 else ["--address", f"127.0.0.1:{port}"])
+        out.append((env, ["ray", "start", *where, *common]))
+    return out
+
+
+def start_ray_nodes(ids: list[str], nodes: int) -> str:
+    """Start the raylets of :func:`ray_node_commands` one after another; returns the cluster's address."""
+    from memsifter.testing.servers import free_port
+
+    port = free_port()
+    for env, argv in ray_node_commands(ids, nodes, port):
+        print(f"$ CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(argv)}", flush=True)
+        p = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(argv[:3])} failed (exit {p.returncode}): "
+                               + " | ".join((p.stderr or p.stdout).strip().splitlines()[-5:]))
+    return f"127.0.0.1:{port}"
+
+
+def train_command(path: str, sets: list[str], f: dict, keep_output: bool) -> list[str]:
+    """The train stage's command line; on a config of several nodes, behind the entrypoint a RayJob runs it with
+    (``memsifter k8s await-capacity --nodes N --gpus-per-node G -- ...``: it waits for the nodes, then execs)."""
+    cmd = ms("run", "train", "--config", path, *sets, *(["--replace"] if keep_output else []))
+    if f.get("nodes", 1) > 1:
+        per = f["gpus"] // f["nodes"]
+        cmd = ms("k8s", "await-capacity", "--nodes", str(f["nodes"]), "--gpus-per-node", str(per), "--timeout",
+                 "600", "--", *cmd)
+    return cmd
 
 
 def one(a, path: str, model: str, pk: dict) -> None:
@@ -129,12 +178,13 @@ def one(a, path: str, model: str, pk: dict) -> None:
     gpus = own_gpus(f["gpus"])
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
     print(f"{name}: GPUs {gpus or 'all'}", flush=True)
+    if f.get("nodes", 1) > 1:  # a Ray cluster of several raylets here (KubeRay's pods), the stage joins it
+        env["RAY_ADDRESS"] = start_ray_nodes((gpus or ",".join(map(str, range(f["gpus"])))).split(","), f["nodes"])
     with GpuMem(visible=gpus) as mem:
         # --keep-output: this config goes on from the output's checkpoints even where an earlier config finished
         # and published it (--replace keeps the checkpoints; without it a published output of another config is
         # refused in one line)
-        rc, dt = sh(ms("run", "train", "--config", path, *sets, *(["--replace"] if a.keep_output else [])), log,
-                    env=env, check=False)
+        rc, dt = sh(train_command(path, sets, f, a.keep_output), log, env=env, check=False)
     steps = verl_steps(log)
     with open(f"{a.out}/steps.jsonl", "a") as fh:
         for r in steps:

@@ -47,8 +47,10 @@ def chart_plan(spec: dict, run: str | None = None) -> dict:
 
 def values_text(plan: dict) -> str:
     """The chart values file holding ``plan`` (:func:`chart_plan`)."""
-    return HEADER + yaml.safe_dump({"pipeline": plan}, sort_keys=False, default_flow_style=False, width=110,
-                                   allow_unicode=True)
+    from .helmyaml import dump
+
+    # helm reads this file: a key like verl's rollout `n` must stay a string (helmyaml)
+    return HEADER + dump({"pipeline": plan}, sort_keys=False, default_flow_style=False, width=110, allow_unicode=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -634,15 +634,19 @@ def copy_file(src: str, dst: str, chunk: int = 8 << 20) -> tuple[int, str]:
     """Stream-copy one file between any two URIs; returns (bytes, sha256)."""
     sfs, spath = resolve(src)
     dfs, dpath = resolve(dst)
+    # a local copy is written beside its destination under a name of its own, then renamed: two processes that
+    # copy the same file at once (two Ray nodes on one host staging the same data, pods on a shared volume) each
+    # write their own part and the last rename wins, whole
+    part = f"{dpath}.{os.getpid()}-{threading.get_ident() % 10**6}.part"
     if isinstance(dfs, pafs.LocalFileSystem):
         check_no_symlink(dpath)
-        check_no_symlink(dpath + ".part")
+        check_no_symlink(part)
 
     def _copy() -> tuple[int, str]:
         if isinstance(dfs, pafs.LocalFileSystem):
             dfs.create_dir(dpath.rsplit("/", 1)[0], recursive=True)
         h, n = hashlib.sha256(), 0
-        tmp = dpath + ".part" if isinstance(dfs, pafs.LocalFileSystem) else dpath
+        tmp = part if isinstance(dfs, pafs.LocalFileSystem) else dpath
         with sfs.open_input_stream(spath) as fin, dfs.open_output_stream(tmp) as fout:
             while True:
                 b = fin.read(chunk)

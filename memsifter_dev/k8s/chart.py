@@ -37,7 +37,7 @@ import yaml
 
 from memsifter import stage as stg
 from memsifter.errors import ConfigError
-from memsifter.k8s import registry
+from memsifter.k8s import helmyaml, registry
 from memsifter.k8s.plan import chart_plan
 from memsifter.k8s.registry import StageInfo
 from .scenarios import _SCENARIO_DOC, job_spec, jobs_values, preferred, scenario_sets, scenario_values, wired
@@ -62,7 +62,7 @@ TARGETS = {"values.yaml": 450, "values.schema.json": 3500, "templates/_helpers.t
 
 # --------------------------------------------------------------------------- chart files
 def _dump(obj: Any) -> str:
-    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=110, allow_unicode=True)
+    return helmyaml.dump(obj, sort_keys=False, default_flow_style=False, width=110, allow_unicode=True)
 
 
 def chart_files(infos: list[StageInfo], chart_dir: Path = CHART_DIR) -> dict[Path, str]:
@@ -171,7 +171,7 @@ def render(values_files: list[Path], sets: list[str] | None = None, chart_dir: P
     tmp = None
     if values is not None:
         tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-        yaml.safe_dump(values, tmp)
+        helmyaml.dump(values, tmp)
         tmp.close()
         args += ["-f", tmp.name]
     for s in sets or []:
@@ -196,19 +196,19 @@ def stage_config(docs: list[dict], rayjob: dict) -> dict:
     path = Path(words[words.index("--config") + 1])
     for d in docs:
         if d.get("kind") == "ConfigMap" and d["metadata"]["name"] == rayjob["metadata"]["name"]:
-            return yaml.safe_load(d["data"][path.name])
+            return yaml.load(d["data"][path.name], Loader=stg.ConfigLoader)  # noqa: S506 - as the stage reads it
     raise KeyError(f"no ConfigMap {rayjob['metadata']['name']} with {path.name} among the rendered documents")
 
 
 # --------------------------------------------------------------------------- jobs/
-class _JobDumper(yaml.SafeDumper):
+class _JobDumper(helmyaml.Dumper):
     pass
 
 
 def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
     if "\n" in s:  # config documents and runtimeEnvYAML as block literals
         return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|")
-    return dumper.represent_str(s)
+    return helmyaml.represent_str(dumper, s)
 
 
 _JobDumper.add_representer(str, _str)
