@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 
@@ -1073,6 +1074,39 @@ WRITES_AB = {name: f"benchmarks/results/serve-writes-2026-11-27-ab/{name}" for n
              ("before-1", "after-1", "before-2", "after-2", "ratio-rule", "groups-own", "groups-sample", "padded-sample")}
 
 
+# session 52's A/B of 41861a6 (an owner's copy shares its records: copy on write) on quiet cores: the code before it
+# (1c39def) and after, alternating, on fresh work folders and on a copy of a large state (README of the folder)
+WRITES_COW = "benchmarks/results/serve-writes-2026-11-27-cow"
+COW_RUNS = (("fresh-before", "1c39def", "fresh"), ("fresh-after", "c7f2b92", "fresh"),
+            ("again-before", "1c39def", "after one run"), ("again-after", "c7f2b92", "after one run"),
+            ("big-before-1", "1c39def", "large state (519 MB)"), ("big-after-1", "c7f2b92", "large state (519 MB)"),
+            ("big-before-2", "1c39def", "large state, after one run"), ("big-after-2", "c7f2b92", "large state, after one run"))
+
+
+def table_serve_writes_cow() -> list[str]:
+    """One row per run of the copy-on-write A/B, from each run's writes.json, with a 95% bootstrap interval of the
+    search p99 from its per-request latencies (requests.json.gz; 2,000 resamples, seed 0)."""
+    import gzip
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lines = ["| run | code | state at start | adds/s | adds p99 ms | search q/s (adds running) | search p99 ms [95% CI] | "
+             "adds p99 ms during search | baseline q/s | search over baseline |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for name, code, state in COW_RUNS:
+        w = load_json(f"{WRITES_COW}/{name}/writes.json")["writes"]
+        with gzip.open(os.path.join(ROOT, WRITES_COW, name, "requests.json.gz"), "rt") as f:
+            lat = np.asarray(json.load(f)["search_with_adds"])
+        boot = np.percentile(rng.choice(lat, size=(2000, lat.size)), 99, axis=1)
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        a, s, d, b = w["adds"], w["search_with_adds"], w["adds_during_search"], w["baseline_search"]
+        lines.append(f"| {name} | {code} | {state} | {a['adds_per_s']:.0f} | {a['p99_ms']:.1f} | {s['qps']:.1f} | "
+                     f"{s['p99_ms']:.0f} [{lo:.0f}, {hi:.0f}] | {d['p99_ms']:.1f} | {b['qps']:.1f} | "
+                     f"{w['search_qps_over_baseline']:.2f}x |")
+    return lines
+
+
 QUERY_ENCODER = "benchmarks/results/query-encoder-2026-11-27"
 
 
@@ -1390,6 +1424,8 @@ TABLES = {
     **{f"serve-writes-2026-11-27-ab-{name}": ((lambda folder=folder: table_serve_writes(folder)),
                                               [f"{folder}/writes.json"], [f"{folder}/writes.md"])
        for name, folder in WRITES_AB.items()},
+    "serve-writes-cow": (table_serve_writes_cow, [f"{WRITES_COW}/*/writes.json", f"{WRITES_COW}/*/requests.json.gz"],
+                         [f"{WRITES_COW}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
