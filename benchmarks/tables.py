@@ -1091,9 +1091,9 @@ def table_serve_writes_cow() -> list[str]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    lines = ["| run | code | state at start | adds/s | adds p99 ms | search q/s (adds running) | search p99 ms [95% CI] | "
-             "adds p99 ms during search | baseline q/s | search over baseline |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| run | code | state at start | adds (n) | adds/s | adds p99 ms | searches (n, adds running) | search q/s | "
+             "search p99 ms [95% CI] | adds p99 ms during search | baseline q/s | search over baseline |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, code, state in COW_RUNS:
         w = load_json(f"{WRITES_COW}/{name}/writes.json")["writes"]
         with gzip.open(os.path.join(ROOT, WRITES_COW, name, "requests.json.gz"), "rt") as f:
@@ -1101,7 +1101,8 @@ def table_serve_writes_cow() -> list[str]:
         boot = np.percentile(rng.choice(lat, size=(2000, lat.size)), 99, axis=1)
         lo, hi = np.percentile(boot, [2.5, 97.5])
         a, s, d, b = w["adds"], w["search_with_adds"], w["adds_during_search"], w["baseline_search"]
-        lines.append(f"| {name} | {code} | {state} | {a['adds_per_s']:.0f} | {a['p99_ms']:.1f} | {s['qps']:.1f} | "
+        lines.append(f"| {name} | {code} | {state} | {a['adds']:,} | {a['adds_per_s']:.0f} | {a['p99_ms']:.1f} | "
+                     f"{s['requests']:,} | {s['qps']:.1f} | "
                      f"{s['p99_ms']:.0f} [{lo:.0f}, {hi:.0f}] | {d['p99_ms']:.1f} | {b['qps']:.1f} | "
                      f"{w['search_qps_over_baseline']:.2f}x |")
     return lines
