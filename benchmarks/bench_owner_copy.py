@@ -48,8 +48,10 @@ def timed(fn, o, repeat: int) -> float:
 
 
 def profile(path: str, top: int = 12) -> None:
+    import gzip
+
     total, share = 0, Counter()
-    for line in open(path):
+    for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path)):
         stack, _, count = line.rstrip().rpartition(" ")
         if not stack:
             continue
