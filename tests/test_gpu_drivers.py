@@ -481,7 +481,7 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     run_agents = importlib.import_module("run_agents")
     monkeypatch.setattr(run_agents, "RUN", str(tmp_path / "run"))
     a = argparse.Namespace(serve_port=8100, work=str(tmp_path), batch=16, n=4, lr=5e-5, steps=8, save_freq=0,
-                           mini_batch=0, max_prompt=6144, max_response=2048, test_freq=-1)
+                           mini_batch=0, max_prompt=6144, max_response=2048, test_freq=-1, grpo_round=1)
     cfg = run_agents.grpo_config(a)
     assert "init_adapter" not in cfg and cfg["verl"]["trainer"]["save_freq"] == 4
     storage.write_bytes(str(tmp_path / "run" / "sft" / "_SUCCESS"), b"")
@@ -1361,3 +1361,55 @@ def test_dapo_4b_resume_at_another_size_runs_share_one_output(tmp_path, monkeypa
                           "memsifter/configs/train_4b_8k_4gpu.yaml", "--steps", "2,4"], capture_output=True, text=True,
                          cwd=REPO)
     assert bad.returncode == 2 and "one per config" in bad.stderr
+
+
+def test_agents_driver_carries_the_data_phase_and_continues_grpo_from_the_last_round(tmp_path, monkeypatch):
+    """run_agents.py: ``--pack-data`` also packs the data phase's outputs (made on a CPU machine, so that a GPU
+    machine's lease goes to training), and ``--grpo-round 2`` continues GRPO from round 1's collected adapter
+    into outputs of its own (train-r2, collect-r2, agents-grpo-r2), which travel and are evaluated like round 1's."""
+    import argparse
+    import os
+
+    from memsifter.store import storage
+
+    run_agents = importlib.import_module("run_agents")
+    src = str(tmp_path / "a")
+    monkeypatch.setattr(run_agents, "RUN", src)
+    for name in run_agents.DATA:
+        _published(src, name, {"part.parquet": name.encode()})
+    _published(src, "collect", {"global_step_7/adapter/adapter_config.json": b"{}"})
+    _published(src, "collect-r2", {"global_step_3/adapter/adapter_config.json": b"{}"})
+    _published(src, "agents-grpo-r2", {"answers.parquet": b"r2"})
+    out = tmp_path / "out"
+    out.mkdir()
+    run_agents.pack(str(out))  # without data: what a GPU machine returns
+    dst = str(tmp_path / "b")
+    monkeypatch.setattr(run_agents, "RUN", dst)
+    run_agents.restore(str(out), str(tmp_path / "w1"))
+    assert not storage.exists(f"{dst}/prep/_SUCCESS")
+    assert storage.read_bytes(f"{dst}/agents-grpo-r2/answers.parquet") == b"r2"
+    assert storage.exists(f"{dst}/collect-r2/global_step_3/adapter/adapter_config.json")
+
+    monkeypatch.setattr(run_agents, "RUN", src)
+    for old in out.iterdir():
+        os.remove(old)
+    run_agents.pack(str(out), data=True)
+    dst = str(tmp_path / "c")
+    monkeypatch.setattr(run_agents, "RUN", dst)
+    run_agents.restore(str(out), str(tmp_path / "w2"))
+    for name in run_agents.DATA:
+        assert storage.read_bytes(f"{dst}/{name}/part.parquet") == name.encode()
+
+    monkeypatch.setattr(run_agents, "RUN", src)
+    a = argparse.Namespace(**{**vars(run_agents.build_parser().parse_args(["run"])), "grpo_round": 2})
+    names = run_agents.grpo_names(2)
+    assert (names["train"], names["collect"], names["answers"]) == (f"{src}/train-r2", f"{src}/collect-r2",
+                                                                     "grpo-r2")
+    cfg = run_agents.grpo_config(a)
+    assert cfg["output"] == f"{src}/train-r2"
+    assert cfg["init_adapter"] == f"{src}/collect/global_step_7/adapter"  # round 1's last step, by number
+    a3 = argparse.Namespace(**{**vars(a), "grpo_round": 3})
+    assert run_agents.grpo_config(a3)["init_adapter"] == f"{src}/collect-r2/global_step_3/adapter"
+    with pytest.raises(SystemExit, match="collect-r3"):
+        run_agents.grpo_config(argparse.Namespace(**{**vars(a), "grpo_round": 4}))
+    assert f"{src}/agents-grpo-r2" in run_agents.answers_outputs()

@@ -245,9 +245,8 @@ def evaluate(a, answers: list[str]) -> list[str]:
     run cut short still leaves its table); copied next to the logs."""
     from memsifter.store import storage
 
-    earlier = [f"{RUN}/chat-base", f"{RUN}/agents-base", f"{RUN}/chat-sft", f"{RUN}/agents-sft",
-               f"{RUN}/agents-grpo"]  # a re-run's too
-    done = [x for x in dict.fromkeys(earlier + answers) if storage.exists(f"{x}/_SUCCESS")]
+    done = [x for x in dict.fromkeys(answers_outputs() + answers)  # a re-run's and restored ones too
+            if storage.exists(f"{x}/_SUCCESS")]
     if not done:
         return done
     cfg = write_yaml(f"{a.work}/evaluate.yaml", {"input": f"{RUN}/heldout", "rankings": [f"{RUN}/heldout-embed"],
@@ -261,6 +260,20 @@ def evaluate(a, answers: list[str]) -> list[str]:
 
 
 PHASES = ("base", "sft", "sft-answers", "grpo", "grpo-answers")
+ROUNDS = range(1, 10)  # --grpo-round
+
+
+def grpo_names(r: int) -> dict[str, str]:
+    """The outputs of GRPO round ``r``: round 1 trains from the SFT adapter, round r > 1 (another machine's lease)
+    from round r-1's collected adapter with a fresh optimizer; each round's steps count from 1."""
+    sfx = "" if r == 1 else f"-r{r}"
+    return {"train": f"{RUN}/train{sfx}", "collect": f"{RUN}/collect{sfx}", "answers": f"grpo{sfx}", "suffix": sfx}
+
+
+def answers_outputs() -> list[str]:
+    """Every answers output a run of this driver can publish (evaluated side by side when published)."""
+    return ([f"{RUN}/chat-base", f"{RUN}/agents-base", f"{RUN}/chat-sft", f"{RUN}/agents-sft"]
+            + [f"{RUN}/agents-{grpo_names(r)['answers']}" for r in ROUNDS])
 
 
 def grpo_config(a) -> dict:
@@ -276,10 +289,18 @@ def grpo_config(a) -> dict:
     # update_tokens / (shortest real row) padded rows: per-layer recomputation, a smaller budget, and for the search
     # agent alone (short first prompts) --max-prompt 1024 (rows of 3,072 instead of 8,192 tokens)
     update_tokens = 16384
+    names = grpo_names(a.grpo_round)
+    if a.grpo_round == 1:  # the SFT warm start, run here or restored from another machine (--published)
+        init = {"init_adapter": f"{RUN}/sft/adapter"} if storage.exists(f"{RUN}/sft/_SUCCESS") else {}
+    else:  # the round before's last collected step (restored with --published): its weights, a fresh optimizer
+        before = grpo_names(a.grpo_round - 1)["collect"]
+        adapter = last_adapter(before) if storage.exists(f"{before}/_SUCCESS") else None
+        if adapter is None:
+            raise SystemExit(f"--grpo-round {a.grpo_round}: {before} holds no collected adapter (run round "
+                             f"{a.grpo_round - 1} first, or restore it with --published)")
+        init = {"init_adapter": adapter}
     return {
-        "output": f"{RUN}/train", "data": f"{RUN}/prep", "model": BASE,
-        # the SFT warm start, run here or restored from another machine (--published)
-        **({"init_adapter": f"{RUN}/sft/adapter"} if storage.exists(f"{RUN}/sft/_SUCCESS") else {}),
+        "output": names["train"], "data": f"{RUN}/prep", "model": BASE, **init,
         "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
         "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
         "local_dir": f"{a.work}/pod", "keep_local_checkpoints": 1,
@@ -343,10 +364,12 @@ def phase_grpo(a, notes: list[str]) -> None:
     last complete step."""
     from memsifter.store import storage
 
-    if storage.exists(f"{RUN}/collect/_SUCCESS"):
-        notes.append("grpo: collect already published (restored or earlier run): training skipped")
+    names = grpo_names(a.grpo_round)
+    sfx, train, collect = names["suffix"], names["train"], names["collect"]
+    if storage.exists(f"{collect}/_SUCCESS"):
+        notes.append(f"grpo{sfx}: collect already published (restored or earlier run): training skipped")
         return
-    cfg = write_yaml(f"{a.work}/train.yaml", grpo_config(a))
+    cfg = write_yaml(f"{a.work}/train{sfx}.yaml", grpo_config(a))
     if a.train_dry_run:  # the composed verl config only (agent loops on: a dry run reads no s3 data)
         sh(ms("run", "train", "--config", cfg, "--dry-run", "--set", "agent.loops=on"), f"{a.out}/train-dry-run.log")
         raise SystemExit(0)
@@ -356,30 +379,30 @@ def phase_grpo(a, notes: list[str]) -> None:
     if limit < 300:
         notes.append(f"grpo: skipped, {limit:.0f}s left before --train-stop-at-s (verl alone takes ~3.5 min to start)")
         return
-    rc, dt = run_deadline(ms("run", "train", "--config", cfg), f"{a.out}/train.log", limit,
+    rc, dt = run_deadline(ms("run", "train", "--config", cfg), f"{a.out}/train{sfx}.log", limit,
                           after=["ray", "stop", "--force"])
-    steps = verl_steps(f"{a.out}/train.log")
-    with open(f"{a.out}/train_steps.json", "w") as f:
+    steps = verl_steps(f"{a.out}/train{sfx}.log")
+    with open(f"{a.out}/train{sfx}_steps.json", "w") as f:
         json.dump(steps, f, indent=1)
-    notes.append(f"train: {'stopped at the deadline' if rc is None else f'exit {rc}'} after {dt:.0f}s, "
+    notes.append(f"train{sfx}: {'stopped at the deadline' if rc is None else f'exit {rc}'} after {dt:.0f}s, "
                  f"{len(steps)} steps logged")
     for f in ("metrics.jsonl", "training_curves.png", "checkpoints.json"):
-        src = f"{RUN}/train/{f}" if storage.exists(f"{RUN}/train/{f}") else f"{RUN}/train/_work/{f}"
+        src = f"{train}/{f}" if storage.exists(f"{train}/{f}") else f"{train}/_work/{f}"
         if storage.exists(src):
-            storage.copy_file(src, f"{a.out}/train_{f}")
+            storage.copy_file(src, f"{a.out}/train{sfx}_{f}")
     from memsifter.stages.collect import available_steps, checkpoint_root
 
     try:
-        done = available_steps(checkpoint_root(f"{RUN}/train"), True)
+        done = available_steps(checkpoint_root(train), True)
     except Exception as e:  # noqa: BLE001 - nothing saved: say so, the rest of the run goes on
         notes.append(f"grpo: no checkpoints ({e})")
         done = []
     if not done:
         notes.append("grpo: no complete checkpoint to collect")
         return
-    sh(ms("run", "collect", "--checkpoints", f"{RUN}/train", "--output", f"{RUN}/collect", "--steps",
-          str(max(done))), f"{a.out}/collect.log")
-    notes.append(f"collect: step {max(done)} of {sorted(done)}")
+    sh(ms("run", "collect", "--checkpoints", train, "--output", collect, "--steps", str(max(done))),
+       f"{a.out}/collect{sfx}.log")
+    notes.append(f"collect{sfx}: step {max(done)} of {sorted(done)}")
 
 
 def fill_adapter_base(adapter_dir: str, base: str) -> bool:
@@ -431,15 +454,16 @@ def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) ->
     elif name == "grpo":
         phase_grpo(a, notes)
     elif name == "grpo-answers":
-        src = last_adapter(f"{RUN}/collect")
+        names = grpo_names(a.grpo_round)
+        src = last_adapter(names["collect"])
         if src is None:
-            notes.append("grpo-answers: no collected adapter")
+            notes.append(f"grpo{names['suffix']}-answers: no collected adapter")
             return
-        local = storage.download_dir(src, f"{a.work}/grpo-adapter")
+        local = storage.download_dir(src, f"{a.work}/{names['answers']}-adapter")
         from memsifter.models import registry
 
         fill_adapter_base(local, registry.resolve(BASE))
-        answers += served_answers(a, local, "grpo", ready)
+        answers += served_answers(a, local, names["answers"], ready)
 
 
 def run_group(a, names: list[str], answers: list[str], notes: list[str], phase) -> None:
@@ -494,8 +518,8 @@ def main_run(a) -> None:
     with seaweedfs(workdir=os.path.join(a.work, "weed")) as s3:
         os.environ.update(s3.env())
         storage.ensure_bucket("s3://memsifter/")
-        if a.published:
-            restore(a.published, a.work)
+        for i, src in enumerate(x for x in (a.published or "").split(",") if x):  # the first one's outputs win
+            restore(src, os.path.join(a.work, f"published-{i}"))
         t = time.time()
         combined(a)
         if not storage.exists(f"{RUN}/all-embed/_SUCCESS"):
@@ -521,24 +545,28 @@ def main_run(a) -> None:
             for group in a.phases:  # in the order given: a machine's time goes to what matters first
                 run_group(a, group.split("+"), answers, notes, phase)
                 evaluate(a, answers)
-                pack(a.out)
+                pack(a.out, a.pack_data)
         finally:
             service.stop()
         t = time.time()
         notes.append(f"answers published: {evaluate(a, answers)}")
         phase("evaluate", t)
-        pack(a.out)
+        pack(a.out, a.pack_data)
     print("] done", flush=True)
 
 
-# what travels between machines: answers, the SFT adapter, GRPO's collected adapter (its last step)
-PUBLISHED = ("chat-base", "agents-base", "sft", "chat-sft", "agents-sft", "collect", "agents-grpo")
+# what travels between machines: answers, the SFT adapter, each GRPO round's collected adapter (its last step)
+PUBLISHED = ("chat-base", "agents-base", "sft", "chat-sft", "agents-sft") + tuple(
+    x for r in ROUNDS for x in (grpo_names(r)["collect"].rsplit("/", 1)[1], f"agents-{grpo_names(r)['answers']}"))
+# the data phase's outputs (--pack-data): made once on a CPU machine, so that a GPU machine's lease goes to training
+DATA = ("all", "all-embed", "prep", "heldout", "heldout-embed")
 PART = 15 * 2 ** 20  # the device returns files of at most 16 MiB
 
 
-def pack(out: str) -> list[str]:
-    """Everything in PUBLISHED so far, as one tar split into ``pub.NN`` parts of at most 15 MiB under ``out``
-    (the parts come back from the machine; ``--published DIR`` of the next run joins and restores them)."""
+def pack(out: str, data: bool = False) -> list[str]:
+    """Everything in PUBLISHED so far (and with ``data`` the data phase's outputs, DATA), as one tar split into
+    ``pub.NN`` parts of at most 15 MiB under ``out`` (the parts come back from the machine; ``--published DIR`` of
+    the next run joins and restores them)."""
     import glob
     import io
     import tarfile
@@ -547,7 +575,7 @@ def pack(out: str) -> list[str]:
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in PUBLISHED:
+        for name in (DATA if data else ()) + PUBLISHED:
             if not storage.exists(f"{RUN}/{name}/_SUCCESS"):
                 continue
             for rel in storage.list_files(f"{RUN}/{name}"):
@@ -589,7 +617,7 @@ def restore(src: str, work: str) -> None:
         shutil.rmtree(src, ignore_errors=True)
         with tarfile.open(joined) as tar:
             tar.extractall(src, filter="data")
-    for name in PUBLISHED:
+    for name in DATA + PUBLISHED:
         d = os.path.join(src, name)
         if os.path.isfile(os.path.join(d, "_SUCCESS")) and not storage.exists(f"{RUN}/{name}/_SUCCESS"):
             for rel in sorted(storage.list_files(d), key=lambda r: r == "_SUCCESS"):  # the marker last
@@ -634,9 +662,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--serve-port", type=int, default=8100)
     ap.add_argument("--llm-port", type=int, default=8200)
-    ap.add_argument("--published", help="a folder with the pub.NN parts another machine's run returned (its answers "
-                    "and adapters): restored, their phases skipped, evaluated with the rest")
+    ap.add_argument("--published", help="folders (comma-separated) with the pub.NN parts other machines' runs "
+                    "returned (answers, adapters; with --pack-data the data phase): restored, their phases skipped, "
+                    "evaluated with the rest")
     ap.add_argument("--train-dry-run", action="store_true", help="grpo: print verl's composed config and stop")
+    ap.add_argument("--grpo-round", type=int, default=1, choices=list(ROUNDS),
+                    help="grpo, grpo-answers: round R > 1 continues from round R-1's collected adapter (restored "
+                    "with --published from the machine that ran it; a fresh optimizer) into train-rR, collect-rR, "
+                    "agents-grpo-rR; each round's steps count from 1")
+    ap.add_argument("--pack-data", action="store_true",
+                    help="the pub.NN parts also carry the data phase's outputs (run it on a CPU machine with "
+                    "--phases '' and start the GPU machine's run from them with --published)")
     return ap
 
 
