@@ -1413,3 +1413,23 @@ def test_agents_driver_carries_the_data_phase_and_continues_grpo_from_the_last_r
     with pytest.raises(SystemExit, match="collect-r3"):
         run_agents.grpo_config(argparse.Namespace(**{**vars(a), "grpo_round": 4}))
     assert f"{src}/agents-grpo-r2" in run_agents.answers_outputs()
+
+
+def test_agents_driver_evaluates_again_when_more_answers_are_published(tmp_path, monkeypatch):
+    """run_agents.py: each phase adds answers outputs, so the evaluate config changes between calls; the driver
+    must replace the earlier table (on the host, 2026-11-27, the final evaluate exited 2: 'holds this stage's
+    output for another config')."""
+    import argparse
+
+    from memsifter.store import storage
+
+    run_agents = importlib.import_module("run_agents")
+    src = str(tmp_path / "a")
+    monkeypatch.setattr(run_agents, "RUN", src)
+    _published(src, "agents-sft", {"answers.parquet": b"x"})
+    calls = []
+    monkeypatch.setattr(run_agents, "sh", lambda cmd, log, check=True: calls.append(cmd))
+    a = argparse.Namespace(work=str(tmp_path), out=str(tmp_path))
+    assert run_agents.evaluate(a, []) == [f"{src}/agents-sft"]
+    assert "--replace" in calls[-1] and "--force" in calls[-1]
+    assert not storage.exists(f"{src}/evaluate/_SUCCESS")

@@ -251,7 +251,7 @@ def evaluate(a, answers: list[str]) -> list[str]:
         return done
     cfg = write_yaml(f"{a.work}/evaluate.yaml", {"input": f"{RUN}/heldout", "rankings": [f"{RUN}/heldout-embed"],
                                                  "answers": done, "output": f"{RUN}/evaluate"})
-    sh(ms("run", "evaluate", "--config", cfg, "--force"), f"{a.out}/evaluate.log", check=False)
+    sh(ms("run", "evaluate", "--config", cfg, "--force", "--replace"), f"{a.out}/evaluate.log", check=False)
     if storage.exists(f"{RUN}/evaluate/_SUCCESS"):
         for f in ("report.md", "report.json", "answer_f1_and_cost.png", "answer_f1_by_method.png"):
             if storage.exists(f"{RUN}/evaluate/{f}"):
