@@ -1197,16 +1197,17 @@ def table_multigpu() -> list[str]:
 
 
 AGENTS_GRPO = f"{GPU}/2026-11-27-h100-agents-grpo"
+AGENTS_GRPO7 = f"{GPU}/2026-11-27-h100-agents-grpo7"  # 7 steps, 4 updates a step, data phase made on the CPU
 
 
 @functools.lru_cache(maxsize=None)
-def grpo_rows() -> dict[str, list[dict]]:
+def grpo_rows(folder: str = AGENTS_GRPO) -> dict[str, list[dict]]:
     """The GRPO run's answers by label (``agents_grpo_table.rows_by_label``), LoCoMo rows scored with LoCoMo's own
     F1 against the committed LoCoMo sample (the run's LoCoMo questions; LongMemEval rows need none)."""
     from memsifter.data.importers.locomo import convert_locomo
     from memsifter.retrieval.scoring import locomo_scores
 
-    by = gpu_script("agents_grpo_table").rows_by_label(os.path.join(ROOT, AGENTS_GRPO, "answers"))
+    by = gpu_script("agents_grpo_table").rows_by_label(os.path.join(ROOT, folder, "answers"))
     qmap = {q.question_id: q for q in convert_locomo(os.path.join(ROOT, "memsifter/samples/locomo_dev2.json.gz"),
                                                      "locomo")[0].questions}
     for rs in by.values():
@@ -1214,18 +1215,18 @@ def grpo_rows() -> dict[str, list[dict]]:
     return by
 
 
-def table_agents_grpo_paired() -> list[str]:
+def table_agents_grpo_paired(folder: str = AGENTS_GRPO) -> list[str]:
     """The GRPO run's paired differences and episodes, as ``agents_grpo_table.py`` prints them after evaluate's table
     (its ``paired_rows``, ``markdown`` and ``episodes`` over the committed answers)."""
     t = gpu_script("agents_grpo_table")
-    by = grpo_rows()
+    by = grpo_rows(folder)
     agents = sorted({k.rsplit(", ", 1)[0] for k in by if not k.startswith("one call")})
     pairs = [(f"{g}, GRPO", f"{g}, SFT") for g in agents]
     pairs += [(f"{g}, {tag}", f"one call, {t.FIRST_STAGE}") for g in agents for tag in ("SFT", "GRPO")]
     return t.markdown(t.paired_rows(by, pairs)) + t.episodes(by)
 
 
-def table_agents_grpo_curves() -> list[str]:
+def table_agents_grpo_curves(folder: str = AGENTS_GRPO) -> list[str]:
     """The GRPO run's per-step table, train-stage time and held-out F1 points: ``agents_grpo_curves.py`` run on a
     scratch copy of the files it reads (it writes ``curves.json`` / ``curves.png`` beside them)."""
     import contextlib
@@ -1236,7 +1237,7 @@ def table_agents_grpo_curves() -> list[str]:
     curves = gpu_script("agents_grpo_curves")
     out = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(ROOT, AGENTS_GRPO)
+        src = os.path.join(ROOT, folder)
         for rel in ("train_metrics.jsonl", "agents.md", "answers"):
             (shutil.copytree if os.path.isdir(os.path.join(src, rel)) else shutil.copy)(os.path.join(src, rel),
                                                                                          os.path.join(tmp, rel))
@@ -1262,6 +1263,16 @@ def table_agents_sft_phases() -> list[str]:
     lines = ["| phase | machine 1 s | machine 2 s |", "|---|---:|---:|"]
     for phase in dict.fromkeys([*m["machine1"], *m["machine2"]]):
         lines.append(row(phase, *(f"{m[k][phase]:.1f}" if phase in m[k] else "–" for k in m)))
+    return lines
+
+
+def table_agents_grpo7_phases() -> list[str]:
+    """The 7-step GRPO run's phases: the first machine (SFT, answers, GRPO round 1) and the second (round 2)."""
+    m = {"machine 1 s": agents_md_phases(f"{AGENTS_GRPO7}/agents.md"),
+         "machine 2 (round 2) s": agents_md_phases(f"{AGENTS_GRPO7}/round2/agents.md")}
+    lines = ["| phase | " + " | ".join(m) + " |", "|---|---:|---:|"]
+    for phase in dict.fromkeys(k for v in m.values() for k in v):
+        lines.append(row(phase, *(f"{v[phase]:.1f}" if phase in v else "–" for v in m.values())))
     return lines
 
 
@@ -1344,6 +1355,15 @@ TABLES = {
     "agents-grpo-curves": (table_agents_grpo_curves, [f"{AGENTS_GRPO}/train_metrics.jsonl", f"{AGENTS_GRPO}/agents.md",
                                                       f"{AGENTS_GRPO}/answers/agents-*.parquet"],
                            [f"{AGENTS_GRPO}/README.md", f"{AGENTS_GRPO}/curves.md"]),
+    "agents-grpo7-paired": (functools.partial(table_agents_grpo_paired, AGENTS_GRPO7),
+                            [f"{AGENTS_GRPO7}/answers/*.parquet", "memsifter/samples/locomo_dev2.json.gz"],
+                            [f"{AGENTS_GRPO7}/README.md"]),
+    "agents-grpo7-curves": (functools.partial(table_agents_grpo_curves, AGENTS_GRPO7),
+                            [f"{AGENTS_GRPO7}/train_metrics.jsonl", f"{AGENTS_GRPO7}/agents.md",
+                             f"{AGENTS_GRPO7}/answers/agents-*.parquet"],
+                            [f"{AGENTS_GRPO7}/README.md", f"{AGENTS_GRPO7}/curves.md"]),
+    "agents-grpo7-phases": (table_agents_grpo7_phases, [f"{AGENTS_GRPO7}/agents.md", f"{AGENTS_GRPO7}/round2/agents.md"],
+                            [f"{AGENTS_GRPO7}/README.md"]),
     "agents-grpo-phases": (table_agents_grpo_phases, [f"{AGENTS_GRPO}/agents.md", f"{AGENTS_GRPO}/logs.tar.gz"],
                            [f"{AGENTS_GRPO}/README.md"]),
     "agents-sft-phases": (table_agents_sft_phases, [f"{AGENTS_SFT}/machine*/agents.md"], [f"{AGENTS_SFT}/README.md"]),

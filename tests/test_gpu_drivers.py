@@ -488,7 +488,9 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     cfg = run_agents.grpo_config(a)
     assert cfg["init_adapter"].endswith("/sft/adapter")
     parsed = TrainConfig(**cfg)
-    assert parsed.search_api_key_env == run_agents.KEY_ENV
+    assert parsed.search_api_key_env == run_agents.KEY_ENV and parsed.agent.format_score == 0.1
+    assert TrainConfig(**run_agents.grpo_config(argparse.Namespace(**{**vars(a), "format_score": 0.0}))
+                       ).agent.format_score == 0.0  # --format-score 0: the answer's F1 alone
     # the first GPU update ran out of memory with 4 padded 8k rows per micro-batch and no recomputation
     v = cfg["verl"]
     rows = v["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] // (

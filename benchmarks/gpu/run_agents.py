@@ -301,6 +301,9 @@ def grpo_config(a) -> dict:
         init = {"init_adapter": adapter}
     return {
         "output": names["train"], "data": f"{RUN}/prep", "model": BASE, **init,
+        # the reward: (1 - f) x answer F1 + f x format. f = 0.1 (the stage's default) taught the search agent to stop
+        # searching in 7 steps (2026-11-27-h100-agents-grpo7): --format-score 0 pays for the answer alone
+        **({"agent": {"format_score": a.format_score}} if getattr(a, "format_score", None) is not None else {}),
         "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
         "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
         "local_dir": f"{a.work}/pod", "keep_local_checkpoints": 1,
@@ -670,6 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="grpo, grpo-answers: round R > 1 continues from round R-1's collected adapter (restored "
                     "with --published from the machine that ran it; a fresh optimizer) into train-rR, collect-rR, "
                     "agents-grpo-rR; each round's steps count from 1")
+    ap.add_argument("--format-score", type=float, default=None,
+                    help="GRPO's reward weight f of the format term: (1 - f) x answer F1 + f x well formed "
+                    "(default: the train stage's, 0.1)")
     ap.add_argument("--pack-data", action="store_true",
                     help="the pub.NN parts also carry the data phase's outputs (run it on a CPU machine with "
                     "--phases '' and start the GPU machine's run from them with --published)")
