@@ -330,7 +330,7 @@ def test_the_train_stage_composes_agent_loops_for_agent_rows(tmp_path, composed,
     assert env[verl_loop.SEARCH_URL_ENV] == memory_service.url
     assert env[verl_loop.SEARCH_KEY_ENV] == "MEMSIFTER_TEST_KEY" and "search-key-123" not in json.dumps(dict(env))
     kw = composed.reward.custom_reward_function.reward_kwargs
-    assert kw.agent_metric == "f1" and kw.agent_format_score == 0.1
+    assert kw.agent_metric == "f1" and kw.agent_format_score == 0.1 and kw.agent_evidence_score == 0.0
     # ranker rows: none of it
     rl = tmp_path / "rl"
     pub = storage.Publication(str(rl), "prepare-rl", {}, "test", code_version())
@@ -613,6 +613,35 @@ def test_agent_reward_good_malformed_wrong():
     assert rewards.compute_score_sync("memsifter_synth", "<ranking>0</ranking>", "0;1", {}, mode="dcg")["score"] == 1.0
 
 
+def test_agent_reward_evidence_term_pays_for_a_gold_session_among_the_hits():
+    """``agent_evidence_score`` g: reward = (1 - f - g) x F1 + f x format + g x (a session the episode was shown is
+    gold). A GRPO run with g = 0 and f = 0.1 learned to stop searching (2026-11-27-h100-agents-grpo7); with g > 0 a
+    search that finds the gold session pays even when the answer is wrong. Off by default."""
+    from memsifter.agents.verl_loop import seen_sessions
+    from memsifter.stages.train import AgentTraining
+
+    steps = [{"kind": "search", "hits": ["s3", "s1"]}, {"kind": "search", "hits": ["s1", "s9"]},
+             {"kind": "chunk", "session_id": "s4"}, {"kind": "answer"}]
+    assert seen_sessions(steps) == ["s3", "s1", "s9", "s4"] and seen_sessions([]) == []
+    import numpy as np
+
+    found = {"agent_answer": "July 2022", "agent_format_ok": True, "agent_seen": ["s3", "s1"],
+             "gold_session_ids": np.array(["s1"])}
+    missed = {**found, "agent_seen": ["s3"]}
+    nosearch = {**found, "agent_seen": []}
+    assert score("", found)["score"] == pytest.approx(0.1) and score("", found)["evidence_hit"] == 1.0  # default: off
+    r = score("", found, agent_format_score=0.0, agent_evidence_score=0.3)
+    assert r["score"] == pytest.approx(0.3) and r["evidence_hit"] == 1.0
+    assert score("", missed, agent_format_score=0.0, agent_evidence_score=0.3)["score"] == 0.0
+    assert score("", nosearch, agent_format_score=0.0, agent_evidence_score=0.3)["evidence_hit"] == 0.0
+    right = score("", {**found, "agent_answer": "June 2023"}, agent_format_score=0.1, agent_evidence_score=0.3)
+    assert right["score"] == pytest.approx(1.0)
+    assert score("", found, agent_format_score=0.8, agent_evidence_score=0.3)["reward_error"] == 1.0  # f + g > 1
+    with pytest.raises(ValueError, match="at most 1"):
+        AgentTraining(format_score=0.8, evidence_score=0.3)
+    assert AgentTraining(evidence_score=0.3).evidence_score == 0.3
+
+
 # --------------------------------------------------------------------------- prepare-agents' own rows
 @pytest.fixture(scope="module")
 def prepared_rows(shared_dir, tmp_path_factory):
@@ -673,6 +702,8 @@ def test_prepare_agents_rows_drive_the_loops_as_a_fresh_episode(prepared_rows, w
         ef = outs[-1].extra_fields
         assert ef["agent_answer"] == res.answer and ef["agent_format_ok"] is True and res.format_ok
         assert rewards.agent_reward("", gold, ef)["answer_f1"] == 1.0
+        shown = {h for st in res.steps for h in [*(st.get("hits") or ()), st.get("session_id")] if h}
+        assert set(ef["agent_seen"]) == shown and (name != "memsifter_search" or shown)
 
 
 METHODS_OF = {"memsifter_search": "agent:search", "memsifter_memory": "agent:memory",

@@ -491,6 +491,9 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     assert parsed.search_api_key_env == run_agents.KEY_ENV and parsed.agent.format_score == 0.1
     assert TrainConfig(**run_agents.grpo_config(argparse.Namespace(**{**vars(a), "format_score": 0.0}))
                        ).agent.format_score == 0.0  # --format-score 0: the answer's F1 alone
+    both = TrainConfig(**run_agents.grpo_config(argparse.Namespace(**{**vars(a), "format_score": 0.0,
+                                                                     "evidence_score": 0.3}))).agent
+    assert (both.format_score, both.evidence_score) == (0.0, 0.3)
     # the first GPU update ran out of memory with 4 padded 8k rows per micro-batch and no recomputation
     v = cfg["verl"]
     rows = v["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] // (

@@ -303,7 +303,8 @@ def grpo_config(a) -> dict:
         "output": names["train"], "data": f"{RUN}/prep", "model": BASE, **init,
         # the reward: (1 - f) x answer F1 + f x format. f = 0.1 (the stage's default) taught the search agent to stop
         # searching in 7 steps (2026-11-27-h100-agents-grpo7): --format-score 0 pays for the answer alone
-        **({"agent": {"format_score": a.format_score}} if getattr(a, "format_score", None) is not None else {}),
+        "agent": {k: v for k, v in (("format_score", getattr(a, "format_score", None)),
+                                     ("evidence_score", getattr(a, "evidence_score", None))) if v is not None},
         "nnodes": 1, "n_gpus_per_node": 1, "experiment_name": "agents",
         "search_url": f"http://127.0.0.1:{a.serve_port}", "search_api_key_env": KEY_ENV,
         "local_dir": f"{a.work}/pod", "keep_local_checkpoints": 1,
@@ -676,6 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--format-score", type=float, default=None,
                     help="GRPO's reward weight f of the format term: (1 - f) x answer F1 + f x well formed "
                     "(default: the train stage's, 0.1)")
+    ap.add_argument("--evidence-score", type=float, default=None,
+                    help="GRPO's reward weight g of the evidence term: + g x (a search hit was a gold session); "
+                    "the answer's weight is then 1 - f - g (default: the train stage's, 0)")
     ap.add_argument("--pack-data", action="store_true",
                     help="the pub.NN parts also carry the data phase's outputs (run it on a CPU machine with "
                     "--phases '' and start the GPU machine's run from them with --published)")

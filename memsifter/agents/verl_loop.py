@@ -76,6 +76,17 @@ def sessions_of(info: dict) -> list[Session]:
     return out
 
 
+def seen_sessions(steps: list[dict]) -> list[str]:
+    """The session ids an episode was shown, in order, once each: its searches' hits and the chunks it read
+    (the agents' per-call ``steps``)."""
+    out: dict[str, None] = {}
+    for st in steps or ():
+        for sid in [*(st.get("hits") or ()), st.get("session_id")]:
+            if sid:
+                out.setdefault(str(sid), None)
+    return list(out)
+
+
 def retrying(search: Callable, attempts: int = 3, backoff_s: float = 1.0) -> Callable:
     """A search retried on the service's transient failures (not on a refusal: HTTP 4xx)."""
     from .search import SearchError
@@ -308,7 +319,9 @@ class MemsifterAgentLoop(AgentLoopBase):
         summary = {"agent_method": self.method, "agent_answer": result.answer,
                    "agent_format_ok": bool(result.format_ok), "agent_searches": int(result.searches),
                    "agent_chunks": int(result.chunks), "agent_recalls": int(result.recalls), "agent_llm_calls": calls,
-                   "agent_over_budget": over is not None, "agent_outputs": len(outputs)}
+                   "agent_over_budget": over is not None, "agent_outputs": len(outputs),
+                   # the sessions the episode was shown (search hits, chunks read): the reward's evidence term
+                   "agent_seen": seen_sessions(result.steps)}
         for i, (out, t) in enumerate(zip(outputs, trajs)):
             out.extra_fields.update({"turn_scores": [], "tool_rewards": []})  # the schema of verl's own loops
             out.extra_fields.update(summary)

@@ -119,6 +119,16 @@ class AgentTraining(BaseModel):
                                         "exact match")
     format_score: float = Field(0.1, ge=0, le=1, description="weight f of the format term: reward = (1 - f) x "
                                 "metric + f x (every reply well formed and an answer given)")
+    evidence_score: float = Field(0.0, ge=0, le=1, description="weight g of the evidence term: reward = "
+                                  "(1 - f - g) x metric + f x format + g x (a gold session was among the sessions "
+                                  "the episode was shown: search hits, chunks); 0: off")
+
+    @model_validator(mode="after")
+    def _weights(self) -> "AgentTraining":
+        if self.format_score + self.evidence_score > 1:
+            raise ValueError(f"format_score + evidence_score = {self.format_score + self.evidence_score:g}: at most 1 "
+                             "(the answer's weight is 1 - format_score - evidence_score)")
+        return self
 
 
 class TrainConfig(StageConfig):

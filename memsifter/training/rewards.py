@@ -59,11 +59,16 @@ Memory agents (issue 33)
 ------------------------
 Rows with ``data_source == "memsifter_agent"`` (prepare-agents; ``ground_truth`` the gold answer) are
 agent episodes run by :mod:`memsifter.agents.verl_loop`: the reward is the outcome of the episode,
-``score = (1 - f) * m + f * format_ok`` with ``m`` the token F1 (``agent_metric: f1``, the default) or the
+``score = (1 - f - g) * m + f * format_ok + g * evidence_hit`` with ``m`` the token F1 (``agent_metric: f1``, the default) or the
 exact match (``em``) of the episode's answer against the gold answer (``memsifter.retrieval.metrics``;
 0 without an answer), ``format_ok`` 1 when every reply of the episode was well formed and an answer came,
 and ``f = agent_format_score`` (default 0.1): a correct, well-formed episode scores 1.0, a well-formed
-wrong one 0.1, a correct answer after a malformed step 0.9, no answer 0. The answer and ``format_ok`` are
+wrong one 0.1, a correct answer after a malformed step 0.9, no answer 0. ``g = agent_evidence_score``
+(default 0, off; MEMSIFTER_REWARD_AGENT_EVIDENCE_SCORE) pays for evidence: ``evidence_hit`` is 1 when a
+session the episode was shown (its search hits, its chunks: the loop's ``agent_seen``) is one of the row's
+``gold_session_ids``. With f = 0.1 and g = 0 a GRPO run of the search agent learned to stop searching
+(benchmarks/gpu/results/2026-11-27-h100-agents-grpo7): the evidence term makes a search that finds the
+gold session pay even when the small model's answer does not. The answer and ``format_ok`` are
 the episode's own (the agent's parser, handed over by the loop in the last output's ``extra_fields``,
 which verl's ``naive`` reward manager merges into ``extra_info``: ``agent_answer``, ``agent_format_ok``);
 without them (another reward manager, a plain evaluation) the final reply of ``solution_str`` (after the
@@ -71,7 +76,7 @@ last ``assistant`` turn marker of a whole search trajectory) is parsed with the 
 (:func:`memsifter.agents.memory.parse_answer`). Settings: ``agent_metric``
 (MEMSIFTER_REWARD_AGENT_METRIC), ``agent_format_score`` (MEMSIFTER_REWARD_AGENT_FORMAT_SCORE), reward
 kwargs the train stage writes from its ``agent:`` block. Metrics: ``acc`` (= score), ``answer_f1``,
-``answer_em``, ``format_ok``, ``has_answer``, ``searches``, ``chunks``, ``recalls``, ``llm_calls``,
+``answer_em``, ``format_ok``, ``has_answer``, ``evidence_hit``, ``searches``, ``chunks``, ``recalls``, ``llm_calls``,
 ``over_budget``, ``reward_error``.
 """
 
@@ -275,21 +280,41 @@ async def task_reward(local_ids: Sequence[int], k: int, extra_info: dict,
 AGENT_SOURCE = "memsifter_agent"  # = memsifter.agents.verl_names.DATA_SOURCE
 AGENT_METRICS = ("f1", "em")
 AGENT_FORMAT_SCORE = 0.1
+AGENT_EVIDENCE_SCORE = 0.0
 AGENT_COUNTS = ("searches", "chunks", "recalls", "llm_calls")
 
 
-def agent_settings(**kwargs: Any) -> tuple[str, float]:
-    """(answer metric, format score) from the reward kwargs, else the environment, else f1 / 0.1."""
+def agent_settings(**kwargs: Any) -> tuple[str, float, float]:
+    """(answer metric, format score, evidence score) from the reward kwargs, else the environment, else
+    f1 / 0.1 / 0."""
     metric = kwargs.get("agent_metric") or os.environ.get("MEMSIFTER_REWARD_AGENT_METRIC") or "f1"
     fs = kwargs.get("agent_format_score")
     if fs is None:
         fs = os.environ.get("MEMSIFTER_REWARD_AGENT_FORMAT_SCORE") or AGENT_FORMAT_SCORE
-    metric, fs = str(metric).lower(), float(fs)
+    es = kwargs.get("agent_evidence_score")
+    if es is None:
+        es = os.environ.get("MEMSIFTER_REWARD_AGENT_EVIDENCE_SCORE") or AGENT_EVIDENCE_SCORE
+    metric, fs, es = str(metric).lower(), float(fs), float(es)
     if metric not in AGENT_METRICS:
         raise ValueError(f"agent_metric {metric!r}: expected one of {AGENT_METRICS}")
     if not 0.0 <= fs <= 1.0:
         raise ValueError(f"agent_format_score {fs}: expected a number from 0 to 1")
-    return metric, fs
+    if not 0.0 <= es <= 1.0 - fs:
+        raise ValueError(f"agent_evidence_score {es}: expected a number from 0 to 1 - agent_format_score ({1 - fs:g})")
+    return metric, fs, es
+
+
+def _ids(v: Any) -> set[str]:
+    """A list of session ids as verl hands it over (a list, a numpy array or nothing)."""
+    if v is None or isinstance(v, (str, bytes)):
+        return set()
+    return {str(x) for x in (v.tolist() if hasattr(v, "tolist") else v)}
+
+
+def evidence_hit(info: dict) -> float:
+    """1.0 when the episode was shown a gold session (``agent_seen``, the sessions of its search hits and chunks,
+    from the verl loop; ``gold_session_ids``, prepare-agents' row), else 0.0."""
+    return float(bool(_ids(info.get("agent_seen")) & _ids(info.get("gold_session_ids"))))
 
 
 def final_reply(text: str) -> str:
@@ -318,7 +343,7 @@ def agent_reward(solution_str: str, ground_truth: Any, extra_info: dict | None =
     """The outcome reward of one agent episode (see the module doc); never raises."""
     info = dict(extra_info or {})
     try:
-        metric, fs = agent_settings(**kwargs)
+        metric, fs, es = agent_settings(**kwargs)
         if "agent_format_ok" in info:  # the episode's own parse, from the verl loop
             answer = info.get("agent_answer")
             answer = None if answer is None or (isinstance(answer, float) and math.isnan(answer)) else str(answer)
@@ -329,13 +354,14 @@ def agent_reward(solution_str: str, ground_truth: Any, extra_info: dict | None =
         f1 = max(token_f1(answer, g) for g in golds) if answer is not None else 0.0
         em = max(exact_match(answer, g) for g in golds) if answer is not None else 0.0
         m = f1 if metric == "f1" else em
-        score = (1.0 - fs) * m + fs * float(well_formed)
+        hit = evidence_hit(info)
+        score = (1.0 - fs - es) * m + fs * float(well_formed) + es * hit
         out = {"score": score, "acc": score, "answer_f1": f1, "answer_em": em, "format_ok": float(well_formed),
-               "has_answer": float(answer is not None), "reward_error": 0.0}
+               "has_answer": float(answer is not None), "evidence_hit": hit, "reward_error": 0.0}
     except Exception as e:  # noqa: BLE001 - a reward must never crash the trainer
         log.warning("agent reward failed: %s: %s", type(e).__name__, e)
         out = {"score": 0.0, "acc": 0.0, "answer_f1": 0.0, "answer_em": 0.0, "format_ok": 0.0, "has_answer": 0.0,
-               "reward_error": 1.0}
+               "evidence_hit": 0.0, "reward_error": 1.0}
     for k in AGENT_COUNTS:
         v = info.get(f"agent_{k}")
         out[k] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0

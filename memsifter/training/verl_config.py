@@ -235,7 +235,9 @@ def verl_overrides(config: Any, train_files: list[str] | None = None,
         agent_keys = [("actor_rollout_ref.rollout.agent.agent_loop_config_path", verl_names.config_path()),
                       ("trainer.use_v1", True),
                       ("reward.custom_reward_function.reward_kwargs.agent_metric", config.agent.metric),
-                      ("reward.custom_reward_function.reward_kwargs.agent_format_score", config.agent.format_score)]
+                      ("reward.custom_reward_function.reward_kwargs.agent_format_score", config.agent.format_score),
+                      ("reward.custom_reward_function.reward_kwargs.agent_evidence_score",
+                       config.agent.evidence_score)]
         if not _has(expand(config.verl), "reward.reward_manager.name"):
             agent_keys.append(("reward.reward_manager.name", "naive"))
         for path, value in agent_keys:
