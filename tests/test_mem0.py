@@ -174,6 +174,49 @@ def test_a_killed_server_loses_no_acknowledged_write_even_without_its_event_file
         proc.wait(60)
 
 
+def test_the_service_folds_an_owners_log_and_a_new_server_reads_the_snapshot(sample, tmp_path):
+    """``memory_compact_files: 4`` (and no grace): a user's adds, an update and a delete, one event file each,
+    are folded into a snapshot in the background and the folded files removed; the owner's folder stays
+    small. A second server on the same state lists every memory, once, with its history; a reset removes
+    the snapshot with the rest, and the user starts again from nothing."""
+    state = tmp_path / "state"
+    cfg = ServeConfig.model_validate({"index": sample["index"], "dataset": sample["data"], "port": free_port(),
+                                      "state": str(state), "precompute_units": False, "reload_poll_s": 0,
+                                      "memory_refresh_s": 0, "memory_compact_files": 4,
+                                      "memory_compact_grace_s": 0,
+                                      "auth": {"anonymous": {"read": ["*"], "write": ["*"]}}})
+    folder = state / "mem0" / "user-cara"
+    with local_server(cfg) as (url, _):
+        ids = []
+        for i in range(14):
+            ids.append(add(url, "cara", f"fact {i}: I grow tomatoes")["id"])
+            time.sleep(0.25)   # one event file each (the journal is written to files every 0.2 s)
+        r = requests.put(f"{url}/mem0/memories/{ids[0]}", json={"text": "fact 0: I grow peppers"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert requests.delete(f"{url}/mem0/memories/{ids[1]}", timeout=60).status_code == 200
+        deadline = time.time() + 30
+        while time.time() < deadline:   # each read may start a compaction in the background
+            listed(url, "cara")
+            names = os.listdir(folder)
+            if any(n.startswith("snap-") for n in names) and len(names) <= 6:
+                break
+            time.sleep(0.3)
+        names = sorted(os.listdir(folder))
+        assert any(n.startswith("snap-") for n in names) and len(names) <= 6, names
+    with local_server(cfg.model_copy(update={"port": free_port()})) as (url, _):
+        got = listed(url, "cara")
+        assert sorted(m["id"] for m in got) == sorted(ids[:1] + ids[2:])
+        assert requests.get(f"{url}/mem0/memories/{ids[0]}", timeout=60).json()["memory"] == "fact 0: I grow peppers"
+        for mid, want in ((ids[0], ["ADD", "UPDATE"]), (ids[1], ["ADD", "DELETE"]), (ids[5], ["ADD"])):
+            hist = requests.get(f"{url}/mem0/memories/{mid}/history", timeout=60).json()
+            assert [h["event"] for h in hist] == want, hist
+        r = requests.post(f"{url}/mem0/reset", params={"user_id": "cara"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert not folder.exists() and listed(url, "cara") == []
+        again = add(url, "cara", "fact 3: I grow tomatoes")
+        assert again["event"] == "ADD" and [m["id"] for m in listed(url, "cara")] == [again["id"]]
+
+
 # --------------------------------------------------------------------------- fact extraction
 def extract_config(sample: dict, state: str, url: str, structured: bool = True, **endpoint) -> ServeConfig:
     """``extract`` naming the vLLM server (no key: loopback); at most 4 facts an add, so that an answer in

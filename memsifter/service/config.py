@@ -122,6 +122,12 @@ class ServeConfig(_Model):
                                  "(0: never reload)")
     memory_refresh_s: float = Field(2.0, ge=0, description="a replica re-reads a user's memory from the store at "
                                     "most this often (appends made by other replicas)")
+    memory_compact_files: int = Field(256, ge=0, description="a mem0 owner's log is folded into a snapshot once "
+                                      "more event files than this follow its last one, so that a re-read lists "
+                                      "and reads O(this), not every event ever (0: never fold)")
+    memory_compact_grace_s: float = Field(60.0, ge=0, description="what a snapshot folded (event files, older "
+                                          "snapshots) is removed this long after a replica first saw it: longer "
+                                          "than any listing of the state takes (mem0.py: Snapshots)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     torch_threads: int | None = Field(None, ge=1, description="threads of the query encoder (default: the cores "

@@ -21,6 +21,45 @@ batch's objects PUT in parallel). The owner's memories are the log replayed in n
 when two replicas race), ``UPDATE`` (the text replaced; the old one stays in the history) and ``DELETE``;
 an event read twice (its ``eid`` seen) changes nothing. ``POST /reset`` removes the owner's folder.
 
+Snapshots (compaction). A re-read lists the owner's folder; to keep that O(recent events) rather than O(every
+event ever), the log is folded: once more than ``memory_compact_files`` event files follow the newest snapshot
+(:func:`compact`, started in the background by a read), the newest snapshot's state plus those files replayed
+in name order is written as ``snap-<generation>.json`` (a header line: generation, a random id, the snapshot it
+was folded on, the names of the event files it holds, grouped by the generation that folded them, and its
+last generations; then the memories, histories, eids applied, index by content and version), and the folded
+files and older snapshots are removed later (the *sweep*). A reader starts from the newest snapshot, skips
+the files it names and applies the others in name order (:func:`read_log`); a reader that already holds
+exactly what the snapshot folded moves to it without loading its state (it parses the header only). Why
+nothing is lost or applied twice:
+
+* Exact: a snapshot is the replay of its base and the files it names, as a reader would do it; the eids it
+  applied go with it, so an event file read again (a journal recovered after its file was written, or folded
+  and still listed) changes nothing. Recovery counts a snapshot's eids as written (:func:`_logged_eids`).
+* One line: generation ``g + 1`` is created only on top of generation ``g`` and only if no file of its name
+  exists (locally a fsync'd temp file ``link(2)``-ed to the name, on S3 a PUT with ``If-None-Match: *``): of
+  compactors racing on the same base one publishes, the others remove nothing. So every snapshot holds every
+  older one, and the newest holds everything any snapshot ever folded.
+* Only what is folded goes: an event file is removed only if the snapshot that names it (or a newer one) was
+  published; a file that was not in a compactor's listing -- written meanwhile, or named with an earlier time
+  by another replica's clock or a slow PUT -- is not named, so readers apply it after the snapshot: file names
+  order the replay, but a snapshot never claims a range of names.
+* Listings are not atomic (a listing under way may miss a file created or removed meanwhile), so removal waits:
+  the files a generation folded, and the snapshots older than it, are removed only once this process has seen
+  that generation (or a newer one of the same line) for ``memory_compact_grace_s`` (60 s; monotonic clock, no
+  clock is compared across replicas). A listing shorter than that which misses a removed file therefore shows
+  a snapshot that holds it (one present since before the listing began is removed only a grace after its
+  successor appeared). A file or snapshot removed between a listing and its read makes the reader list again.
+* Crashes: a snapshot's temp file is never listed as one (readers ignore it; a compaction removes one older
+  than 10 minutes); a snapshot is on disk before its name is; a compactor that dies after publishing leaves
+  the files it folded, which readers skip and the next sweep removes.
+* Resets: a compaction publishes only while the snapshot it was folded on (or the first file it folded) is
+  still there; locally its temp file lives in the owner's folder, so a reset that removes the folder makes the
+  publish fail, and the reset removes the folder again if a snapshot landed in it meanwhile. In this process
+  a reset waits for a compaction under way. On S3 a reset on another replica that lands between a compaction's
+  check and its PUT is seen after the PUT and the snapshot removed again; a read in those milliseconds may
+  still see the memories the reset removed (as a replica's cache may for ``memory_refresh_s`` after any reset
+  on another replica).
+
 Search: the owner's memories as a corpus (one session of one turn per memory), scored by the service's
 first stage (the embed stage's method: BM25 views and the dense leg); ``filters`` then apply (``AND`` /
 ``OR`` / ``NOT`` lists; a field's value, ``"*"`` for present, or operators ``eq ne gt gte lt lte in nin
@@ -35,7 +74,9 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -49,6 +90,8 @@ from .auth import Principal
 from .config import ID_RE
 from .core import ApiError
 from .index import DENSE_METHODS, Corpus, build_lexical
+
+log = logging.getLogger("memsifter.service")
 
 ROOT = "mem0"
 EID_PREFIX = uuid.uuid4().hex[:16]   # events' ids: this process's random prefix and a counter
@@ -102,6 +145,14 @@ class Owner:
     corpus_version: int = -1
     seen: set = field(default_factory=set)   # eids applied (an event file read again changes nothing)
     by_key: dict = field(default_factory=dict)   # scope_hash -> a memory id (find_same without a scan)
+    # the snapshot this state starts from ("": none; ``files`` are the event files applied after it), its id,
+    # the event files it folded (skipped when listed), when this process first saw it (time.monotonic) and
+    # how many folded files and older snapshots the last listing still showed (removed by the next sweep)
+    base: str = ""
+    base_id: str = ""
+    skip: frozenset = frozenset()
+    based_at: float = 0.0
+    litter: int = 0
 
     def __post_init__(self) -> None:
         if self.memories and not self.by_key:
@@ -114,7 +165,16 @@ class Owner:
         first (copy on write): a copy costs the containers only, not every record (237 ms for 44,000 memories
         when each record was copied, and every read after a write copied)."""
         return Owner(self.kind, self.oid, list(self.files), dict(self.memories), dict(self.history),
-                     self.checked_at, self.version, seen=set(self.seen), by_key=dict(self.by_key))
+                     self.checked_at, self.version, seen=set(self.seen), by_key=dict(self.by_key), base=self.base,
+                     base_id=self.base_id, skip=self.skip, based_at=self.based_at, litter=self.litter)
+
+    @classmethod
+    def from_snapshot(cls, kind: str, oid: str, name: str, head: dict, body: dict, based_at: float) -> "Owner":
+        """The state a snapshot holds (:func:`compact`): the memories, histories, eids and index by content of
+        the log it folded, as the replay left them."""
+        return cls(kind, oid, [], body["memories"], body["history"], 0.0, int(body["version"]),
+                   seen=set(body["seen"]), by_key={tuple(k[:4]): k[4] for k in body["by_key"]}, base=name,
+                   base_id=str(head["id"]), skip=_folded(head), based_at=based_at)
 
     @property
     def prefix_key(self) -> str:
@@ -181,20 +241,292 @@ def owner_prefix(state: str, kind: str, oid: str) -> str:
 
 
 def read_log(state: str, owner: Owner) -> Owner:
-    """``owner`` with the event files it has not read (blocking); a new one if the log was reset."""
+    """``owner`` with what the log holds that it has not applied (blocking): nothing read when nothing is new;
+    the event files written since it was read, when its snapshot is still the newest (each read once); moved
+    to a newer snapshot without reading it when the snapshot folded exactly the files ``owner`` applied after
+    its own (fast-forward: a replica that kept up parses only the snapshot's header line); else the newest
+    snapshot's state and the event files after it (a new one if the log was reset: no snapshot, files gone).
+    A file listed but removed before it was read (a compaction's sweep) means the listing is old: listed again.
+    """
     prefix = owner_prefix(state, owner.kind, owner.oid)
-    names = sorted(n for n in storage.list_files(prefix, recursive=False)
-                   if n.startswith("ev-") and n.endswith(".json"))
-    if names[:len(owner.files)] != owner.files:
-        owner = Owner(owner.kind, owner.oid)
-    elif len(names) > len(owner.files):
-        owner = owner.copy()
-    for name in names[len(owner.files):]:
-        for ev in json.loads(storage.read_text(storage.join(prefix, name))):
-            owner.apply(ev)
-        owner.files.append(name)
-    owner.checked_at = time.time()
-    return owner
+    for _ in range(READ_TRIES):
+        try:
+            return _read_log(prefix, owner)
+        except _Gone:
+            continue
+    raise storage.StorageError(f"{prefix}: files kept being removed while they were read ({READ_TRIES} tries)")
+
+
+def _read_log(prefix: str, owner: Owner) -> Owner:
+    evs, snaps, _ = _list(prefix)
+    newest = snaps[-1][1] if snaps else ""
+    cur, data = owner, None
+
+    def load() -> Owner:
+        nonlocal data
+        if not newest:
+            return Owner(owner.kind, owner.oid)
+        data = data or _read(prefix, newest)
+        head, body = _parse_snapshot(data)
+        return Owner.from_snapshot(owner.kind, owner.oid, newest, head, body,
+                                  _observe(prefix, snaps[-1][0], str(head["id"])))
+    if newest != owner.base:
+        if newest:
+            data = _read(prefix, newest)
+            head, _ = _parse_snapshot(data, body=False)
+            mine = head["folded"].get(str(snaps[-1][0]), [])
+            if head.get("base") == owner.base and head.get("base_id") == owner.base_id and \
+                    owner.files[:len(mine)] == mine:   # fast-forward: this state is the snapshot's, plus files after
+                cur = owner.copy()
+                cur.files = owner.files[len(mine):]
+                cur.base, cur.base_id, cur.skip = newest, str(head["id"]), _folded(head)
+                cur.based_at = _observe(prefix, snaps[-1][0], cur.base_id)
+            else:
+                cur = load()
+        else:
+            cur = load()   # the snapshots are gone: the owner was reset
+    todo = [n for n in evs if n not in cur.skip]
+    if todo[:len(cur.files)] != cur.files:   # a file appeared among those applied (a late one), or one went (reset)
+        cur = load()
+        todo = [n for n in evs if n not in cur.skip]
+    elif len(todo) > len(cur.files) and cur is owner:
+        cur = owner.copy()
+    for name in todo[len(cur.files):]:
+        for ev in json.loads(_read(prefix, name)):
+            cur.apply(ev)
+        cur.files.append(name)
+    cur.litter = len(evs) - len(todo) + max(0, len(snaps) - 1)
+    cur.checked_at = time.time()
+    return cur
+
+
+# --------------------------------------------------------------------------- snapshots (compaction)
+SNAP_FORMAT = 1
+COMPACT_FILES = 256       # ServeConfig.memory_compact_files: fold past this many event files after the snapshot
+COMPACT_GRACE_S = 60.0    # ServeConfig.memory_compact_grace_s: what a snapshot folded is removed this long after
+STALE_TMP_S = 600.0       # a snapshot's temp file older than this is a dead compactor's: removed
+READ_TRIES = 8
+CHAIN = 8                 # a snapshot names its last CHAIN generations (gen, id): its line since a reset
+_SNAP = re.compile(r"^snap-(\d{10})\.json$")
+
+
+class _Gone(Exception):
+    """A file listed was removed before it was read."""
+
+
+def snapshot_name(gen: int) -> str:
+    return f"snap-{gen:010d}.json"
+
+
+def _snapshot_gen(name: str) -> int:
+    m = _SNAP.match(name) if name.startswith("snap-") else None
+    return int(m.group(1)) if m else 0
+
+
+def _is_event(name: str) -> bool:
+    return name.startswith("ev-") and name.endswith(".json")
+
+
+def _list(prefix: str) -> tuple[list[str], list[tuple[int, str]], list[str]]:
+    """The owner's event files (sorted), snapshots ((generation, name), oldest first) and snapshot temp files."""
+    names = storage.list_files(prefix, recursive=False)
+    return (sorted(n for n in names if _is_event(n)),
+            sorted((g, n) for n in names if (g := _snapshot_gen(n))),
+            [n for n in names if n.startswith("snap-") and n.endswith(".tmp")])
+
+
+def _read(prefix: str, name: str) -> bytes:
+    try:
+        return storage.read_bytes(storage.join(prefix, name))
+    except storage.StorageError as e:
+        if isinstance(e.__cause__, FileNotFoundError) or str(e).endswith(": not found"):
+            raise _Gone(name) from e
+        raise
+
+
+def _parse_snapshot(data: bytes, body: bool = True) -> tuple[dict, dict | None]:
+    """A snapshot's header (first line: generation, id, what it folded) and, with ``body``, its state."""
+    head_raw, _, rest = data.partition(b"\n")
+    head = json.loads(head_raw)
+    if not isinstance(head, dict) or head.get("format") != SNAP_FORMAT or not isinstance(head.get("folded"), dict):
+        raise ValueError(f"not a mem0 snapshot (format {SNAP_FORMAT})")
+    return head, (json.loads(rest) if body else None)
+
+
+def _folded(head: dict) -> frozenset:
+    return frozenset(n for names in head["folded"].values() for n in names)
+
+
+def _snapshot_bytes(owner: Owner, head: dict) -> bytes:
+    body = {"memories": owner.memories, "history": owner.history, "seen": list(owner.seen),
+            "by_key": [[*k, mid] for k, mid in owner.by_key.items()], "version": owner.version}
+    return json.dumps(head).encode("utf-8") + b"\n" + json.dumps(body).encode("utf-8")
+
+
+# owner prefix -> [(generation, snapshot id, when this process first saw it: time.monotonic())]
+_observed: dict[str, list[tuple[int, str, float]]] = {}
+_observed_lock = threading.Lock()
+
+
+def _observe(prefix: str, gen: int, sid: str) -> float:
+    """When this process first saw the owner's snapshot ``(gen, sid)`` (now, if this is the first time). A
+    generation not above those seen, under another id, is a new line (the owner was reset): the old is
+    forgotten."""
+    now_ = time.monotonic()
+    with _observed_lock:
+        seen = _observed.setdefault(prefix, [])
+        for g, i, t in seen:
+            if g == gen and i == sid:
+                return t
+        if any(g >= gen for g, _, _ in seen):
+            seen.clear()
+        seen.append((gen, sid, now_))
+        del seen[:-CHAIN]
+        return now_
+
+
+def _ripe(prefix: str, chain: list, grace_s: float) -> int:
+    """The newest generation of this line (``chain``: a snapshot's last generations and ids) that this process
+    saw at least ``grace_s`` ago; 0 if none."""
+    line = {(int(g), str(i)) for g, i in chain}
+    now_ = time.monotonic()
+    with _observed_lock:
+        return max((g for g, i, t in _observed.get(prefix, ()) if (g, i) in line and now_ - t >= grace_s), default=0)
+
+
+def compact(state: str, kind: str, oid: str, max_files: int = COMPACT_FILES,
+            grace_s: float = COMPACT_GRACE_S) -> dict:
+    """Fold the owner's log into a snapshot when more than ``max_files`` event files follow the newest one
+    (0: never), then sweep: remove the event files and older snapshots that a snapshot this process saw at
+    least ``grace_s`` ago holds (blocking; see *Snapshots* in the module's docstring for why this is safe).
+    Returns ``{"snapshot": the name published or None, "folded": event files folded, "removed": files removed}``.
+    """
+    prefix = owner_prefix(state, kind, oid)
+    out: dict[str, Any] = {"snapshot": None, "folded": 0, "removed": 0}
+    for _ in range(3):
+        try:
+            _compact(prefix, kind, oid, max_files, grace_s, out)
+            break
+        except _Gone:   # swept by another compactor while read: what it published is newer
+            continue
+    return out
+
+
+def _compact(prefix: str, kind: str, oid: str, max_files: int, grace_s: float, out: dict) -> None:
+    evs, snaps, tmps = _list(prefix)
+    gen, base = snaps[-1] if snaps else (0, "")
+    data = _read(prefix, base) if base else None
+    head: dict = _parse_snapshot(data, body=False)[0] if data else {"id": "", "folded": {}, "chain": []}
+    if base:
+        _observe(prefix, gen, str(head["id"]))
+    folded = {g: list(names) for g, names in head["folded"].items()}
+    skip = _folded(head) if base else frozenset()
+    todo = [n for n in evs if n not in skip]
+    chain = list(head.get("chain") or [])
+    if max_files and len(todo) > max_files:
+        owner = Owner.from_snapshot(kind, oid, base, head, _parse_snapshot(data)[1], 0.0) if data else Owner(kind, oid)
+        for name in todo:
+            for ev in json.loads(_read(prefix, name)):
+                owner.apply(ev)
+        sid, present = uuid.uuid4().hex, set(evs)
+        kept = {g: [n for n in names if n in present] for g, names in folded.items()}
+        new_folded = {g: names for g, names in kept.items() if names}
+        new_folded[str(gen + 1)] = todo
+        new_chain = (chain + [[gen + 1, sid]])[-CHAIN:]
+        new_head = {"format": SNAP_FORMAT, "gen": gen + 1, "id": sid, "base": base, "base_id": head["id"],
+                    "folded": new_folded, "chain": new_chain, "memories": len(owner.memories),
+                    "events": len(owner.seen), "at": now()}
+        name = snapshot_name(gen + 1)
+        if not _publish(prefix, name, _snapshot_bytes(owner, new_head), base or todo[0], grace_s):
+            return   # another compactor published this generation (it sweeps), or the owner was reset
+        _observe(prefix, gen + 1, sid)
+        out.update(snapshot=name, folded=len(todo))
+        snaps.append((gen + 1, name))
+        folded, chain = new_folded, new_chain
+    ripe = _ripe(prefix, chain, grace_s) if chain else 0
+    doomed = [n for g, names in folded.items() if int(g) <= ripe for n in names] if ripe else []
+    doomed += [n for g, n in snaps if g < ripe]
+    if tmps and not storage.is_s3(prefix):
+        folder = storage.resolve(prefix)[1]
+        for n in tmps:
+            try:
+                if time.time() - os.stat(os.path.join(folder, n)).st_mtime > STALE_TMP_S:
+                    doomed.append(n)
+            except FileNotFoundError:
+                pass
+    present = set(evs) | {n for _, n in snaps} | set(tmps)
+    for n in doomed:
+        if n in present and _remove(prefix, n):
+            out["removed"] += 1
+
+
+def _remove(prefix: str, name: str) -> bool:
+    """One file of the owner's folder removed; False if it was gone (another compactor's sweep)."""
+    uri = storage.join(prefix, name)
+    if storage.is_s3(prefix):
+        storage.delete(uri)
+        return True
+    path = storage.resolve(uri)[1]
+    storage.check_no_symlink(path)
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _publish(prefix: str, name: str, data: bytes, evidence: str | None, grace_s: float) -> bool:
+    """Create the snapshot ``name`` only if no file of that name exists (the generation is one compactor's)
+    and ``evidence`` (the snapshot it was folded on, else the first event file it folded) is still there (no
+    reset removed the folder meanwhile); whole and on disk when it is listed. False when not created.
+
+    Locally: a temp file in the owner's folder (never creating the folder: a reset removed it), fsync'd,
+    then ``link(2)`` to the name (fails if it exists; fails if a reset removed the temp file with the folder),
+    then the folder fsync'd. S3: a conditional PUT (``If-None-Match: *``); if the evidence is gone after it
+    (a reset meanwhile) and less than ``grace_s`` passed (nobody may have swept what it folded), removed."""
+    uri = storage.join(prefix, name)
+    if storage.is_s3(prefix):
+        from ..store.lease import _S3Store
+
+        if evidence and not storage.exists(storage.join(prefix, evidence)):
+            return False
+        t0 = time.monotonic()
+        if _S3Store(uri).create(data) is None:
+            return False
+        if evidence and not storage.exists(storage.join(prefix, evidence)):
+            if time.monotonic() - t0 < grace_s:
+                storage.delete(uri)
+            return False
+        return True
+    _, path = storage.resolve(uri)
+    storage.check_no_symlink(path)
+    folder = os.path.dirname(path)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError:   # the folder is gone: a reset
+        return False
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if evidence and not os.path.exists(os.path.join(folder, evidence)):
+            return False
+        try:
+            os.link(tmp, path)
+        except (FileExistsError, FileNotFoundError):   # the generation is taken; the temp file went with a reset
+            return False
+        _fsync_dir(folder)
+        return True
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 def event_name() -> str:
@@ -492,15 +824,8 @@ class Committer:
                         if isinstance(d, str) and _owner_dir(d) and isinstance(events, list):
                             journalled.setdefault(d, []).extend(e for e in events if isinstance(e, dict))
                 for d, events in journalled.items():
-                    have = set()
                     folder = os.path.join(self.root, d)
-                    for n in os.listdir(folder) if os.path.isdir(folder) else []:
-                        if n.startswith("ev-") and n.endswith(".json"):
-                            try:
-                                with open(os.path.join(folder, n), "rb") as f:
-                                    have.update(e.get("eid") for e in json.loads(f.read()))
-                            except (OSError, ValueError, AttributeError):
-                                os.unlink(os.path.join(folder, n))   # torn by the power cut: rewritten below
+                    have = _logged_eids(folder)
                     missing = [e for e in events if e.get("eid") not in have]
                     if missing:
                         _write_local(os.path.join(folder, event_name()), json.dumps(missing).encode("utf-8"))
@@ -511,6 +836,36 @@ class Committer:
                 os.close(fd)
         _fsync_dir(self.wal_dir)
         return fixed
+
+
+def _logged_eids(folder: str) -> set:
+    """The eids an owner's log holds on a local disk: its newest snapshot's and those of the event files it did
+    not fold. An event file that cannot be parsed (torn by a power cut) is removed (its events are rewritten
+    from the journal); one removed meanwhile (a compaction's sweep) means the listing is old: listed again."""
+    for _ in range(READ_TRIES):
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        snaps = sorted((g, n) for n in names if (g := _snapshot_gen(n)))
+        have: set = set()
+        skip: frozenset = frozenset()
+        try:
+            if snaps:
+                with open(os.path.join(folder, snaps[-1][1]), "rb") as f:
+                    head, body = _parse_snapshot(f.read())
+                have.update(body["seen"])
+                skip = _folded(head)
+            for n in names:
+                if _is_event(n) and n not in skip:
+                    try:
+                        with open(os.path.join(folder, n), "rb") as f:
+                            have.update(e.get("eid") for e in json.loads(f.read()))
+                    except FileNotFoundError:
+                        raise
+                    except (OSError, ValueError, AttributeError):
+                        os.unlink(os.path.join(folder, n))   # torn by the power cut: rewritten from the journal
+            return have
+        except FileNotFoundError:
+            continue
+    raise storage.StorageError(f"{folder}: files kept being removed while they were read ({READ_TRIES} tries)")
 
 
 # --------------------------------------------------------------------------- filters
@@ -597,6 +952,9 @@ class Mem0API:
         self._owners: dict[tuple[str, str], Owner] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._committer: Committer | None = None
+        self._compactions: dict[tuple[str, str], asyncio.Task] = {}   # an owner's compaction under way
+        self._compact_after: dict[tuple[str, str], float] = {}        # none before this (one failed; monotonic)
+        self._sweep_after: dict[tuple[str, str], float] = {}          # no sweep alone before this
 
     def _state(self) -> str:
         return self.svc._need_state()
@@ -621,13 +979,16 @@ class Mem0API:
         if cur is not None and time.time() - cur.checked_at < self.svc.cfg.memory_refresh_s:
             return cur
         await self.committer.ready()
-        new = self._with_pending(await asyncio.to_thread(read_log, self._state(), cur or Owner(kind, oid)))
+        pending = self.committer.pending_of(f"{kind}-{oid}")
+        new = self._with_pending(await asyncio.to_thread(read_log, self._state(), cur or Owner(kind, oid)), pending)
         self._owners[(kind, oid)] = new
+        self._maintain(new)
         return new
 
-    def _with_pending(self, owner: Owner) -> Owner:
-        """``owner`` with this process's writes that are on disk in the journal, not yet in an event file."""
-        todo = [e for e in self.committer.pending_of(owner.prefix_key) if e.get("eid") not in owner.seen]
+    def _with_pending(self, owner: Owner, pending: list[dict]) -> Owner:
+        """``owner`` with this process's writes that are on disk in the journal, not yet in an event file:
+        ``pending``, taken *before* the log was listed (an event that left it meanwhile is in a file listed)."""
+        todo = [e for e in pending if e.get("eid") not in owner.seen]
         if todo:
             owner = owner.copy()
             for ev in todo:
@@ -645,9 +1006,44 @@ class Mem0API:
         await self.committer.ready()
         async with self._lock(key):
             cur = self._owners.get(key) or Owner(kind, oid)
-            new = self._with_pending(await asyncio.to_thread(read_log, state, cur))
+            pending = self.committer.pending_of(cur.prefix_key)
+            new = self._with_pending(await asyncio.to_thread(read_log, state, cur), pending)
             self._owners[key] = new
+            self._maintain(new)
             return new
+
+    def _maintain(self, owner: Owner) -> None:
+        """Start a compaction of the owner in the background (:func:`compact`) when more than
+        ``memory_compact_files`` event files follow its snapshot, or what a snapshot folded is still listed
+        ``memory_compact_grace_s`` after this process first saw it; one at a time per owner, none for a minute
+        after one failed. Called with the owner's lock held (a reset waits for the one under way)."""
+        cfg = self.svc.cfg
+        limit = getattr(cfg, "memory_compact_files", COMPACT_FILES)
+        grace = getattr(cfg, "memory_compact_grace_s", COMPACT_GRACE_S)
+        key = (owner.kind, owner.oid)
+        now_ = time.monotonic()
+        if not limit or key in self._compactions or now_ < self._compact_after.get(key, 0.0):
+            return
+        fold = len(owner.files) > limit
+        sweep = not fold and owner.litter > 0 and now_ - owner.based_at >= grace and \
+            now_ >= self._sweep_after.get(key, 0.0)
+        if not (fold or sweep):
+            return
+        if sweep:   # (one that removed nothing is not tried again at once)
+            self._sweep_after[key] = now_ + max(1.0, grace / 4)
+        task = asyncio.get_running_loop().create_task(self._compact(key, limit, grace))
+        self._compactions[key] = task
+        task.add_done_callback(lambda _t: self._compactions.pop(key, None))
+
+    async def _compact(self, key: tuple[str, str], limit: int, grace: float) -> None:
+        try:
+            out = await asyncio.to_thread(compact, self._state(), key[0], key[1], limit, grace)
+            if out["snapshot"]:
+                log.info("mem0: %s-%s: %d event files folded into %s", key[0], key[1], out["folded"], out["snapshot"])
+        except Exception as e:  # noqa: BLE001 - the log stays as it is, readable; tried again later
+            self._compact_after[key] = time.monotonic() + 60.0
+            log.warning("mem0: %s-%s: compaction failed (the log is kept as it is): %s: %s", key[0], key[1],
+                        type(e).__name__, e)
 
     @staticmethod
     def public(m: dict, score: float | None = None) -> dict:
@@ -881,6 +1277,9 @@ class Mem0API:
         kind, oid = owner_of(user_id, agent_id, run_id)
         p.require("write", oid)
         async with self._lock((kind, oid)):
+            task = self._compactions.get((kind, oid))
+            if task is not None:   # none starts while the lock is held; the one under way publishes before
+                await asyncio.wait([task])
             await self.committer.checkpoint()   # no journal record left that would write the folder again
             await asyncio.to_thread(self._delete_owner, kind, oid)
             self._owners.pop((kind, oid), None)
@@ -888,7 +1287,14 @@ class Mem0API:
 
     def _delete_owner(self, kind: str, oid: str) -> None:
         prefix = owner_prefix(self._state(), kind, oid)
-        storage.delete(prefix)
+        for attempt in range(5):   # a compaction of another replica may publish into it meanwhile: removed again
+            try:
+                storage.delete(prefix)
+                break
+            except storage.StorageError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.05)
         if self.committer.local:   # the removal on disk before the answer
             parent = storage.resolve(storage.join(self._state(), ROOT))[1]
             if os.path.isdir(parent):
