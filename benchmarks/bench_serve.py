@@ -39,8 +39,17 @@ a new ``_SUCCESS``: what re-running the embed stage does), which the server relo
 the reload seen by ``/healthz``.
 
 ``--queries sample``: each corpus searched with each of the 30 questions of the shipped LongMemEval sample (mixed
-lengths) instead of its own question, in every mode. ``BENCH_SERVE_SET`` (environment): more ``--set`` options
-for the memsifter servers (not the baseline), recorded in the ``--writes`` report's command.
+lengths) instead of its own question, in every mode. ``BENCH_SERVE_SET`` (environment): more options
+for the memsifter servers (``--set KEY=VALUE ...``; not the baseline; split like a shell line), recorded in the ``--writes`` report's command.
+
+``--mode ranked`` (issue 46 item 5): every load request asks for ``mode: "ranked"`` (the first stage, then the
+ranker over its top candidates); give the memsifter servers a ranker through ``BENCH_SERVE_SET`` (e.g.
+``--set ranker.model=smollm2-135m-instruct --set ranker.engine=vllm``; ``benchmarks/gpu/run_serve_ranked.py`` on a GPU).
+Each answer says whether the ranker ranked it (``ranker[i].status``: ``ok``) or the first stage answered
+(``fallback``, with the reason: no ranker, a timeout, an unparsable answer); per level the report counts
+both (``ranked``, ``fallback``, the reasons), so a rate of fallbacks is never read as a rate of rankings.
+``--sample N``: the data are the first N questions of the LongMemEval sample shipped with memsifter (no
+shared/ data needed; what the GPU driver uses), the identity check skipped.
 
 Output (``--out``): ``serve.json`` (every number, the machine), ``serve.md`` (the tables), ``serve.png``
 (queries/s and p99 by clients; RSS over the soak).
@@ -53,6 +62,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -224,7 +234,7 @@ class Server:
         env.pop("RAY_ADDRESS", None)
         common = ["--index", prep["index"], "--dataset", prep["data"], "--state", prep["state"], "--port", str(port),
                   "--set", "reuse_query_vectors=false", "--set", f"reload_poll_s={reload_poll_s}",
-                  "--set", "auth.anonymous={read: ['*']%s}" % (", write: ['*']" if write else ""), "-q", *os.environ.get("BENCH_SERVE_SET", "").split()]
+                  "--set", "auth.anonymous={read: ['*']%s}" % (", write: ['*']" if write else ""), "-q", *shlex.split(os.environ.get("BENCH_SERVE_SET", ""))]
         if kind == "baseline":
             cmd = [sys.executable, os.path.abspath(__file__), "--baseline-server", "--port", str(port),
                    "--work", os.path.dirname(prep["index"])]
@@ -298,12 +308,41 @@ def workload(data: str, seed: int = 0, queries: str = "own") -> list[tuple[str, 
     return items
 
 
+MODES = ("first_stage", "ranked")
+
+
+def request_body(query: str, mode: str = "first_stage") -> dict:
+    """One load request's JSON: ``mode`` is sent only when it is not the service's default (first_stage), so
+    the first-stage benchmark's requests are the ones it always sent."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {MODES}")
+    body = {"queries": [query], "topk": TOPK, "return_scores": True}
+    if mode != "first_stage":
+        body["mode"] = mode
+    return body
+
+
+def ranker_outcome(answer: dict) -> tuple[str, str | None]:
+    """A ranked answer's outcome from its ``ranker`` field (one entry per query): ``ranked`` (status ok),
+    ``fallback`` (the first stage answered; with the reason) or ``unmarked`` (no ranker field: a server that
+    ignores the mode, e.g. the baseline)."""
+    info = answer.get("ranker")
+    if not info:
+        return "unmarked", None
+    st = info[0] or {}
+    if st.get("status") == "ok":
+        return "ranked", None
+    return "fallback", str(st.get("reason") or st.get("status"))[:120]
+
+
 async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: float, warmup: float,
-               max_requests: int, on_tick=None, per_request: bool = False) -> dict:
+               max_requests: int, on_tick=None, per_request: bool = False, mode: str = "first_stage") -> dict:
     import aiohttp
 
     lat: list[float] = []
     errors: dict[str, int] = {}
+    outcomes = {"ranked": 0, "fallback": 0, "unmarked": 0}
+    reasons: dict[str, int] = {}
     counter = {"next": 0, "sent": 0}
     t_start = time.perf_counter()
     t_measure = t_start + warmup
@@ -318,14 +357,17 @@ async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: fl
             qid, q = items[counter["next"] % len(items)]
             counter["next"] += 1
             t0 = time.perf_counter()
+            outcome = None
             try:
-                async with session.post(f"{url}/u/{qid}/retrieve", json={"queries": [q], "topk": TOPK,
-                                                                          "return_scores": True}) as r:
+                async with session.post(f"{url}/u/{qid}/retrieve", json=request_body(q, mode)) as r:
                     body = await r.read()
                     ok = r.status == 200
                     if ok:
-                        res = json.loads(body)["result"]
+                        answer = json.loads(body)
+                        res = answer["result"]
                         ok = len(res) == 1 and len(res[0]) == TOPK and "contents" in res[0][0]["document"]
+                        if ok and mode == "ranked":
+                            outcome = ranker_outcome(answer)
                     why = "bad answer" if r.status == 200 else f"HTTP {r.status}"
             except Exception as e:  # noqa: BLE001 - counted
                 ok, why = False, type(e).__name__
@@ -333,6 +375,10 @@ async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: fl
             if t0 >= t_measure and t1 <= t_end:
                 if ok:
                     lat.append(t1 - t0)
+                    if outcome:
+                        outcomes[outcome[0]] += 1
+                        if outcome[1]:
+                            reasons[outcome[1]] = reasons.get(outcome[1], 0) + 1
                 else:
                     errors[why] = errors.get(why, 0) + 1
             elif not ok and t0 >= t_start:
@@ -350,6 +396,8 @@ async def load(url: str, items: list[tuple[str, str]], clients: int, seconds: fl
             "error_kinds": errors, "qps": round(len(lat) / elapsed, 2) if elapsed > 0 else 0.0,
             "p50_ms": round(float(np.percentile(a, 50)) * 1000, 1), "p90_ms": round(float(np.percentile(a, 90)) * 1000, 1),
             "p99_ms": round(float(np.percentile(a, 99)) * 1000, 1), "mean_ms": round(float(a.mean()) * 1000, 1),
+            **({"mode": mode, **outcomes, "ranked_per_s": round(outcomes["ranked"] / elapsed, 2) if elapsed > 0 else 0.0,
+                "fallback_reasons": reasons} if mode != "first_stage" else {}),
             **({"latencies_ms": [round(x * 1000, 3) for x in lat]} if per_request else {})}
 
 
@@ -519,13 +567,14 @@ def writes_report(res: dict, out: str) -> None:
     print("\n".join(lines))
 
 
-def run_levels(server: Server, items, levels, seconds, warmup, max_requests) -> list[dict]:
+def run_levels(server: Server, items, levels, seconds, warmup, max_requests, mode: str = "first_stage") -> list[dict]:
     out = []
     for c in levels:
-        r = asyncio.run(load(server.url, items, c, seconds, warmup, max_requests))
+        r = asyncio.run(load(server.url, items, c, seconds, warmup, max_requests, mode=mode))
         r["rss_mb"] = round(server.rss() / 2**20)
+        ranked = f"  ranked {r['ranked']} fallback {r['fallback']}" if mode == "ranked" else ""
         log(f"{server.kind:8s} clients {c:4d}: {r['qps']:7.1f} q/s  p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms"
-            f"  errors {r['errors']}  rss {r['rss_mb']} MB")
+            f"  errors {r['errors']}  rss {r['rss_mb']} MB{ranked}")
         out.append(r)
     return out
 
@@ -585,7 +634,15 @@ def machine() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
+    gpu = None
+    try:   # the GPU's name where there is one (the ranked mode's GPU runs); nothing on a CPU machine
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=False,
+                           timeout=30)
+        gpu = ", ".join(x.strip() for x in q.stdout.splitlines() if x.strip()) or None if q.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            **({"gpu": gpu} if gpu else {}),
             "python": platform.python_version(), "platform": platform.platform(),
             "load_avg_at_start": list(os.getloadavg())}
 
@@ -594,19 +651,44 @@ def report(res: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "serve.json"), "w") as f:
         json.dump(res, f, indent=2)
-    lines = [f"# memsifter serve, first-stage mode, LongMemEval_S train348 ({res['date']})", "",
+    mode = res["args"].get("mode") or "first_stage"
+    data = (f"the first {res['args']['sample']} questions of the shipped LongMemEval sample" if res["args"].get("sample")
+            else "LongMemEval_S train348")
+    lines = [f"# memsifter serve, {mode.replace('_', '-')} mode, {data} ({res['date']})", "",
              f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores (shared), "
-             f"{res['machine']['memory_gb']} GB; load average at start {res['machine']['load_avg_at_start']}.", "",
+             f"{res['machine']['memory_gb']} GB; load average at start {res['machine']['load_avg_at_start']}"
+             + (f"; GPU {res['machine']['gpu']}" if res["machine"].get("gpu") else "") + ".", "",
              f"Each level: {res['args']['seconds']} s after {res['args']['warmup']} s warm-up, topk {TOPK}, one query "
-             "per request, every query embedded by the server.", "",
-             "| server | clients | queries/s | p50 ms | p90 ms | p99 ms | errors | ratio to baseline q/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "per request, every query embedded by the server.", ""]
+    if res.get("server_sets"):
+        lines += [f"Memsifter servers' options (BENCH_SERVE_SET): `{' '.join(res['server_sets'])}`.", ""]
+    ranked = mode == "ranked"
+    if ranked:
+        lines += ["Ranked mode: every request asks for `mode: ranked`; *ranked* = answers the ranker ordered "
+                  "(`ranker[0].status` ok), *fallback* = answers the first stage gave instead (the reasons below); "
+                  "queries/s and latencies count both.", "",
+                  "| server | clients | queries/s | ranked | fallback | ranked/s | p50 ms | p90 ms | p99 ms | errors |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["| server | clients | queries/s | p50 ms | p90 ms | p99 ms | errors | ratio to baseline q/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {r["clients"]: r["qps"] for r in res["levels"].get("baseline", [])}
+    reasons: dict[str, int] = {}
     for kind, rows in res["levels"].items():
         for r in rows:
+            if ranked:
+                lines.append(f"| {kind} | {r['clients']} | {r['qps']:.1f} | {r.get('ranked', 0)} | {r.get('fallback', 0)} | "
+                             f"{r.get('ranked_per_s', 0):.1f} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} | "
+                             f"{r['errors']} |")
+                for why, n in (r.get("fallback_reasons") or {}).items():
+                    reasons[f"{kind}: {why}"] = reasons.get(f"{kind}: {why}", 0) + n
+                continue
             ratio = f"{r['qps'] / base[r['clients']]:.2f}" if base.get(r["clients"]) else "-"
             lines.append(f"| {kind} | {r['clients']} | {r['qps']:.1f} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r['errors']} | {ratio} |")
+    if reasons:
+        lines += ["", "Fallback reasons (all levels): " + "; ".join(f"{why} ({n})" for why, n in
+                                                                   sorted(reasons.items(), key=lambda x: -x[1])[:10]) + "."]
     if res.get("soak"):
         s = res["soak"]
         lines += ["", f"Soak (Ray Serve, {s['clients']} clients, {s['minutes']} min"
@@ -690,6 +772,9 @@ def main() -> int:
                         "sample's 30 questions (sample: mixed query lengths)")
     p.add_argument("--sample", type=int, metavar="N", help="data: the first N LongMemEval questions shipped with "
                    "memsifter (as `memsifter serve` uses them) instead of shared/'s 348")
+    p.add_argument("--mode", choices=MODES, default="first_stage",
+                   help="the mode every load request asks for (ranked: give the servers a ranker via BENCH_SERVE_SET; "
+                        "answers are counted as ranked or fallback per level)")
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -718,7 +803,7 @@ def main() -> int:
         writes_report(res, args.out)
         return 0
     source = os.path.join(SHARED, TRAIN)
-    if not os.path.exists(source):
+    if not os.path.exists(source) and not args.sample:
         print(f"bench_serve: {source} is absent (the project's shared/ data); nothing to measure")
         return 0
     from memsifter.service.local import free_port
@@ -737,8 +822,14 @@ def main() -> int:
         report(res, args.out)
         return 0
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "args": vars(args), "levels": {}}
+    if os.environ.get("BENCH_SERVE_SET"):
+        res["server_sets"] = shlex.split(os.environ["BENCH_SERVE_SET"])
     t0 = time.time()
-    prep = prepare(work, source) if not args.skip_identity else {
+    if args.sample:   # the shipped sample: import + embed here (reused when published); the servers embed the units
+        from memsifter.service.cli import prepare_demo
+
+        prepare_demo(work, args.sample, echo=log)
+    prep = prepare(work, source) if not (args.skip_identity or args.sample) else {
         "data": os.path.join(work, "data"), "index": os.path.join(work, "embed"), "state": os.path.join(work, "state")}
     res["prepare"] = {**prep, "seconds": round(time.time() - t0, 1)}
     items = workload(prep["data"], queries=args.queries)
@@ -752,7 +843,8 @@ def main() -> int:
             log(f"{kind}: ready in {h['ready_seconds']}s, RSS {server.rss() / 2**20:.0f} MB")
             res.setdefault("servers", {})[kind] = {"ready_seconds": h["ready_seconds"],
                                                   "rss_mb_ready": round(server.rss() / 2**20)}
-            res["levels"][kind] = run_levels(server, items, levels, args.seconds, args.warmup, args.max_requests)
+            res["levels"][kind] = run_levels(server, items, levels, args.seconds, args.warmup, args.max_requests,
+                                             args.mode)
         finally:
             server.stop()
         report(res, args.out)

@@ -965,7 +965,7 @@ def test_committed_gpu_run_configs_start_their_driver_with_arguments_it_accepts(
 
     drivers = {"dapo_4b.yaml": "run_dapo_4b", "agents.yaml": "run_agents", "multigpu.yaml": "run_multigpu",
                "train.yaml": "run_train", "ranker.yaml": "run_ranker", "rank.yaml": "run_rank",
-               "ranker_improve.yaml": "run_ranker"}
+               "ranker_improve.yaml": "run_ranker", "serve_ranked.yaml": "run_serve_ranked"}
     assert sorted(p.name for p in GPU_CONFIGS.glob("*.yaml")) == sorted(drivers)
     for name, driver in drivers.items():
         cfg = detached.load(str(GPU_CONFIGS / name))

@@ -51,10 +51,22 @@ def config_facts(path: str) -> dict:
             "gpus": cfg.get("nnodes", 1) * cfg.get("n_gpus_per_node", 1), "nodes": cfg.get("nnodes", 1)}
 
 
+def random_4b(model: str, corpus: list[str]) -> str:
+    """The random Qwen3-4B-shaped model (``memsifter.models.tiny.QWEN3_4B``, bf16) with a tokenizer trained on
+    ``corpus`` in ``model``, built once, in a child: the CUDA memory it takes must be free before verl (or a
+    vLLM engine: ``run_serve_ranked.py``) starts."""
+    from memsifter.models.tiny import QWEN3_4B, build_random_model
+    from run_rank import spawn
+
+    if not os.path.exists(os.path.join(model, "config.json")):
+        if spawn(build_random_model, (model, QWEN3_4B, corpus, 32000, "bfloat16", "cuda")) != 0:
+            raise SystemExit("building the model failed")
+    return model
+
+
 def prepare(a) -> tuple[str, dict]:
     """Synthetic data (one dataset for every prompt length) and the random model with its tokenizer."""
     from memsifter.data.model import read_dataset
-    from memsifter.models.tiny import QWEN3_4B, build_random_model
     from memsifter.store import storage
     from run_rank import peak_child, spawn
 
@@ -66,10 +78,7 @@ def prepare(a) -> tuple[str, dict]:
     t = time.time()
     if not os.path.exists(os.path.join(model, "config.json")):
         ds = read_dataset(f"{RUN}/synth")
-        corpus = [t_["content"] for s in list(ds.sessions.values())[:3000] for t_ in s.turns]
-        # in a child: the CUDA memory it takes must be free before verl starts
-        if spawn(build_random_model, (model, QWEN3_4B, corpus, 32000, "bfloat16", "cuda")) != 0:
-            raise SystemExit("building the model failed")
+        random_4b(model, [t_["content"] for s in list(ds.sessions.values())[:3000] for t_ in s.turns])
     print(f"model ready in {time.time() - t:.1f}s", flush=True)
     peak_path = os.path.join(a.work, "peak.json")
     if not os.path.exists(peak_path):
