@@ -1083,20 +1083,28 @@ COW_RUNS = (("fresh-before", "1c39def", "fresh"), ("fresh-after", "c7f2b92", "fr
             ("big-before-2", "1c39def", "large state, after one run"), ("big-after-2", "c7f2b92", "large state, after one run"))
 
 
-def table_serve_writes_cow() -> list[str]:
-    """One row per run of the copy-on-write A/B, from each run's writes.json, with a 95% bootstrap interval of the
-    search p99 from its per-request latencies (requests.json.gz; 2,000 resamples, seed 0)."""
+WRITES_COMPACT = "benchmarks/results/serve-writes-2026-11-27-compact"
+COMPACT_RUNS = (("off-1", "memory_compact_files=0", "large state (519 MB)"),
+                ("on-1", "compaction on (256)", "large state (519 MB)"),
+                ("off-2", "memory_compact_files=0", "large state, after one run"),
+                ("on-2", "compaction on (256)", "large state, after one run"))
+
+
+def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code") -> list[str]:
+    """One row per run of an A/B of bench_serve.py --writes (copy on write; log compaction), from each run's
+    writes.json, with a 95% bootstrap interval of the search p99 from its per-request latencies (requests.json.gz;
+    2,000 resamples, seed 0)."""
     import gzip
 
     import numpy as np
 
     rng = np.random.default_rng(0)
-    lines = ["| run | code | state at start | adds (n) | adds/s | adds p99 ms | searches (n, adds running) | search q/s | "
+    lines = [f"| run | {label} | state at start | adds (n) | adds/s | adds p99 ms | searches (n, adds running) | search q/s | "
              "search p99 ms [95% CI] | adds p99 ms during search | baseline q/s | search over baseline |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for name, code, state in COW_RUNS:
-        w = load_json(f"{WRITES_COW}/{name}/writes.json")["writes"]
-        with gzip.open(os.path.join(ROOT, WRITES_COW, name, "requests.json.gz"), "rt") as f:
+    for name, code, state in runs:
+        w = load_json(f"{folder}/{name}/writes.json")["writes"]
+        with gzip.open(os.path.join(ROOT, folder, name, "requests.json.gz"), "rt") as f:
             lat = np.asarray(json.load(f)["search_with_adds"])
         boot = np.percentile(rng.choice(lat, size=(2000, lat.size)), 99, axis=1)
         lo, hi = np.percentile(boot, [2.5, 97.5])
@@ -1447,6 +1455,9 @@ TABLES = {
        for name, folder in WRITES_AB.items()},
     "serve-writes-cow": (table_serve_writes_cow, [f"{WRITES_COW}/*/writes.json", f"{WRITES_COW}/*/requests.json.gz"],
                          [f"{WRITES_COW}/README.md"]),
+    "serve-writes-compact": (functools.partial(table_serve_writes_cow, WRITES_COMPACT, COMPACT_RUNS, "setting"),
+                             [f"{WRITES_COMPACT}/*/writes.json", f"{WRITES_COMPACT}/*/requests.json.gz"],
+                             [f"{WRITES_COMPACT}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
