@@ -424,3 +424,24 @@ def test_the_reread_benchmark_prints_its_table():
                                                       "| from scratch (a restart, a new replica)"], rows
     assert "303 event files folded" in p.stdout and "303 removed" in p.stdout, p.stdout   # 300 and 3 added before
     assert "the next compaction (the snapshot and 17 new files)" in p.stdout, p.stdout
+
+
+def test_a_failed_compaction_logs_no_credential(monkeypatch, caplog):
+    """A compaction that fails logs one warning and keeps the log; the error's text can hold the state's URI
+    (an S3 endpoint with user:password@): that never reaches the log."""
+    import asyncio
+    import logging
+    import types
+
+    secret = "s3cr3t-pass-8842"
+
+    def boom(*a, **k):
+        raise storage.StorageError(f"http://minio:{secret}@10.0.0.5:9000/state/mem0/user-x: connection reset")
+
+    monkeypatch.setattr(M, "compact", boom)
+    api = M.Mem0API(types.SimpleNamespace(_need_state=lambda: "/tmp/unused-state"))
+    with caplog.at_level(logging.WARNING, logger=M.log.name):
+        asyncio.run(api._compact(("user", "x"), 4, 60.0))
+    text = caplog.text
+    assert "compaction failed" in text and secret not in text
+    assert api._compact_after[("user", "x")] > time.monotonic()

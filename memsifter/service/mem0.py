@@ -1039,11 +1039,14 @@ class Mem0API:
         try:
             out = await asyncio.to_thread(compact, self._state(), key[0], key[1], limit, grace)
             if out["snapshot"]:
-                log.info("mem0: %s-%s: %d event files folded into %s", key[0], key[1], out["folded"], out["snapshot"])
+                log.info("mem0: %s-%s: %d event files folded into %s", key[0], key[1], out["folded"],
+                         os.path.basename(str(out["snapshot"])))
         except Exception as e:  # noqa: BLE001 - the log stays as it is, readable; tried again later
             self._compact_after[key] = time.monotonic() + 60.0
+            from ..security.redact import redact
+
             log.warning("mem0: %s-%s: compaction failed (the log is kept as it is): %s: %s", key[0], key[1],
-                        type(e).__name__, e)
+                        type(e).__name__, redact(str(e)))
 
     @staticmethod
     def public(m: dict, score: float | None = None) -> dict:
