@@ -1047,7 +1047,7 @@ def test_dapo_4b_two_raylets_form_one_cluster_that_await_capacity_accepts(monkey
 def test_committed_layouts_run_configs_on_the_gpus_they_name():
     """Each committed side-by-side layout names a committed run config and arguments its driver accepts; a 4B
     train config asks for no more GPUs than its line names; runs of one layout use disjoint GPUs; the runs started
-    beside x4_resize.layout's 2-GPU part (the first two of its GPUs) use none of those."""
+    beside x4_resize.layout's 2-GPU part (the first two of its GPUs) use none of those, nor those started beside x4_nodes_then_resize.layout's."""
     from memsifter.runs import detached
 
     drv = importlib.import_module("run_dapo_4b")
@@ -1068,11 +1068,12 @@ def test_committed_layouts_run_configs_on_the_gpus_they_name():
                     assert drv.config_facts(c)["gpus"] <= len(ids), (path.name, name, c)
         assert sum(map(len, gpus_of)) == len(set().union(*gpus_of)), f"{path.name}: two runs share a GPU"
         used[path.stem] = (lines, gpus_of)
-    resize_lines, _ = used["x4_resize"]
-    a = drv.resolve(drv.build_parser().parse_args(
-        detached.argv(detached.load(str(REPO / resize_lines[0][1])))[2:] + resize_lines[0][3:]))
-    last = drv.own_gpus(drv.config_facts(a.configs[-1])["gpus"], resize_lines[0][2])
-    assert {int(g) for g in last.split(",")}.isdisjoint(set().union(*used["x4_after_resize"][1]))
+    for first, beside in [("x4_resize", "x4_after_resize"), ("x4_nodes_then_resize", "x4_tp2_beside_resize")]:
+        resize_lines, _ = used[first]
+        a = drv.resolve(drv.build_parser().parse_args(
+            detached.argv(detached.load(str(REPO / resize_lines[0][1])))[2:] + resize_lines[0][3:]))
+        last = drv.own_gpus(drv.config_facts(a.configs[-1])["gpus"], resize_lines[0][2])
+        assert {int(g) for g in last.split(",")}.isdisjoint(set().union(*used[beside][1])), (first, beside)
 
 
 def test_a_detached_run_from_a_committed_config_reaches_done_and_is_collected(tmp_path):
