@@ -721,7 +721,8 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="verl.actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 needs "
                                           "flash_attention_2"):
         ov(True, attn="sdpa")
-    with pytest.raises(ConfigError, match="attn_implementation: expected one of auto, flash_attention_2, sdpa, eager"):
+    with pytest.raises(ConfigError, match="attn_implementation: expected one of auto, flash_attention_2, "
+                                          "flash_attention_4, sdpa, eager"):
         ov(True, sp=1, attn="flash")
 
     # a user's own override of the key (with '+', as before this setting existed) wins and composes
@@ -742,6 +743,109 @@ def test_attention_falls_back_to_sdpa_without_flash_attn(tmp_path, monkeypatch):
                                             in_process=True))
     assert composed["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"] in (
         "sdpa", "flash_attention_2")
+
+
+def _flash(monkeypatch, fa2: bool, fa4: bool) -> None:
+    """This interpreter as one with flash-attn 2 (distribution ``flash-attn``) and/or FlashAttention-4
+    (``flash-attn-4``, same ``flash_attn`` package) installed: find_spec and importlib.metadata say so; any installed
+    distribution stands in for theirs."""
+    import importlib.metadata
+    import importlib.util
+
+    real_spec, real_dist = importlib.util.find_spec, importlib.metadata.distribution
+    have = {"flash-attn": fa2, "flash-attn-4": fa4}
+
+    def distribution(name):
+        if name in have:
+            if not have[name]:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return real_dist("pytest")
+        return real_dist(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: (real_spec("json") if fa2 or fa4 else None)
+                        if n == "flash_attn" else real_spec(n, *a))
+
+
+def test_attention_takes_flash_attention_4_where_only_flash_attn_4_is_installed(tmp_path, monkeypatch):
+    """Issue 43 item 6: FlashAttention-4 (PyPI flash-attn-4, transformers' flash_attention_4) is a varlen attention
+    for verl's remove padding and Ulysses; auto takes it where flash-attn 2 is missing, and it composes with
+    Ulysses 2. Where both are installed auto keeps flash_attention_2; a bare ``flash_attn`` module (no distribution
+    recorded) is flash-attn 2, as before."""
+    import yaml
+
+    monkeypatch.delenv("MEMSIFTER_IMAGE", raising=False)
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+    key, rp = "++actor_rollout_ref.model.override_config.attn_implementation", "actor_rollout_ref.model.use_remove_padding"
+
+    def cfg(sp: int = 2, attn: str | None = None) -> TrainConfig:
+        block = {"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": sp},
+                                       **({"model": {"override_config": {"attn_implementation": attn}}} if attn else {})}}
+        return TrainConfig(output=str(tmp_path / "t"), data=data, verl=block)
+
+    def ov(sp: int = 2, attn: str | None = None) -> dict:
+        return dict(o.split("=", 1) for o in verl_overrides(cfg(sp, attn)))
+
+    _flash(monkeypatch, fa2=False, fa4=True)
+    assert verl_settings.flash_packages() == {"flash_attention_4"}
+    o = ov(sp=1)
+    assert (o[key], o[rp]) == ("'flash_attention_4'", "true")
+    o = ov()
+    assert (o[key], o[rp]) == ("'flash_attention_4'", "true")
+    o = ov(attn="flash_attention_4")
+    assert (o[key], o[rp]) == ("'flash_attention_4'", "true")
+    c = cfg()
+    composed = yaml.safe_load(verl_config.compose(c, verl_overrides(c, ["/x/train.parquet"], ["/x/test.parquet"]),
+                                                  in_process=True))
+    model, actor = composed["actor_rollout_ref"]["model"], composed["actor_rollout_ref"]["actor"]
+    assert model["override_config"]["attn_implementation"] == "flash_attention_4"
+    assert model["use_remove_padding"] is True and actor["ulysses_sequence_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 needs flash_attention_2 or "
+                                          "flash_attention_4 \\(remove padding\\), not 'sdpa'"):
+        ov(attn="sdpa")
+
+    _flash(monkeypatch, fa2=True, fa4=True)
+    assert verl_settings.flash_packages() == {"flash_attention_2", "flash_attention_4"}
+    assert ov()[key] == "'flash_attention_2'"
+    assert ov(sp=1, attn="flash_attention_4")[key] == "'flash_attention_4'"
+    _flash(monkeypatch, fa2=False, fa4=False)
+    assert verl_settings.flash_packages() == set()
+    import importlib.metadata
+    import importlib.util
+
+    real_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: real_spec("json") if n == "flash_attn"
+                        else real_spec(n, *a))  # flash_attn importable, neither distribution recorded: flash-attn 2
+    assert verl_settings.flash_packages() == {"flash_attention_2"}
+    assert ov(sp=1)[key] == "'flash_attention_2'"
+
+
+def test_flash_attention_4_without_flash_attn_4_is_refused_inside_an_image(tmp_path, monkeypatch, caplog):
+    """An explicit flash_attention_4 where flash-attn-4 is missing: inside a memsifter image (MEMSIFTER_IMAGE) one
+    ConfigError naming the package (flash-attn 2 does not provide it); elsewhere a warning (the pods' image is not
+    this machine)."""
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+    fa4 = {"actor_rollout_ref": {"model": {"override_config": {"attn_implementation": "flash_attention_4"}}}}
+    for fa2 in (False, True):
+        _flash(monkeypatch, fa2=fa2, fa4=False)
+        monkeypatch.setenv("MEMSIFTER_IMAGE", "1")
+        with pytest.raises(ConfigError, match=r"attn_implementation=flash_attention_4 needs flash-attn-4 .*this image"):
+            TrainConfig(output=str(tmp_path / "t"), data=data, verl=fa4)
+        monkeypatch.delenv("MEMSIFTER_IMAGE")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="memsifter.stages.train"):
+            o = dict(x.split("=", 1) for x in verl_overrides(TrainConfig(output=str(tmp_path / "t"), data=data,
+                                                                         verl=fa4)))
+        assert o["++actor_rollout_ref.model.override_config.attn_implementation"] == "'flash_attention_4'"
+        assert "flash-attn-4 is not installed here" in caplog.text
+        assert "needs flash_attention_4: the GPU pods' image must carry flash-attn-4" in caplog.text
+    # and flash_attention_2 asked for where only flash-attn-4 is installed names flash-attn
+    _flash(monkeypatch, fa2=False, fa4=True)
+    monkeypatch.setenv("MEMSIFTER_IMAGE", "1")
+    fa2 = {"actor_rollout_ref": {"model": {"override_config": {"attn_implementation": "flash_attention_2"}}}}
+    with pytest.raises(ConfigError, match=r"needs flash-attn \(flash_attention_2, varlen kernels\).*"
+                                          r"flash-attn-4 is installed here"):
+        TrainConfig(output=str(tmp_path / "t"), data=data, verl=fa2)
 
 
 def test_base_model_by_name_resolves_to_the_materialized_directory():
@@ -839,6 +943,35 @@ def test_overrides_install_fast_logprobs_by_setting(tmp_path, monkeypatch):
     kept = dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data)))
     assert kept[key] == f"'my_models,{verl_patches.MODULE}'"
     assert verl_patches.external_modules(f"a,{verl_patches.MODULE}") == f"a,{verl_patches.MODULE}"
+
+
+def test_flash_attention_4_installs_verl_patches_even_without_fast_logprobs(tmp_path, monkeypatch):
+    """FA4 takes transformers' varlen calls only through verl_patches.install_fa4 (max_seqlen as an int), so a run on
+    flash_attention_4 lists the module in every Ray worker whatever fast_logprobs says; with fast_logprobs off the
+    log-prob patch is then turned off by MEMSIFTER_FAST_LOGPROBS=0. sdpa without fast_logprobs lists nothing."""
+    from memsifter.training import verl_patches
+
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars."
+    mods, fast = env + "VERL_USE_EXTERNAL_MODULES", env + verl_patches.FAST_LOGPROBS_ENV
+    assert verl_patches.FAST_LOGPROBS_ENV == "MEMSIFTER_FAST_LOGPROBS"
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    monkeypatch.delenv("MEMSIFTER_IMAGE", raising=False)
+    _flash(monkeypatch, fa2=False, fa4=True)
+    data = fake_prepare_rl(str(tmp_path / "rl"))
+
+    def ov(attn: str, fast_logprobs: bool) -> dict:
+        block = {"actor_rollout_ref": {"actor": {"ulysses_sequence_parallel_size": 1},
+                                       "model": {"override_config": {"attn_implementation": attn}}}}
+        return dict(o.split("=", 1) for o in verl_overrides(TrainConfig(output="s3://b/t", data=data, verl=block,
+                                                                        fast_logprobs=fast_logprobs)))
+
+    off = ov("flash_attention_4", False)
+    assert off[mods] == f"'{verl_patches.MODULE}'" and off[fast] == "'0'"
+    on = ov("flash_attention_4", True)
+    assert on[mods] == f"'{verl_patches.MODULE}'" and fast not in on
+    sdpa = ov("sdpa", False)
+    assert mods not in sdpa and fast not in sdpa
+    assert ov("sdpa", True)[mods] == f"'{verl_patches.MODULE}'"
 
 
 M10_LOG = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "results", "2026-11-24-h100-m10",

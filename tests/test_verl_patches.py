@@ -86,3 +86,86 @@ def test_a_verl_without_the_fallback_is_left_alone(monkeypatch):
     """A verl release without logprobs_from_logits_v2 must still import (the patch runs inside `import verl`)."""
     monkeypatch.delattr(vf, "logprobs_from_logits_v2")
     assert verl_patches.install() is False and not hasattr(vf, "logprobs_from_logits_v2")
+
+
+def test_int_seqlens_passes_the_longest_sequence_as_an_int():
+    """transformers 5.10 hands a varlen function ``max_seqlen_q``/``max_seqlen_k`` as 0-dim tensors
+    (``cu_seqlens.diff().max()``); FA4's compiler wants ints. Ints and None pass as they are; wrapping is idempotent."""
+    calls = []
+
+    def varlen(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return "out"
+
+    f = verl_patches.int_seqlens(varlen)
+    assert f(1, 2, 3, cu_seqlens_q="c", max_seqlen_q=torch.tensor(7), max_seqlen_k=torch.tensor([5])[0]) == "out"
+    got = calls[-1]
+    assert got["max_seqlen_q"] == 7 and type(got["max_seqlen_q"]) is int
+    assert got["max_seqlen_k"] == 5 and type(got["max_seqlen_k"]) is int and got["cu_seqlens_q"] == "c"
+    f(1, 2, 3, max_seqlen_q=9, max_seqlen_k=None)
+    assert calls[-1] == {"max_seqlen_q": 9, "max_seqlen_k": None}
+    f(1, 2, 3)
+    assert calls[-1] == {}
+    assert verl_patches.int_seqlens(f) is f and f.__wrapped__ is varlen and f.__name__ == "varlen"
+
+
+def _fake_cute(monkeypatch, fn=None):
+    """``flash_attn.cute`` as a module of our own: FA4 needs a CUDA GPU (Hopper or Blackwell) and is not installed
+    here, so its varlen function is faked; the real one was run, forward and backward, on an H100 by
+    benchmarks/gpu/varlen_check.py."""
+    import types
+
+    pkg, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    if fn is not None:
+        cute.flash_attn_varlen_func = fn
+    pkg.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    return cute
+
+
+def test_install_fa4_wraps_flash_attn_cute_varlen_func(monkeypatch):
+    """With flash-attn-4 installed, install_fa4 replaces flash_attn.cute.flash_attn_varlen_func (which transformers
+    imports by name at its first flash attention call) by the int_seqlens wrapper, once however often it runs."""
+    seen = []
+
+    def flash_attn_varlen_func(q, k, v, **kwargs):
+        seen.append({k: type(v) for k, v in kwargs.items()})
+        return q
+
+    cute = _fake_cute(monkeypatch, flash_attn_varlen_func)
+    monkeypatch.setattr(verl_patches, "fa4_installed", lambda: False)
+    assert verl_patches.install_fa4() is False and cute.flash_attn_varlen_func is flash_attn_varlen_func
+    monkeypatch.setattr(verl_patches, "fa4_installed", lambda: True)
+    assert verl_patches.install_fa4() is True
+    wrapped = cute.flash_attn_varlen_func
+    assert wrapped is not flash_attn_varlen_func and wrapped.__wrapped__ is flash_attn_varlen_func
+    assert verl_patches.install_fa4() is True and cute.flash_attn_varlen_func is wrapped
+    from flash_attn.cute import flash_attn_varlen_func as by_name  # as transformers imports it
+
+    assert by_name(1, 2, 3, max_seqlen_q=torch.tensor(4), max_seqlen_k=torch.tensor(4)) == 1
+    assert seen == [{"max_seqlen_q": int, "max_seqlen_k": int}]
+
+
+def test_install_fa4_leaves_a_broken_or_foreign_flash_attn_cute_alone(monkeypatch, caplog):
+    """flash-attn-4 recorded but flash_attn.cute without the function, or not importing: False, nothing changed
+    (transformers then fails with its own error), and install() still goes on to the log-prob patch."""
+    monkeypatch.setattr(verl_patches, "fa4_installed", lambda: True)
+    cute = _fake_cute(monkeypatch)
+    assert verl_patches.install_fa4() is False and not hasattr(cute, "flash_attn_varlen_func")
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # `import flash_attn.cute` raises ImportError
+    with caplog.at_level("WARNING", logger=verl_patches.__name__):
+        assert verl_patches.install_fa4() is False
+    assert "flash_attn.cute does not import" in caplog.text
+    monkeypatch.delenv(verl_patches.FAST_LOGPROBS_ENV, raising=False)
+    monkeypatch.setattr(vf, "logprobs_from_logits_v2", ORIGINAL)  # restored after the test, as below
+    monkeypatch.setattr(vf, "_memsifter_original_logprobs_v2", ORIGINAL, raising=False)
+    assert verl_patches.install() is True and vf.logprobs_from_logits_v2 is verl_patches.logprobs_rows
+
+
+def test_fast_logprobs_off_leaves_verl_alone(monkeypatch):
+    """MEMSIFTER_FAST_LOGPROBS=0 (the train stage's fast_logprobs off, module listed for FA4): the fallback stays
+    verl's own."""
+    monkeypatch.setenv(verl_patches.FAST_LOGPROBS_ENV, "0")
+    monkeypatch.setattr(vf, "logprobs_from_logits_v2", ORIGINAL)
+    assert verl_patches.install() is False and vf.logprobs_from_logits_v2 is ORIGINAL

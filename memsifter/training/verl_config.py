@@ -265,11 +265,13 @@ def verl_overrides(config: Any, train_files: list[str] | None = None,
         if config.search_api_key_env:
             env[verl_names.SEARCH_KEY_ENV] = config.search_api_key_env
     env.update(user_env)
-    if config.fast_logprobs:  # imported by `import verl` in every Ray worker of the run
+    if config.fast_logprobs or attn == "flash_attention_4":  # imported by `import verl` in every Ray worker of the run
         from memsifter.training import verl_patches
 
         env["VERL_USE_EXTERNAL_MODULES"] = verl_patches.external_modules(
             user_env.get("VERL_USE_EXTERNAL_MODULES") or os.environ.get("VERL_USE_EXTERNAL_MODULES"))
+        if not config.fast_logprobs:  # listed for FA4's int max_seqlen (install_fa4) only: log-probs stay verl's
+            env[verl_patches.FAST_LOGPROBS_ENV] = "0"
     _set(final, ENV_KEY, dict(sorted(env.items())))
     schema = verl_schema()
     out = []

@@ -13,10 +13,18 @@ few large kernels; it keeps the fallback's numerics (``log_softmax`` in the inpu
 logits, ``x - logsumexp(x)`` for float32/64) and its memory: autograd keeps the same per-row tensors,
 only grouped. The train stage turns it on with its ``fast_logprobs`` setting (default on): it is the path runs
 take where flash-attn is missing (hosts and images other than the train image, which compiles it for sm_90).
+
+:func:`install_fa4` makes FlashAttention-4 (PyPI ``flash-attn-4``: CuTe DSL kernels compiled at run time, for
+Hopper and Blackwell) usable by verl's remove-padding and Ulysses paths (``attn_implementation:
+flash_attention_4``): transformers 5.10 hands its varlen function the longest sequence as a 0-dim tensor
+(``cu_seqlens.diff().max()``), which FA2's C++ binding accepts and FA4's compiler rejects ("Expected IntTuple, whose
+leaves are integers"). The wrapper passes a Python int instead; nothing else changes.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -46,9 +54,62 @@ def logprobs_rows(logits, labels):
     return torch.cat(out).reshape(labels.shape)
 
 
+FAST_LOGPROBS_ENV = "MEMSIFTER_FAST_LOGPROBS"  # "0": leave verl's log-prob fallback as it is (fast_logprobs off)
+
+
+def fa4_installed() -> bool:
+    """The ``flash-attn-4`` distribution is installed here (FA2's ``flash-attn`` also ships a ``flash_attn.cute``
+    folder: the distribution's name tells them apart, as transformers does)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def int_seqlens(fn):
+    """``fn`` (a varlen attention function) called with ``max_seqlen_q``/``max_seqlen_k`` as Python ints."""
+    if getattr(fn, "_memsifter_int_seqlens", False):
+        return fn
+
+    @functools.wraps(fn)
+    def varlen(*args, **kwargs):
+        for key in ("max_seqlen_q", "max_seqlen_k"):
+            v = kwargs.get(key)
+            if v is not None and not isinstance(v, int):
+                kwargs[key] = int(v)  # one host sync, as FA2's binding does for a tensor
+        return fn(*args, **kwargs)
+
+    varlen._memsifter_int_seqlens = True
+    return varlen
+
+
+def install_fa4() -> bool:
+    """Wrap ``flash_attn.cute.flash_attn_varlen_func`` with :func:`int_seqlens` (transformers imports it by name at
+    its first flash attention call, after this); False where flash-attn-4 is not installed or does not import."""
+    if not fa4_installed():
+        return False
+    try:
+        import flash_attn.cute as cute
+    except Exception as e:  # noqa: BLE001 - a broken FA4 install: the run fails later with transformers' own error
+        log.warning("memsifter: flash-attn-4 is installed but flash_attn.cute does not import (%s)", e)
+        return False
+    fn = getattr(cute, "flash_attn_varlen_func", None)
+    if not callable(fn):
+        return False
+    cute.flash_attn_varlen_func = int_seqlens(fn)
+    return True
+
+
 def install() -> bool:
-    """Point verl's fallback at :func:`logprobs_rows`; False (nothing changed) without verl or without that
-    function (a verl release that renamed it: the run goes on with verl's own code)."""
+    """Point verl's fallback at :func:`logprobs_rows` (unless ``MEMSIFTER_FAST_LOGPROBS=0``) and make FA4 take
+    transformers' calls (:func:`install_fa4`); False (log-probs unchanged) without verl, with the setting off, or
+    without that function (a verl release that renamed it: the run goes on with verl's own code)."""
+    install_fa4()
+    if os.environ.get(FAST_LOGPROBS_ENV) == "0":
+        return False
     try:
         from verl.utils import torch_functional as vf
     except ImportError:

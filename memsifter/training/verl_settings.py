@@ -30,7 +30,9 @@ log = logging.getLogger("memsifter.stages.train")   # the train stage's warnings
 
 RECIPE = ("configs", "verl", "dapo.yaml")  # the platform's DAPO recipe, in verl's key names
 LEGACY = ("configs", "verl", "legacy_dapo.yaml")  # the former `dapo:` names -> verl's (migration only)
-ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
+ATTENTION = ("auto", "flash_attention_2", "flash_attention_4", "sdpa", "eager")
+# varlen attentions (remove padding, Ulysses) -> the PyPI distribution that provides each (both install `flash_attn`)
+VARLEN = {"flash_attention_2": "flash-attn", "flash_attention_4": "flash-attn-4"}
 ATTN_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
 ENV_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 # What the train config's own fields set: refused under `verl:` (and in override lines), naming the field.
@@ -375,6 +377,25 @@ def _q(v: Any) -> str:
 IMAGE_ENV = "MEMSIFTER_IMAGE"
 
 
+def flash_packages() -> set[str]:
+    """The varlen attentions (:data:`VARLEN`) whose package is installed here: flash-attn 2 (``flash-attn``) and
+    FlashAttention-4 (``flash-attn-4``) both install the ``flash_attn`` package, so the distributions recorded tell
+    them apart (as transformers does); an importable ``flash_attn`` without either record counts as flash-attn 2."""
+    import importlib.util
+    from importlib import metadata
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return set()
+    found = set()
+    for impl, dist in VARLEN.items():
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        found.add(impl)
+    return found or {"flash_attention_2"}
+
+
 def attention(s: VerlSettings) -> tuple[str, bool]:
     """(attn_implementation, use_remove_padding) for the FSDP actor and ref, from
     ``verl.actor_rollout_ref.model.override_config.attn_implementation`` (unset or ``auto``: chosen here).
@@ -382,35 +403,51 @@ def attention(s: VerlSettings) -> tuple[str, bool]:
     verl 0.9.1 loads the model with ``flash_attention_2`` unless ``model.override_config`` says
     otherwise, and transformers refuses that without the ``flash-attn`` package (seen on the first
     real run, an H100 without it). Remove-padding packs a micro-batch into one sequence, which we only
-    trust to flash attention's varlen kernels; without them the actor runs SDPA on padded batches
-    (slower, same result). Ulysses sequence parallelism needs remove-padding, so ``auto`` keeps flash
-    attention when it is asked for (the pods' image must then carry flash-attn).
+    trust to flash attention's varlen kernels: flash-attn 2 (``flash_attention_2``, PyPI ``flash-attn``) or
+    FlashAttention-4 (``flash_attention_4``, PyPI ``flash-attn-4``, Hopper and Blackwell; transformers' calls reach it
+    through :func:`memsifter.training.verl_patches.install_fa4`). ``auto`` takes flash-attn 2 where it is installed,
+    else FA4 where that is (:func:`flash_packages`); without either the actor runs SDPA on padded batches (slower,
+    same result). Ulysses sequence parallelism needs remove-padding, so ``auto`` keeps ``flash_attention_2`` when
+    it is asked for (the pods' image must then carry flash-attn). A varlen attention whose package is missing is
+    a ConfigError inside a memsifter image (``MEMSIFTER_IMAGE``: this environment is the actor's), else a warning.
     """
-    import importlib.util
-
     key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     sp = s.get(key)
     sp = sp if isinstance(sp, int) and not isinstance(sp, bool) else 1
     impl = s.get(ATTN_KEY) or "auto"
-    have = importlib.util.find_spec("flash_attn") is not None
+    have = flash_packages()
     if impl == "auto":
-        impl = "flash_attention_2" if have or sp > 1 else "sdpa"
-    if impl == "flash_attention_2" and not have:
-        why = f"verl.{key}={sp}" if sp > 1 else f"verl.{ATTN_KEY}=flash_attention_2"
+        impl = ("flash_attention_2" if "flash_attention_2" in have else "flash_attention_4"
+                if "flash_attention_4" in have else "flash_attention_2" if sp > 1 else "sdpa")
+    if impl in VARLEN and impl not in have:
+        pkg = VARLEN[impl]
+        why = f"verl.{key}={sp}" if sp > 1 and impl == "flash_attention_2" else f"verl.{ATTN_KEY}={impl}"
+        other = next((i for i in VARLEN if i != impl and i in have), None)
+        hint = f" ({VARLEN[other]} is installed here: verl.{ATTN_KEY}={other} uses it)" if other else ""
         if os.environ.get(IMAGE_ENV):
             # inside a memsifter image (the RayJob's, or `docker run IMAGE memsifter run train --dry-run`): this
             # environment is the one the actor runs in, and it cannot run the recipe
-            raise ConfigError(f"train: {why} needs flash-attn (flash_attention_2, varlen kernels), which this image "
-                              f"does not carry: use the memsifter train image (images/train/Dockerfile builds it) or "
-                              f"set verl.{key}=1 (SDPA on padded rows)")
-        log.warning("train: flash-attn is not installed here, but %s needs flash_attention_2: the GPU pods' image "
-                    "must carry flash-attn (the memsifter train image does), or set verl.%s=1 for SDPA", why, key)
-    if impl != "flash_attention_2" and sp > 1:
-        raise ConfigError(f"train: verl.{key}={sp} needs flash_attention_2 (remove padding), not {impl!r} "
-                          f"(verl.{ATTN_KEY})")
+            if impl == "flash_attention_2":
+                raise ConfigError(f"train: {why} needs flash-attn (flash_attention_2, varlen kernels), which this "
+                                  f"image does not carry: use the memsifter train image (images/train/Dockerfile "
+                                  f"builds it) or set verl.{key}=1 (SDPA on padded rows){hint}")
+            raise ConfigError(f"train: {why} needs flash-attn-4 (flash_attention_4, varlen kernels), which this image "
+                              f"does not carry: install flash-attn-4 in the image or set verl.{ATTN_KEY} to auto or "
+                              f"flash_attention_2{hint}")
+        if impl == "flash_attention_2":
+            log.warning("train: flash-attn is not installed here, but %s needs flash_attention_2: the GPU pods' "
+                        "image must carry flash-attn (the memsifter train image does), or set verl.%s=1 for SDPA%s",
+                        why, key, hint)
+        else:
+            log.warning("train: flash-attn-4 is not installed here, but %s needs flash_attention_4: the GPU pods' "
+                        "image must carry flash-attn-4 (the memsifter train image carries flash-attn 2 only), or set "
+                        "verl.%s to auto or flash_attention_2%s", why, ATTN_KEY, hint)
+    if impl not in VARLEN and sp > 1:
+        raise ConfigError(f"train: verl.{key}={sp} needs flash_attention_2 or flash_attention_4 (remove padding), "
+                          f"not {impl!r} (verl.{ATTN_KEY})")
     remove_padding = s.get("actor_rollout_ref.model.use_remove_padding")
     if remove_padding is None:
-        remove_padding = impl == "flash_attention_2"
+        remove_padding = impl in VARLEN
     elif not remove_padding and sp > 1:
         raise ConfigError(f"train: verl.{key}={sp} needs verl.actor_rollout_ref.model.use_remove_padding: true")
     return impl, remove_padding
