@@ -1318,6 +1318,7 @@ DAPO_X4 = f"{GPU}/2026-11-27-h100x4-4b-dapo"
 DAPO_X1 = f"{GPU}/2026-11-26-h100-4b-dapo"
 DAPO_RESIZE = f"{GPU}/2026-11-27-h100x4-4b-resize"   # the second 4-GPU host: resume 4 -> 2, 1 vs 4 GPUs, LoRA
 RANKER_IMPROVE = f"{GPU}/2026-11-27-h100x4-ranker-improve"
+DAPO_NODES = f"{GPU}/2026-11-27-h100x4-4b-nodes"     # two raylets of 2 GPUs; FlashAttention-4 varlen on Hopper
 IMPROVE_PAIRS = [("improve-shuf", "sft-shuf"), ("improve-shuf", "first-stage"), ("sft-shuf", "first-stage"),
                  ("improve-shuf", "base-structured-shuf")]
 
@@ -1337,12 +1338,18 @@ def table_train_4b_cost() -> list[str]:
     """README's training section: the 100-step cost rows of both 4B results folders."""
     t = gpu_script("dapo_4b_table")
     lines = []
-    for folder in (DAPO_X1, DAPO_X4, DAPO_RESIZE):
+    for folder in (DAPO_X1, DAPO_X4, DAPO_RESIZE, DAPO_NODES):
         runs, steps = t.load(os.path.join(ROOT, folder))
         _, rows = t.table(runs, steps)
         cost = t.cost_lines(runs, rows)
         lines += [x for x in _table_rows(cost) if x not in lines]
     return lines
+
+
+def table_varlen_fa4() -> list[str]:
+    """Which varlen attention verl's remove-padding can use on Hopper (issue 43 item 6), as ``varlen_check.py --table``
+    prints it from the committed ``varlen_check.json``."""
+    return _table_rows("\n".join(gpu_script("varlen_check").table(load_json(f"{DAPO_NODES}/varlen/varlen_check.json"))))
 
 
 def table_ranker_improve() -> list[str]:
@@ -1474,7 +1481,11 @@ TABLES.update({
                        [f"{DAPO_RESIZE}/*/runs.jsonl", f"{DAPO_RESIZE}/*/steps.jsonl", f"{DAPO_RESIZE}/resize2/run.json",
                         f"{DAPO_RESIZE}/resize2/train-8k-2gpu.log"], [f"{DAPO_RESIZE}/README.md"]),
     "train-4b-cost": (table_train_4b_cost, [f"{DAPO_X1}/runs.jsonl", f"{DAPO_X4}/*/runs.jsonl",
-                                            f"{DAPO_RESIZE}/*/runs.jsonl", f"{DAPO_RESIZE}/*/steps.jsonl"], ["README.md"]),
+                                            f"{DAPO_RESIZE}/*/runs.jsonl", f"{DAPO_RESIZE}/*/steps.jsonl",
+                                            f"{DAPO_NODES}/*/runs.jsonl", f"{DAPO_NODES}/*/steps.jsonl"], ["README.md"]),
+    "dapo-4b-nodes": (functools.partial(table_dapo_4b_folder, DAPO_NODES),
+                      [f"{DAPO_NODES}/*/runs.jsonl", f"{DAPO_NODES}/*/steps.jsonl"], [f"{DAPO_NODES}/README.md"]),
+    "varlen-fa4": (table_varlen_fa4, [f"{DAPO_NODES}/varlen/varlen_check.json"], [f"{DAPO_NODES}/README.md"]),
     "ranker-improve": (table_ranker_improve, [f"{RANKER_IMPROVE}/results/table.json"], [f"{RANKER_IMPROVE}/README.md"]),
     "ranker-improve-paired": (table_ranker_improve_paired, [f"{RANKER_IMPROVE}/results/ndcg10-per-question-*.json"],
                               [f"{RANKER_IMPROVE}/README.md"]),

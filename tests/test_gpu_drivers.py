@@ -1439,3 +1439,21 @@ def test_agents_driver_evaluates_again_when_more_answers_are_published(tmp_path,
     assert run_agents.evaluate(a, []) == [f"{src}/agents-sft"]
     assert "--replace" in calls[-1] and "--force" in calls[-1]
     assert not storage.exists(f"{src}/evaluate/_SUCCESS")
+
+
+def test_verl_steps_reads_a_step_line_the_cluster_log_repeats_once(tmp_path):
+    """On a Ray cluster of two raylets (issue 43's two-node run) the train log shows each of verl's step lines twice:
+    the driver keeps one row a step; the same step number with other values (a resumed run) stays a second row; the
+    table reading steps.jsonl written before this drops rows repeated word for word."""
+    drv = importlib.import_module("run_train")
+    line = "\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:{n} - timing_s/step:{t} - critic/score/mean:-1.0\n"
+    log = tmp_path / "train.log"
+    log.write_text(line.format(n=1, t=81.3) * 2 + "noise\n" + line.format(n=2, t=33.7) * 2 + line.format(n=2, t=40.0))
+    rows = drv.verl_steps(str(log))
+    assert [(r["step"], r["timing_s/step"]) for r in rows] == [(1, 81.3), (2, 33.7), (2, 40.0)]
+    table = importlib.import_module("dapo_4b_table")
+    (tmp_path / "runs.jsonl").write_text(json.dumps({"config": "c.yaml", "gpus": 4}) + "\n")
+    row = json.dumps({"config": "c.yaml", "step": 1, "timing_s/step": 81.3})
+    (tmp_path / "steps.jsonl").write_text(row + "\n" + row + "\n")
+    runs, steps = table.load(str(tmp_path))
+    assert len(runs) == 1 and len(steps) == 1

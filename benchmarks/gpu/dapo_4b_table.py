@@ -185,7 +185,10 @@ def load(folder: str) -> tuple[list[dict], list[dict]]:
     """The runs and steps of ``folder``, and of each of its sub-folders (runs side by side on one host, each
     collected into a folder named after it: its rows carry that name as ``run``)."""
     def jl(path: str, name: str | None) -> list[dict]:
-        rows = [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+        # a row repeated word for word is one row: steps.jsonl of a two-raylet run written before the driver
+        # dropped verl's step lines that the cluster's log shows twice
+        lines = list(dict.fromkeys(x.strip() for x in open(path) if x.strip())) if os.path.exists(path) else []
+        rows = [json.loads(x) for x in lines]
         return [{**r, "run": name} if name else r for r in rows]
 
     def one(path: str, name: str | None) -> tuple[list[dict], list[dict]]:

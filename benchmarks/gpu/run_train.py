@@ -65,12 +65,14 @@ def write_yaml(path: str, data: dict) -> str:
 
 
 def verl_steps(log: str) -> list[dict]:
-    """verl's console logger lines 'step:N - key:value - ...' as dicts."""
-    rows = []
+    """verl's console logger lines 'step:N - key:value - ...' as dicts. A line repeated word for word is one step:
+    on a Ray cluster of two raylets the driver's log shows each of verl's step lines twice."""
+    rows, seen = [], set()
     for line in open(log, errors="replace"):
         m = re.search(r"step:(\d+) - (.*)$", line)
-        if not m:
+        if not m or m.group(0) in seen:
             continue
+        seen.add(m.group(0))
         row = {"step": int(m.group(1))}
         for kv in m.group(2).split(" - "):
             k, _, v = kv.partition(":")
