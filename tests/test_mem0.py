@@ -14,6 +14,7 @@ server.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import subprocess
@@ -340,3 +341,36 @@ def test_an_owner_copy_shares_records_until_one_changes_and_never_changes_the_or
     assert [h["event"] for h in c.history["m1"]] == ["ADD", "UPDATE"] and len(o.history["m1"]) == 1
     assert c.find_same({**ev(1), "hash": "hx"})["id"] == "m1" and o.find_same(ev(1))["id"] == "m1"
     assert c.memories["m0"] is o.memories["m0"], "an untouched record stays shared"
+
+
+@pytest.mark.parametrize("at_start", [True, False])
+def test_a_replica_folds_a_never_compacted_state_before_it_is_ready(sample, tmp_path, at_start):
+    """A state written without compaction (14 event files for one user, ``memory_compact_files: 4``): with
+    ``memory_compact_at_start`` the replica folds it before ``/readyz`` answers, so the first reads serve from the
+    snapshot; without it the folder is as it was when the replica is ready (its first read folds it in the
+    background). Either way every memory is listed once."""
+    from memsifter.service import mem0 as M
+
+    state = tmp_path / "state"
+    folder = state / "mem0" / "user-dora"
+    for i in range(14):
+        ev = {"event": "ADD", "id": f"user-dora~m{i}", "eid": f"d{i}", "at": f"2026-12-01T00:00:{i:02d}",
+              "role": "user", "memory": f"fact {i}: I keep bees", "hash": M.text_hash(f"fact {i}: I keep bees"),
+              "metadata": None, "user_id": "dora", "agent_id": None, "run_id": None}
+        M._write_local(str(folder / M.event_name()), json.dumps([ev]).encode())
+    cfg = ServeConfig.model_validate({"index": sample["index"], "dataset": sample["data"], "port": free_port(),
+                                      "state": str(state), "precompute_units": False, "reload_poll_s": 0,
+                                      "memory_compact_files": 4, "memory_compact_grace_s": 0,
+                                      "memory_compact_at_start": at_start,
+                                      "auth": {"anonymous": {"read": ["*"], "write": ["*"]}}})
+    with local_server(cfg) as (url, svc):
+        deadline = time.time() + 60
+        while requests.get(f"{url}/readyz", timeout=10).status_code != 200:
+            assert time.time() < deadline, svc.readiness()
+            time.sleep(0.1)
+        snaps = [n for n in os.listdir(folder) if n.startswith("snap-")]
+        assert bool(snaps) == at_start, sorted(os.listdir(folder))
+        if at_start:
+            assert (svc.fold_report["folded_owners"], svc.fold_report["folded_files"]) == (1, 14)
+        got = listed(url, "dora")
+        assert sorted(m["memory"] for m in got) == sorted(f"fact {i}: I keep bees" for i in range(14))

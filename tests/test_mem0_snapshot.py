@@ -445,3 +445,45 @@ def test_a_failed_compaction_logs_no_credential(monkeypatch, caplog):
     text = caplog.text
     assert "compaction failed" in text and secret not in text
     assert api._compact_after[("user", "x")] > time.monotonic()
+
+
+def test_compact_backlog_folds_each_owner_over_the_limit_at_start(tmp_path):
+    """A replica's start (``memory_compact_at_start``): every owner with more than ``max_files`` event files is
+    folded, one at or under it only listed, a folder that is no owner's ignored; what each owner holds is what
+    its log held; a second pass folds nothing; a state with no mem0 folder yet lists no owner, without error."""
+    state = str(tmp_path / "state")
+    assert M.compact_backlog(state, 4, 0)["owners"] == 0
+    big, small = os.path.join(state, "mem0", "user-big"), os.path.join(state, "mem0", "user-small")
+    for i in range(9):
+        _write(big, [_ev("ADD", f"user-big~m{i}", f"b{i}", f"fact {i}")])
+    for i in range(3):
+        _write(small, [_ev("ADD", f"user-small~m{i}", f"s{i}", f"fact {i}")])
+    os.makedirs(os.path.join(state, "mem0", "not an owner"))
+    before = {o: _state(M.read_log(state, M.Owner("user", o))) for o in ("big", "small")}
+    seen = []
+    r = M.compact_backlog(state, 4, 0, progress=lambda d, t: seen.append((d, t)))
+    assert (r["owners"], r["folded_owners"], r["folded_files"], r["failed"]) == (2, 1, 9, 0), r
+    assert seen == [(1, 2), (2, 2)]
+    assert any(n.startswith("snap-") for n in os.listdir(big))
+    assert not any(n.startswith("snap-") for n in os.listdir(small))
+    assert {o: _state(M.read_log(state, M.Owner("user", o))) for o in ("big", "small")} == before
+    assert M.compact_backlog(state, 4, 0)["folded_owners"] == 0
+    assert M.compact_backlog(state, 0, 0) == {"owners": 0, "folded_owners": 0, "folded_files": 0, "failed": 0,
+                                              "seconds": 0.0}
+
+
+def test_the_benchmarks_never_compacted_state_reads_as_its_adds(tmp_path):
+    """``benchmarks/mem0_state.py`` (the start-up benchmark's input): each owner's log reads back as every ADD it
+    wrote, all distinct; a folder name that is no owner's is one line, exit 2, nothing written."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import mem0_state
+
+    state = str(tmp_path / "state")
+    r = mem0_state.make(state, ["user-mixed-0", "agent-a1"], files=5, events=3)
+    assert (r["owners"], r["files"], r["memories"]) == (2, 10, 30)
+    for kind, oid in (("user", "mixed-0"), ("agent", "a1")):
+        o = M.read_log(state, M.Owner(kind, oid))
+        assert len(o.memories) == 15 and len({m["memory"] for m in o.memories.values()}) == 15
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mem0_state.py"), "--state", str(tmp_path / "x"),
+                        "--owners", "nobody", "--files", "1"], capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

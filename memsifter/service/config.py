@@ -125,6 +125,9 @@ class ServeConfig(_Model):
     memory_compact_files: int = Field(256, ge=0, description="a mem0 owner's log is folded into a snapshot once "
                                       "more event files than this follow its last one, so that a re-read lists "
                                       "and reads O(this), not every event ever (0: never fold)")
+    memory_compact_at_start: bool = Field(True, description="fold every mem0 owner's log that has more than "
+                                          "memory_compact_files event files before the replica is ready (readiness "
+                                          "waits), instead of on each owner's first read while serving")
     memory_compact_grace_s: float = Field(60.0, ge=0, description="what a snapshot folded (event files, older "
                                           "snapshots) is removed this long after a replica first saw it: longer "
                                           "than any listing of the state takes (mem0.py: Snapshots)")

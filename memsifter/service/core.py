@@ -180,6 +180,9 @@ class RetrievalService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._stop = threading.Event()
         self._warm = threading.Event()
+        self._folded = threading.Event()   # the mem0 state's backlog folded at start (memory_compact_at_start)
+        self._fold_progress = (0, 0)
+        self.fold_report: dict | None = None
         self.reloads = 0
         self._threads: list[threading.Thread] = []
         self._update_gauges()
@@ -194,6 +197,9 @@ class RetrievalService:
         t = threading.Thread(target=self._precompute, args=(self.state,), name="memsifter-units", daemon=True)
         t.start()
         self._threads.append(t)
+        f = threading.Thread(target=self._fold_backlog, name="memsifter-fold", daemon=True)
+        f.start()
+        self._threads.append(f)
         if self.cfg.reload_poll_s > 0:
             w = threading.Thread(target=self._watch, name="memsifter-reload", daemon=True)
             w.start()
@@ -241,6 +247,31 @@ class RetrievalService:
                      len(st.index.sessions), n, time.time() - t0)
         except Exception as e:  # noqa: BLE001 - queries still embed what they need
             log.error("serve: embedding the units failed: %s", redact(f"{type(e).__name__}: {e}", self.secrets))
+
+    def _fold_backlog(self) -> None:
+        """``memory_compact_at_start``: every mem0 owner with more than ``memory_compact_files`` event files
+        folded into a snapshot before the replica is ready (:func:`memsifter.service.mem0.compact_backlog`), so
+        that the folds of a state never compacted do not run on the serving cores during its first traffic."""
+        cfg = self.cfg
+        limit = getattr(cfg, "memory_compact_files", 0)
+        try:
+            if cfg.state and limit and getattr(cfg, "memory_compact_at_start", True):
+                from .mem0 import compact_backlog
+
+                def progress(done: int, total: int) -> None:
+                    self._fold_progress = (done, total)
+
+                self.fold_report = compact_backlog(cfg.state, limit, cfg.memory_compact_grace_s, stop=self._stop,
+                                                   progress=progress)
+                r = self.fold_report
+                if r["owners"]:
+                    log.info("serve: mem0 logs at start: %d owner(s) listed, %d folded (%d event files) in %.1fs",
+                             r["owners"], r["folded_owners"], r["folded_files"], r["seconds"])
+        except Exception as e:  # noqa: BLE001 - the state unreadable now: its owners fold on their first read
+            log.error("serve: folding the mem0 logs at start failed: %s",
+                      redact(f"{type(e).__name__}: {e}", self.secrets))
+        finally:
+            self._folded.set()
 
     def _watch(self) -> None:
         while not self._stop.wait(self.cfg.reload_poll_s):
@@ -570,12 +601,16 @@ class RetrievalService:
 
     def readiness(self) -> tuple[bool, str | None]:
         """Ready = a query now costs what any query does: the index loaded, the query encoder loaded and
-        warm, and (``precompute_units``) every session's unit vectors built; else what is still loading."""
+        warm, (``precompute_units``) every session's unit vectors built, and (``memory_compact_at_start``) the
+        mem0 logs folded; else what is still loading."""
         st = self.state
         if not self._warm.is_set():
             return False, "loading the query encoder"
         if self.cfg.precompute_units and st.settings.method in DENSE_METHODS and not st.units_ready:
             return False, f"embedding the sessions' units ({st.units.count()} unit vectors so far)"
+        if self._threads and not self._folded.is_set():
+            done, total = self._fold_progress
+            return False, f"folding the mem0 owners' logs ({done} of {total or '?'} owners)"
         return True, None
 
     def health(self, detail: bool = True) -> dict:

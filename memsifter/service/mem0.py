@@ -412,6 +412,45 @@ def compact(state: str, kind: str, oid: str, max_files: int = COMPACT_FILES,
     return out
 
 
+def compact_backlog(state: str, max_files: int = COMPACT_FILES, grace_s: float = COMPACT_GRACE_S,
+                    stop: threading.Event | None = None, progress: Any = None) -> dict:
+    """Fold, at a replica's start, every owner whose log has more than ``max_files`` event files (blocking):
+    what :meth:`Mem0API._maintain` would otherwise start on the first read of each such owner, while the
+    replica serves. A state never folded (written before compaction existed, or with ``memory_compact_files=0``)
+    then costs its start-up, not its first minutes of traffic. An owner with few files is only listed; one that
+    fails is left to the background path (logged, never raised: the replica serves its log as it is).
+    ``progress(done, total)`` is called after each owner. Returns owners listed, folded, event files folded and
+    seconds."""
+    t0 = time.time()
+    out = {"owners": 0, "folded_owners": 0, "folded_files": 0, "failed": 0, "seconds": 0.0}
+    if not max_files:
+        return out
+    root = storage.join(state, ROOT)
+    owners = [d for d in storage.list_dirs(root) if _owner_dir(d)]   # none (no error) before the first write
+    out["owners"] = len(owners)
+    for i, d in enumerate(owners):
+        if stop is not None and stop.is_set():
+            break
+        kind, _, oid = d.partition("-")
+        try:
+            events, _, _ = _list(owner_prefix(state, kind, oid))
+            if len(events) > max_files:
+                r = compact(state, kind, oid, max_files, grace_s)
+                if r["snapshot"]:
+                    out["folded_owners"] += 1
+                    out["folded_files"] += r["folded"]
+        except Exception as e:  # noqa: BLE001 - the background path tries again on the owner's first read
+            out["failed"] += 1
+            from ..security.redact import redact
+
+            log.warning("mem0: %s: folding its log at start failed (left to the background): %s: %s", d,
+                        type(e).__name__, redact(str(e)))
+        if progress is not None:
+            progress(i + 1, len(owners))
+    out["seconds"] = round(time.time() - t0, 3)
+    return out
+
+
 def _compact(prefix: str, kind: str, oid: str, max_files: int, grace_s: float, out: dict) -> None:
     evs, snaps, tmps = _list(prefix)
     gen, base = snaps[-1] if snaps else (0, "")
