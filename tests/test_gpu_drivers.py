@@ -241,6 +241,91 @@ def test_extra_wheels_carry_nltk_and_what_it_needs_beyond_the_host():
         assert name in pins or name in set(map(stage.norm, stage.DEVICE_HAS)), f"nltk needs {name}"
 
 
+# What each FA4 wheel declares (Requires-Dist of the staged wheels, extras and Python < 3.11 markers left out),
+# written out here because the tests cannot download: stage.FA4 must cover each, or the host must have it.
+FA4_REQUIRES = {
+    "flash-attn-4": ["nvidia-cutlass-dsl>=4.6.2", "torch", "einops", "typing_extensions", "apache-tvm-ffi<0.2,>=0.1.11",
+                     "torch-c-dlpack-ext", "quack-kernels>=0.5.3"],
+    "nvidia-cutlass-dsl": ["nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-cu12==4.8.1"],
+    "nvidia-cutlass-dsl-libs-base": ["typing-extensions>=4.10.0", "cuda-bindings>=12.8", "protobuf>=4.21.12",
+                                     "nvidia-cutlass-dsl-libs-core==4.8.1"],
+    "nvidia-cutlass-dsl-libs-core": ["typing-extensions>=4.10.0", "cuda-bindings>=12.8", "protobuf>=4.21.12"],
+    "nvidia-cutlass-dsl-libs-cu13": ["typing-extensions>=4.10.0", "cuda-bindings>=12.8", "protobuf>=4.21.12",
+                                     "nvidia-cutlass-dsl-libs-base==4.8.1"],
+    "apache-tvm-ffi": ["typing-extensions>=4.13"],
+    "torch-c-dlpack-ext": ["torch"],
+    "quack-kernels": ["nvidia-cutlass-dsl>=4.7", "torch", "apache-tvm-ffi<0.2,>=0.1.6", "torch-c-dlpack-ext", "einops"],
+}
+FA4_INSTEAD = {"nvidia-cutlass-dsl-libs-cu12": "nvidia-cutlass-dsl-libs-cu13"}  # the host's torch is CUDA 13
+
+
+def test_fa4_group_is_pinned_and_needs_nothing_beyond_the_host():
+    """Issue 43: `stage.py extra @fa4` packs FlashAttention-4 (the varlen attention Ulysses runs on where flash-attn
+    2 is missing) with everything it needs that the host lacks, pinned (extra wheels install with --no-deps); a
+    group name expands, several groups and plain specs pack together, no argument is EXTRA as before."""
+    from packaging.requirements import Requirement
+
+    stage = importlib.import_module("stage")
+    assert all("==" in s for s in stage.FA4), stage.FA4
+    pins = {stage.norm(s.partition("==")[0]): s.partition("==")[2] for s in stage.FA4}
+    assert pins["flash-attn-4"] == "4.0.0b36" and pins["nvidia-cutlass-dsl"] == "4.8.1"
+    assert stage.extra_specs(["@fa4"]) == stage.FA4
+    assert stage.extra_specs([]) == stage.EXTRA == stage.extra_specs(["@agents"])
+    both = stage.extra_specs(["@fa4", "@agents", "gguf==0.19.0", "x==1", "@fa4"])
+    assert both == stage.FA4 + stage.EXTRA + ["x==1"]
+    with pytest.raises(SystemExit, match="@fa4"):
+        stage.extra_specs(["@fa5"])
+    assert set(FA4_REQUIRES) == set(pins), "a requirement list for each FA4 wheel"
+    host = set(map(stage.norm, stage.DEVICE_HAS))
+    for wheel, reqs in FA4_REQUIRES.items():
+        for text in reqs:
+            r = Requirement(text)
+            name = stage.norm(r.name)
+            if name in FA4_INSTEAD:
+                assert FA4_INSTEAD[name] in pins, (wheel, text)
+            elif name in pins:
+                assert r.specifier.contains(pins[name], prereleases=True), (wheel, text, pins[name])
+            else:
+                assert name in host, f"{wheel} needs {name}: neither in FA4 nor on the host"
+
+
+def test_install_sh_puts_what_pth_files_add_on_pythonpath(tmp_path):
+    """nvidia-cutlass-dsl puts its `cutlass` on sys.path through a .pth file, which Python reads in site directories
+    only, not in the PYTHONPATH entries install.sh installs into: install.sh's lines (pth_paths.py) append the paths
+    the .pth files of $SITE and $SITE-extra add; without .pth files, or with a broken one, PYTHONPATH stays as it
+    was."""
+    lines = (REPO / "benchmarks" / "gpu" / "install.sh").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("PTH_PATHS="))
+    snippet = "\n".join(lines[start:start + 2])
+    assert "pth_paths.py \"$SITE\" \"$SITE-extra\"" in snippet and lines[start + 1].startswith("if ")
+    assert lines[start - 3].startswith("export PYTHONPATH=")  # after the sites are on PYTHONPATH
+    site_dir, extra = tmp_path / "site", tmp_path / "site-extra"
+    site_dir.mkdir()
+    pkg = extra / "fake_dsl"
+    (pkg / "dsl_packages" / "fake_cutlass").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "dsl_packages" / "fake_cutlass" / "__init__.py").write_text("OK = 42\n")
+    check = "\n".join([f"cd {REPO}", f"SITE={site_dir}", 'export PYTHONPATH="$SITE:$SITE-extra:/x"', snippet,
+                       'echo "PYTHONPATH=$PYTHONPATH"',
+                       "python3 -c 'import fake_cutlass; print(\"imported\", fake_cutlass.OK)'"])
+
+    def run():
+        return subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=60)
+
+    r = run()  # no .pth file: unchanged, and fake_cutlass is not importable
+    assert f"PYTHONPATH={site_dir}:{extra}:/x\n" in r.stdout and "imported" not in r.stdout, r.stdout + r.stderr
+    (extra / "fake_dsl_packages.pth").write_text(
+        "import sys, os, fake_dsl; sys.path.insert(0, os.path.join(fake_dsl.__path__[0], 'dsl_packages'))\n")
+    r = run()
+    assert r.returncode == 0 and "imported 42" in r.stdout, r.stdout + r.stderr
+    assert f"PYTHONPATH={site_dir}:{extra}:/x:{pkg / 'dsl_packages'}\n" in r.stdout
+    (site_dir / "broken.pth").write_text("import no_such_module_here\n")
+    r = run()  # a broken .pth adds nothing and stops nothing
+    assert r.returncode == 0 and "imported 42" in r.stdout, r.stdout + r.stderr
+    pth = importlib.import_module("pth_paths")
+    assert pth.pth_paths([str(tmp_path / "missing")]) == []
+
+
 def test_pieces_fit_beside_the_checkout_in_one_call():
     """A piece and the checkout travel together in one device call (64 MiB): 33 MiB pieces stopped fitting once
     the checkout reached 38 MB. The size follows the checkout; a checkout that leaves too little is refused."""
@@ -767,6 +852,31 @@ def test_gpu_memory_peaks_are_read_for_the_visible_gpus_only():
     assert everything.peaks == [5, 7]
 
 
+def test_dapo_4b_train_rows_past_8k_keep_their_whole_synthetic_haystacks(tmp_path):
+    """The driver's synthetic data (20 questions of 800 sessions): prepare-rl's split lets the split asking for the
+    fewest questions choose first and cuts the texts it shows out of the others' haystacks, and synth's fillers
+    repeat (333 distinct texts). Past 8k the driver's recipe lets train choose first, so a 64k row has a whole
+    haystack to fill its budget from; 8k data (2 test rows first) stays as measured."""
+    from memsifter.data import splits
+    from memsifter.stages.synth import SynthConfig, generate
+
+    drv = importlib.import_module("run_dapo_4b")
+    ds = generate(SynthConfig(output=str(tmp_path / "synth"), questions=20, sessions_per_question=800,
+                              turns_per_session=6, seed=0))
+    assert drv.rl_recipe(8192, 16) == {"train": {"synth": 16}, "test": {"synth": 2}}
+    assert drv.rl_recipe(32768, 2) == {"train": {"synth": 2}, "test": {"synth": 2}}
+    assert drv.rl_recipe(65536, 4) == {"train": {"synth": 4}, "test": {"synth": 4}}
+    kept = {}
+    for prompt, rows in ((8192, 16), (65536, 4)):
+        plan = splits.choose(ds.questions, ds.sessions, drv.rl_recipe(prompt, rows), 0)
+        assert len(plan.chosen["train"]) == rows
+        kept[prompt] = min(len(q.haystack_session_ids) for q in plan.chosen["train"])
+    assert kept[65536] == 800 and kept[8192] < 100
+    a = drv.resolve(drv.build_parser().parse_args(
+        ["run", "--configs", str(REPO / "memsifter" / "configs" / "train_4b_64k_4gpu.yaml")]))
+    assert a.questions == 20 and a.steps_each == [2]  # 4 train + 4 test rows
+
+
 def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch):
     """With RAY_TMPDIR set the driver stops only the Ray processes under that folder (``ray stop`` would end the
     other runs' clusters on the host); names: the prompt budget, and the GPU count past one."""
@@ -791,13 +901,15 @@ def test_dapo_4b_runs_side_by_side_stop_only_their_own_ray(tmp_path, monkeypatch
                           ("train_4b_8k_4gpu.yaml", 8192, 4, 16896, False),
                           ("train_4b_8k_1gpu_lora.yaml", 8192, 1, 8448, False),
                           ("train_4b_8k_4gpu_lora.yaml", 8192, 4, 16896, False),
-                          ("train_4b_8k_2x2gpu.yaml", 8192, 4, 16896, False)])
+                          ("train_4b_8k_2x2gpu.yaml", 8192, 4, 16896, False),
+                          ("train_4b_64k_4gpu.yaml", 65536, 4, 16448, False)])
 def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name, prompt, gpus, tokens_per_micro_batch,
                                                                            offload, tmp_path, capsys):
     """The committed 4B train configs, with exactly what run_dapo_4b.py adds on the command line, compose and
     validate as verl's config (`memsifter run train --dry-run`): FSDP2 with host offload on one GPU, sharded on
-    the GPUs without offload on several, recomputation, no Ulysses, SDPA; dynamic sampling on in the file, off
-    only by the driver's flag."""
+    the GPUs without offload on several, recomputation, no Ulysses and SDPA up to 32k; at 64k Ulysses over the four
+    GPUs on a varlen attention (remove padding), one whole row per micro-batch of the update and of the old log-prob
+    pass; dynamic sampling on in the file, off only by the driver's flag."""
     import argparse
 
     import yaml
@@ -822,8 +934,21 @@ def test_dapo_4b_example_configs_compose_in_verl_with_the_drivers_settings(name,
     assert facts["nodes"] == nodes and cfg["trainer"]["nnodes"] == nodes
     assert cfg["trainer"]["n_gpus_per_node"] * nodes == gpus
     assert actor["ppo_max_token_len_per_gpu"] == tokens_per_micro_batch and actor["use_dynamic_bsz"] is True
-    assert actor["ulysses_sequence_parallel_size"] == 1 and model["enable_gradient_checkpointing"] is True
-    assert model["override_config"]["attn_implementation"] == "sdpa"
+    assert model["enable_gradient_checkpointing"] is True
+    if prompt <= 32768:
+        assert actor["ulysses_sequence_parallel_size"] == 1
+        assert model["override_config"]["attn_implementation"] == "sdpa"
+    else:  # auto: flash-attn 2 where installed, else flash-attn-4, else (Ulysses) flash_attention_2 with a warning
+        sp = actor["ulysses_sequence_parallel_size"]
+        assert sp == gpus == 4 and model["use_remove_padding"] is True
+        assert model["override_config"]["attn_implementation"] in ("flash_attention_2", "flash_attention_4")
+        assert yaml.safe_load(open(path))["verl"]["actor_rollout_ref"]["model"]["override_config"] == \
+            {"attn_implementation": "auto"}
+        row = prompt + cfg["data"]["max_response_length"]
+        rollout = cfg["actor_rollout_ref"]["rollout"]
+        # verl packs up to max_token_len_per_gpu x sp tokens before the split, and refuses a longer row
+        assert actor["ppo_max_token_len_per_gpu"] * sp == row == rollout["log_prob_max_token_len_per_gpu"] * sp
+        assert rollout["max_model_len"] == row and rollout["tensor_model_parallel_size"] == 1
     assert cfg["data"]["max_prompt_length"] == prompt and cfg["trainer"]["total_training_steps"] == 2
     assert cfg["algorithm"]["filter_groups"]["enable"] is False
     assert cfg["actor_rollout_ref"]["rollout"]["mode"] == "async" and cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
@@ -1047,7 +1172,8 @@ def test_dapo_4b_two_raylets_form_one_cluster_that_await_capacity_accepts(monkey
 def test_committed_layouts_run_configs_on_the_gpus_they_name():
     """Each committed side-by-side layout names a committed run config and arguments its driver accepts; a 4B
     train config asks for no more GPUs than its line names; runs of one layout use disjoint GPUs; the runs started
-    beside x4_resize.layout's 2-GPU part (the first two of its GPUs) use none of those, nor those started beside x4_nodes_then_resize.layout's."""
+    beside x4_resize.layout's 2-GPU part (the first two of its GPUs) use none of those, nor those started beside
+    x4_nodes_then_resize.layout's or x4_resize_fast.layout's."""
     from memsifter.runs import detached
 
     drv = importlib.import_module("run_dapo_4b")
@@ -1068,7 +1194,8 @@ def test_committed_layouts_run_configs_on_the_gpus_they_name():
                     assert drv.config_facts(c)["gpus"] <= len(ids), (path.name, name, c)
         assert sum(map(len, gpus_of)) == len(set().union(*gpus_of)), f"{path.name}: two runs share a GPU"
         used[path.stem] = (lines, gpus_of)
-    for first, beside in [("x4_resize", "x4_after_resize"), ("x4_nodes_then_resize", "x4_tp2_beside_resize")]:
+    for first, beside in [("x4_resize", "x4_after_resize"), ("x4_nodes_then_resize", "x4_tp2_beside_resize"),
+                          ("x4_resize_fast", "x4_tp2_beside_resize"), ("x4_resize_fast", "x4_after_resize")]:
         resize_lines, _ = used[first]
         a = drv.resolve(drv.build_parser().parse_args(
             detached.argv(detached.load(str(REPO / resize_lines[0][1])))[2:] + resize_lines[0][3:]))

@@ -54,6 +54,10 @@ if ls .gpu/extra/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpu/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
 fi
 export PYTHONPATH="$SITE:$SITE-extra:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# .pth files are read in site directories only, not in PYTHONPATH entries: add what those of the two sites would
+# (nvidia-cutlass-dsl's puts its `cutlass` on sys.path, which FlashAttention-4 needs); none: nothing changes
+PTH_PATHS=$(python3 benchmarks/gpu/pth_paths.py "$SITE" "$SITE-extra" 2>/dev/null)
+if [ -n "$PTH_PATHS" ]; then export PYTHONPATH="$PYTHONPATH:$PTH_PATHS"; fi
 export PATH="$SITE/bin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1

@@ -51,6 +51,19 @@ def config_facts(path: str) -> dict:
             "gpus": cfg.get("nnodes", 1) * cfg.get("n_gpus_per_node", 1), "nodes": cfg.get("nnodes", 1)}
 
 
+def rl_recipe(prompt: int, rows: int) -> dict:
+    """prepare-rl's recipe for a prompt budget's data: ``rows`` train rows and the test rows beside them.
+
+    The synthetic haystacks share their filler sessions (synth draws them from 333 distinct texts), and prepare-rl's
+    split lets the split asking for the fewest questions choose first and cuts the texts it shows out of the other
+    splits' haystacks. With 2 test rows chosen first a train question kept ~33 sessions, ~7k prompt tokens: the 8k
+    runs' 6.5k-token prompts, and a 64k config would get the same. Past 8k the test split asks for as many rows as
+    train, so train (listed first) chooses first and keeps its whole haystack (800 sessions, ~160k tokens: 64k
+    prompts of 64.8-65.0k tokens); the 8k data and the 32k data of one step (2 rows, so train chose first already)
+    stay as they were."""
+    return {"train": {"synth": rows}, "test": {"synth": max(2, rows) if prompt > 8192 else 2}}
+
+
 def random_4b(model: str, corpus: list[str]) -> str:
     """The random Qwen3-4B-shaped model (``memsifter.models.tiny.QWEN3_4B``, bf16) with a tokenizer trained on
     ``corpus`` in ``model``, built once, in a child: the CUDA memory it takes must be free before verl (or a
@@ -175,7 +188,7 @@ def one(a, path: str, model: str, pk: dict) -> None:
         rows = f["batch"] * a.max_steps
         cfg = write_yaml(f"{a.work}/prepare_rl_{tag}.yaml", {
             "output": rl, "datasets": [f"{RUN}/synth"], "tokenizer": model,
-            "recipe": {"train": {"synth": rows}, "test": {"synth": 2}},
+            "recipe": rl_recipe(f["prompt"], rows),
             "history_budget_tokens": f["prompt"] - 1024, "max_prompt_tokens": f["prompt"], "shard_rows": 2000})
         sh(ms("run", "prepare-rl", "--config", cfg), f"{a.out}/prepare_rl_{tag}.log")
     stats = storage.read_manifest(rl).get("stats", {})
@@ -249,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", default="2", help="training steps of each config: one number for all, or one per "
                     "config (2,4)")
     ap.add_argument("--questions", type=int, default=None, help="synthetic questions (default: enough for every "
-                    "config's steps: batch x steps train rows, 2 test rows and 2 to spare, at least 20)")
+                    "config's steps: batch x steps train rows, its test rows (rl_recipe) and 2 to spare, at least 20)")
     ap.add_argument("--sessions", type=int, default=800, help="haystack sessions per synthetic question")
     ap.add_argument("--set", action="append", default=[], help="one more train setting KEY=VALUE (all configs)")
     ap.add_argument("--output-tag", default=None, help="the train output's name (default: the prompt budget and GPU "
@@ -272,8 +285,9 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(2)
     a.steps_each, a.max_steps = each, max(each)
     if a.questions is None:  # one synthetic question makes one RL row; too few rows end verl's epoch early
-        need = max((config_facts(c)["batch"] * n for c, n in zip(a.configs, each)), default=0)
-        a.questions = max(20, need + 4)
+        recipes = [rl_recipe(f["prompt"], f["batch"] * a.max_steps) for f in map(config_facts, a.configs)]
+        need = max((sum(n for split in r.values() for n in split.values()) for r in recipes), default=0)
+        a.questions = max(20, need + 2)
     return a
 
 

