@@ -1090,29 +1090,44 @@ COMPACT_RUNS = (("off-1", "memory_compact_files=0", "large state (519 MB)"),
                 ("on-2", "compaction on (256)", "large state, after one run"))
 
 
-def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code") -> list[str]:
+WRITES_STARTFOLD = "benchmarks/results/serve-writes-2026-11-27-startfold"
+STARTFOLD_RUNS = (("off-1", "memory_compact_at_start=false", "never folded (8 x 20,000 files)"),
+                  ("on-1", "memory_compact_at_start=true", "never folded (8 x 20,000 files)"),
+                  ("off-2", "memory_compact_at_start=false", "after one run"),
+                  ("on-2", "memory_compact_at_start=true", "after one run"))
+
+
+def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code",
+                           ready: bool = False) -> list[str]:
     """One row per run of an A/B of bench_serve.py --writes (copy on write; log compaction), from each run's
     writes.json, with a 95% bootstrap interval of the search p99 from its per-request latencies (requests.json.gz;
-    2,000 resamples, seed 0)."""
+    2,000 resamples, seed 0); ``ready``: the seconds each run's first server and its restarted one took to ready."""
     import gzip
 
     import numpy as np
 
     rng = np.random.default_rng(0)
     lines = [f"| run | {label} | state at start | adds (n) | adds/s | adds p99 ms | searches (n, adds running) | search q/s | "
-             "search p99 ms [95% CI] | adds p99 ms during search | baseline q/s | search over baseline |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "search p99 ms [95% CI] | adds p99 ms during search | baseline q/s | search over baseline |"
+             + (" first server ready s | restarted server ready s |" if ready else ""),
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|" + ("---:|---:|" if ready else "")]
     for name, code, state in runs:
         w = load_json(f"{folder}/{name}/writes.json")["writes"]
         with gzip.open(os.path.join(ROOT, folder, name, "requests.json.gz"), "rt") as f:
             lat = np.asarray(json.load(f)["search_with_adds"])
-        boot = np.percentile(rng.choice(lat, size=(2000, lat.size)), 99, axis=1)
-        lo, hi = np.percentile(boot, [2.5, 97.5])
         a, s, d, b = w["adds"], w["search_with_adds"], w["adds_during_search"], w["baseline_search"]
+        if lat.size:
+            boot = np.percentile(rng.choice(lat, size=(2000, lat.size)), 99, axis=1)
+            lo, hi = np.percentile(boot, [2.5, 97.5])
+            p99 = f"{s['p99_ms']:.0f} [{lo:.0f}, {hi:.0f}]"
+        else:   # none ended inside the measured window
+            p99 = "none ended in the window"
+        adds_p99 = f"{d['p99_ms']:.1f}" if d["adds"] else "none ended in the window"
         lines.append(f"| {name} | {code} | {state} | {a['adds']:,} | {a['adds_per_s']:.0f} | {a['p99_ms']:.1f} | "
                      f"{s['requests']:,} | {s['qps']:.1f} | "
-                     f"{s['p99_ms']:.0f} [{lo:.0f}, {hi:.0f}] | {d['p99_ms']:.1f} | {b['qps']:.1f} | "
-                     f"{w['search_qps_over_baseline']:.2f}x |")
+                     f"{p99} | {adds_p99} | {b['qps']:.1f} | "
+                     f"{w['search_qps_over_baseline']:.2f}x |"
+                     + (f" {w['first_ready_s']:.1f} | {w['restart_ready_s']:.1f} |" if ready else ""))
     return lines
 
 
@@ -1465,6 +1480,10 @@ TABLES = {
     "serve-writes-compact": (functools.partial(table_serve_writes_cow, WRITES_COMPACT, COMPACT_RUNS, "setting"),
                              [f"{WRITES_COMPACT}/*/writes.json", f"{WRITES_COMPACT}/*/requests.json.gz"],
                              [f"{WRITES_COMPACT}/README.md"]),
+    "serve-writes-startfold": (functools.partial(table_serve_writes_cow, WRITES_STARTFOLD, STARTFOLD_RUNS, "setting",
+                                                 ready=True),
+                               [f"{WRITES_STARTFOLD}/*/writes.json", f"{WRITES_STARTFOLD}/*/requests.json.gz"],
+                               [f"{WRITES_STARTFOLD}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
