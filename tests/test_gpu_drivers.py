@@ -1584,3 +1584,48 @@ def test_verl_steps_reads_a_step_line_the_cluster_log_repeats_once(tmp_path):
     (tmp_path / "steps.jsonl").write_text(row + "\n" + row + "\n")
     runs, steps = table.load(str(tmp_path))
     assert len(runs) == 1 and len(steps) == 1
+
+
+def test_install_sh_sets_up_the_bundle_while_extra_pieces_are_still_arriving(tmp_path):
+    """Extra pieces (``stage.py extra``) staged while a run goes on: ``source install.sh`` with some of them missing
+    says how many are there, exports the environment and returns 0 (it used to return 1 before any export, so a
+    poll of the running job could not even import memsifter); a wrong checksum still returns 1. The bundle here is
+    marked installed and smoked (no wheels needed); run from a folder without .gpu/ so that recv.sh copies nothing.
+    Before this, the same source returned 1 with nothing exported."""
+    import hashlib
+
+    work, stage_dir, site = tmp_path / "work", tmp_path / "stage", tmp_path / "site"
+    (work / "benchmarks" / "gpu").mkdir(parents=True)
+    for f in ("install.sh", "recv.sh", "pth_paths.py"):
+        (work / "benchmarks" / "gpu" / f).write_text((REPO / "benchmarks" / "gpu" / f).read_text())
+    stage_dir.mkdir()
+    site.mkdir()
+    (site / ".installed").write_text("")
+    (site / ".smoked").write_text("")
+    (site / "bin").mkdir()
+    for exe in ("weed", "ray"):   # the bundle's binaries, which install.sh's last line looks for
+        (site / "bin" / exe).write_text("#!/bin/sh\n")
+        (site / "bin" / exe).chmod(0o755)
+    data = b"x" * 10
+    total = hashlib.sha256(data).hexdigest()
+    for i, chunk in enumerate((data[:5], data[5:])):
+        (stage_dir / f"x{i:02d}").write_bytes(chunk)
+        (stage_dir / f"x{i:02d}.json").write_text(json.dumps({"index": i, "count": 2, "bytes": 5,
+                                                             "sha256": hashlib.sha256(chunk).hexdigest(),
+                                                             "bundle_sha256": total, "bundle_bytes": 10}))
+    (stage_dir / "x01.json").unlink()
+    script = ("source benchmarks/gpu/install.sh; rc=$?; echo \"rc=$rc\"; echo \"PYTHONPATH=$PYTHONPATH\"")
+    env = {**os.environ, "MEMSIFTER_GPU_STAGE": str(stage_dir), "MEMSIFTER_GPU_SITE": str(site)}
+
+    def run():
+        return subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+
+    r = run()
+    assert "rc=0" in r.stdout and f"PYTHONPATH={site}:{site}-extra:{work}" in r.stdout, r.stdout + r.stderr
+    assert "extra pieces 1 of 2 staged: not installed yet" in r.stdout
+    assert not (site / ".extra-installed").exists()
+    (stage_dir / "x01.json").write_text(json.dumps({"index": 1, "count": 2, "bytes": 5, "sha256": "0",
+                                                    "bundle_sha256": total, "bundle_bytes": 10}))
+    (stage_dir / "x01").write_bytes(b"y" * 5)   # all pieces there, one of them wrong
+    r = run()
+    assert "rc=1" in r.stdout and "extra sha256 mismatch" in r.stderr, r.stdout + r.stderr

@@ -30,24 +30,33 @@ PY
   touch "$SITE/.installed"
 fi
 # wheels added after the bundle (stage.py extra): pieces x00.. joined, checked, installed once
+# Extra pieces still arriving (staged while a run goes on) are not an error: the bundle is set up without them, and
+# a later `source` installs them once all are there. A bad checksum is.
 if ls "$S"/x[0-9][0-9].json >/dev/null 2>&1 && [ ! -f "$SITE/.extra-installed" ]; then
-  python3 - "$S" <<'PY' || return 1
+  python3 - "$S" <<'PY'
 import glob, hashlib, json, sys
 S = sys.argv[1]
 metas = [json.load(open(p)) for p in sorted(glob.glob(f"{S}/x[0-9][0-9].json"))]
 count = metas[0]["count"]
-if sorted(m["index"] for m in metas) != list(range(count)):
-    sys.exit("install: extra pieces missing")
+have = sorted(m["index"] for m in metas)
+if have != list(range(count)):
+    print(f"install: extra pieces {len(have)} of {count} staged: not installed yet (source again once all are)")
+    sys.exit(3)
 data = b"".join(open(f"{S}/x{i:02d}", "rb").read() for i in range(count))
 if hashlib.sha256(data).hexdigest() != metas[0]["bundle_sha256"]:
     sys.exit("install: extra sha256 mismatch")
 open(f"{S}/extra.tar", "wb").write(data)
 print(f"install: extra ok ({count} pieces)")
 PY
-  # into their own folder: `pip --target --upgrade` replaces whole top-level folders, and gguf's
-  # scripts in bin/ replaced the bundle's bin/ (ray, weed) when they shared $SITE
-  (cd "$S" && tar xf extra.tar) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE-extra" "$S"/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
-  touch "$SITE/.extra-installed"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
+    # into their own folder: `pip --target --upgrade` replaces whole top-level folders, and gguf's
+    # scripts in bin/ replaced the bundle's bin/ (ray, weed) when they shared $SITE
+    (cd "$S" && tar xf extra.tar) && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE-extra" "$S"/extra/*.whl 2>&1 | grep -v "already exists" | tail -3
+    touch "$SITE/.extra-installed"
+  elif [ "$rc" -ne 3 ]; then
+    return 1
+  fi
 fi
 # small additions found missing after a bundle was staged travel as plain wheels in .gpu/extra
 if ls .gpu/extra/*.whl >/dev/null 2>&1; then
