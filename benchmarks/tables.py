@@ -1097,6 +1097,11 @@ STARTFOLD_RUNS = (("off-1", "memory_compact_at_start=false", "never folded (8 x 
                   ("on-2", "memory_compact_at_start=true", "after one run"))
 
 
+WRITES_GC = "benchmarks/results/serve-writes-2026-11-28-gc"
+GC_RUNS = (("base-1", "Python's (700, 10, 10)", "fresh"), ("gc-1", "(50000, 20, 100)", "fresh"),
+           ("gc-2", "(50000, 20, 100)", "fresh"), ("base-2", "Python's (700, 10, 10)", "fresh"))
+
+
 def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code",
                            ready: bool = False) -> list[str]:
     """One row per run of an A/B of bench_serve.py --writes (copy on write; log compaction), from each run's
@@ -1484,6 +1489,8 @@ TABLES = {
                                                  ready=True),
                                [f"{WRITES_STARTFOLD}/*/writes.json", f"{WRITES_STARTFOLD}/*/requests.json.gz"],
                                [f"{WRITES_STARTFOLD}/README.md"]),
+    "serve-writes-gc": (functools.partial(table_serve_writes_cow, WRITES_GC, GC_RUNS, "collector thresholds"),
+                        [f"{WRITES_GC}/*/writes.json", f"{WRITES_GC}/*/requests.json.gz"], [f"{WRITES_GC}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),

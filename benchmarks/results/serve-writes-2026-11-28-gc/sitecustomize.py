@@ -1,0 +1,2 @@
+import gc
+gc.set_threshold(50000, 20, 100)
