@@ -1226,6 +1226,7 @@ def table_multigpu() -> list[str]:
 
 AGENTS_GRPO = f"{GPU}/2026-11-27-h100-agents-grpo"
 AGENTS_GRPO7 = f"{GPU}/2026-11-27-h100-agents-grpo7"  # 7 steps, 4 updates a step, data phase made on the CPU
+AGENTS_GRPO_EV = f"{GPU}/2026-11-28-h100-agents-grpo-evidence"  # 12 steps, reward 0.7 x F1 + 0.3 x gold session shown
 
 
 @functools.lru_cache(maxsize=None)
@@ -1252,6 +1253,17 @@ def table_agents_grpo_paired(folder: str = AGENTS_GRPO) -> list[str]:
     pairs = [(f"{g}, GRPO", f"{g}, SFT") for g in agents]
     pairs += [(f"{g}, {tag}", f"one call, {t.FIRST_STAGE}") for g in agents for tag in ("SFT", "GRPO")]
     return t.markdown(t.paired_rows(by, pairs)) + t.episodes(by)
+
+
+def table_agents_grpo_gold(folder: str = AGENTS_GRPO_EV) -> list[str]:
+    """The GRPO run's paired differences and episodes (:func:`table_agents_grpo_paired`), then how often each agent's
+    episode was shown a gold session, beside the one-call contexts (``agents_grpo_table.gold_shown`` over the
+    committed answers and the committed ``gold_sessions.json``), and how firm GRPO − SFT is (``robustness``)."""
+    t = gpu_script("agents_grpo_table")
+    with open(os.path.join(ROOT, folder, t.GOLD)) as f:
+        gold = json.load(f)
+    by = grpo_rows(folder)
+    return table_agents_grpo_paired(folder) + t.gold_shown(by, gold) + t.robustness(by)
 
 
 def table_agents_grpo_curves(folder: str = AGENTS_GRPO) -> list[str]:
@@ -1302,6 +1314,12 @@ def table_agents_grpo7_phases() -> list[str]:
     for phase in dict.fromkeys(k for v in m.values() for k in v):
         lines.append(row(phase, *(f"{v[phase]:.1f}" if phase in v else "–" for v in m.values())))
     return lines
+
+
+def table_agents_grpo_ev_phases() -> list[str]:
+    """The evidence-reward GRPO run's phases on its one machine (``agents.md``)."""
+    return ["| phase | seconds |", "|---|---:|",
+            *(row(k, f"{v:.1f}") for k, v in agents_md_phases(f"{AGENTS_GRPO_EV}/agents.md").items())]
 
 
 def table_agents_grpo_phases() -> list[str]:
@@ -1397,6 +1415,16 @@ TABLES = {
                             [f"{AGENTS_GRPO7}/train_metrics.jsonl", f"{AGENTS_GRPO7}/agents.md",
                              f"{AGENTS_GRPO7}/answers/agents-*.parquet"],
                             [f"{AGENTS_GRPO7}/README.md", f"{AGENTS_GRPO7}/curves.md"]),
+    "agents-grpo-evidence-paired": (functools.partial(table_agents_grpo_gold, AGENTS_GRPO_EV),
+                                    [f"{AGENTS_GRPO_EV}/answers/*.parquet", f"{AGENTS_GRPO_EV}/gold_sessions.json",
+                                     "memsifter/samples/locomo_dev2.json.gz"],
+                                    [f"{AGENTS_GRPO_EV}/README.md"]),
+    "agents-grpo-evidence-curves": (functools.partial(table_agents_grpo_curves, AGENTS_GRPO_EV),
+                                    [f"{AGENTS_GRPO_EV}/train_metrics.jsonl", f"{AGENTS_GRPO_EV}/agents.md",
+                                     f"{AGENTS_GRPO_EV}/answers/agents-*.parquet"],
+                                    [f"{AGENTS_GRPO_EV}/README.md", f"{AGENTS_GRPO_EV}/curves.md"]),
+    "agents-grpo-evidence-phases": (table_agents_grpo_ev_phases, [f"{AGENTS_GRPO_EV}/agents.md"],
+                                    [f"{AGENTS_GRPO_EV}/README.md"]),
     "agents-grpo7-phases": (table_agents_grpo7_phases, [f"{AGENTS_GRPO7}/agents.md", f"{AGENTS_GRPO7}/round2/agents.md"],
                             [f"{AGENTS_GRPO7}/README.md"]),
     "agents-grpo-phases": (table_agents_grpo_phases, [f"{AGENTS_GRPO}/agents.md", f"{AGENTS_GRPO}/logs.tar.gz"],

@@ -710,6 +710,32 @@ def test_agents_grpo_table_pairs_the_same_questions_by_dataset_and_metric(tmp_pa
     assert len(ep) == 4 and "| agent:search, SFT | 4 | 100.0% | 100.0% | 100.0% | 2.00 |" in ep[2]
 
 
+def test_agents_grpo_table_counts_gold_sessions_shown_and_how_firm_the_difference_is():
+    """agents_grpo_table.py: an episode counts as shown a gold session only when one of its context sessions is
+    gold; questions without gold are left out; no-memory rows are not listed; GRPO − SFT is paired on the same
+    questions; robustness counts the questions that went up, down or stayed and gives a permutation p in (0, 1]."""
+    t = importlib.import_module("agents_grpo_table")
+    ds = ["longmemeval_s", "locomo", "locomo", "longmemeval_s"]
+    gold = {"q0": ["s1"], "q1": ["s2", "s3"], "q2": ["s9"], "q3": []}
+    by = {"agent:search, SFT": _agent_rows("agent:search", [0.0, 0.5, 0.0, 0.2], ds),
+          "agent:search, GRPO": _agent_rows("agent:search", [0.5, 0.5, 0.25, 0.0], ds),
+          "one call, no memory": _agent_rows("no memory", [0, 0, 0, 0], ds, context_session_ids=[])}
+    for r, ctx in zip(by["agent:search, SFT"], (["s0"], ["s3", "s4"], ["s1"], ["s1"])):
+        r["context_session_ids"] = ctx
+    for r, ctx in zip(by["agent:search, GRPO"], (["s1"], ["s2"], ["s9", "s0"], ["x"])):
+        r["context_session_ids"] = ctx
+    lines = t.gold_shown(by, gold)
+    assert "| agent:search, SFT | all | 3 | 1.33 | 0.333 [" in "\n".join(lines)   # q1 only; q3 has no gold
+    assert "| agent:search, GRPO | all | 3 | 1.33 | 1.000 [" in "\n".join(lines)
+    assert not any("no memory" in ln for ln in lines)
+    assert any(ln.startswith("| agent:search, GRPO − agent:search, SFT | gold session shown | all | 3 | +0.667 [")
+               for ln in lines)
+    rob = t.robustness(by, flips=2000, seeds=(0, 1), resamples=500)
+    row = rob[2].split(" | ")
+    assert row[1:4] == ["4", "2 / 1 / 1", f"{(0.5 + 0.25 - 0.2) / 4:+.4f}"] and 0 < float(row[4]) <= 1
+    assert rob[0].endswith("500 resamples, seeds 0–1 |") and row[5].count("[") == 2
+
+
 def test_agents_grpo_curves_read_steps_and_the_held_out_points(tmp_path):
     """agents_grpo_curves.py: per-step metrics from train_metrics.jsonl, the step collect took from agents.md, and
     the held-out F1 of the SFT start (step 0) and of that step from the answers."""
