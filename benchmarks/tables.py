@@ -1258,12 +1258,12 @@ def table_agents_grpo_paired(folder: str = AGENTS_GRPO) -> list[str]:
 def table_agents_grpo_gold(folder: str = AGENTS_GRPO_EV) -> list[str]:
     """The GRPO run's paired differences and episodes (:func:`table_agents_grpo_paired`), then how often each agent's
     episode was shown a gold session, beside the one-call contexts (``agents_grpo_table.gold_shown`` over the
-    committed answers and the committed ``gold_sessions.json``), and how firm GRPO − SFT is (``robustness``)."""
+    committed answers and the committed ``gold_sessions.json``), how firm GRPO − SFT is (``robustness``) and how varied the answers are (``answer_spread``)."""
     t = gpu_script("agents_grpo_table")
     with open(os.path.join(ROOT, folder, t.GOLD)) as f:
         gold = json.load(f)
     by = grpo_rows(folder)
-    return table_agents_grpo_paired(folder) + t.gold_shown(by, gold) + t.robustness(by)
+    return table_agents_grpo_paired(folder) + t.gold_shown(by, gold) + t.robustness(by) + t.answer_spread(by)
 
 
 def table_agents_grpo_curves(folder: str = AGENTS_GRPO) -> list[str]:

@@ -159,6 +159,25 @@ def robustness(by: dict[str, list[dict]], flips: int = 20000, seeds: tuple[int, 
     return lines
 
 
+def answer_spread(by: dict[str, list[dict]]) -> list[str]:
+    """How varied each agent's answers are (a small adapter can fall into a few stock answers): distinct answers
+    (lower-cased, stripped), the most common one and its share, the share with no answer, by dataset."""
+    import collections
+
+    lines = ["| agent | questions | n | distinct answers | most common answer | its share | no answer |",
+             "|---|---|---:|---:|---|---:|---:|"]
+    for label, rs in by.items():
+        if label.startswith("one call"):
+            continue
+        for d in (None, *sorted({r["dataset"] for r in rs})):
+            ans = [(r.get("answer") or "").strip().lower() for r in rs if d is None or r["dataset"] == d]
+            given = collections.Counter(a for a in ans if a)
+            top, k = given.most_common(1)[0] if given else ("", 0)
+            lines.append(f"| {label} | {d or 'all'} | {len(ans)} | {len(given)} | {top[:40]!r} | "
+                         f"{k / len(ans):.1%} | {sum(not a for a in ans) / len(ans):.1%} |")
+    return lines
+
+
 def markdown(rows: list[dict]) -> list[str]:
     lines = ["| A − B (same questions) | metric | questions | n | A | B | A − B [95% CI] |",
              "|---|---|---|---:|---:|---:|---|"]
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(gold, f, indent=0, sort_keys=True)
     print("\n" + "\n".join(gold_shown(by, gold)))
     print("\n" + "\n".join(robustness(by)))
+    print("\n" + "\n".join(answer_spread(by)))
     with open(os.path.join(a.out, "paired.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
