@@ -734,6 +734,11 @@ def test_agents_grpo_table_counts_gold_sessions_shown_and_how_firm_the_differenc
     row = rob[2].split(" | ")
     assert row[1:4] == ["4", "2 / 1 / 1", f"{(0.5 + 0.25 - 0.2) / 4:+.4f}"] and 0 < float(row[4]) <= 1
     assert rob[0].endswith("500 resamples, seeds 0–1 |") and row[5].count("[") == 2
+    by["agent:search, GRPO"][1]["answer"] = " X "
+    by["agent:search, GRPO"][2]["answer"] = ""
+    spread = t.answer_spread(by)   # answers x, X, (none), x: one distinct answer, 75% of the questions
+    assert "| agent:search, GRPO | all | 4 | 1 | 'x' | 75.0% | 25.0% |" in spread
+    assert not any("no memory" in ln for ln in spread)
 
 
 def test_agents_grpo_curves_read_steps_and_the_held_out_points(tmp_path):
