@@ -220,6 +220,37 @@ def test_search_oracle_trace():
     assert res.answer == "Biscuit" and res.format_ok and res.searches == 1
 
 
+def test_search_oracle_searches_again_while_its_hits_miss_the_evidence():
+    """With query variants, the oracle moves to the next one while the last observation holds no evidence line
+    (at most max_turns searches), then answers; with evidence shown at once, or with one query, it answers after one
+    search (the single-query oracle is unchanged); without evidence lines it cannot tell, so it answers."""
+    agent = SearchAgent()
+    task = Task("q1", "What is the name of my dog?", search=fake_search(CORPUS))
+    ev = ["I adopted a dog named Biscuit."]
+    pairs, res = requests_of(agent.episode(task), agent.oracle(task, "Biscuit", ev, queries=["lentils", "adopted dog"]))
+    assert [r for _, r in pairs] == ["<search>lentils</search>", "<search>adopted dog</search>",
+                                     "<answer>Biscuit</answer>"]
+    assert res.searches == 2 and res.format_ok
+    pairs, _ = requests_of(agent.episode(task), agent.oracle(task, "Biscuit", ev, queries=["adopted dog", "lentils"]))
+    assert [r for _, r in pairs] == ["<search>adopted dog</search>", "<answer>Biscuit</answer>"]
+    pairs, _ = requests_of(agent.episode(task), agent.oracle(task, "Biscuit", [], queries=["lentils", "dog"]))
+    assert [r for _, r in pairs] == ["<search>lentils</search>", "<answer>Biscuit</answer>"]
+    short = SearchAgent(max_turns=2)
+    pairs, res = requests_of(short.episode(task), short.oracle(task, "Biscuit", ev, queries=["lentils", "cook", "dog"]))
+    assert [r for _, r in pairs] == ["<search>lentils</search>", "<search>cook</search>", "<answer>Biscuit</answer>"]
+
+
+def test_query_variants_are_distinct_and_start_with_the_keywords():
+    from memsifter.agents.search import keywords, query_variants
+
+    q = "What did I name the dog I adopted in March?"
+    v = query_variants(q)
+    assert v[0] == keywords(q) and len(v) == len(set(v)) >= 3
+    assert "What did I name the dog I adopted in March" in v   # the question itself, without its mark
+    assert all(x.strip() for x in v)
+    assert query_variants("dog?") == ["dog"]
+
+
 def test_http_search_errors_are_one_line(monkeypatch):
     monkeypatch.delenv("MEMSIFTER_TEST_AGENT_KEY", raising=False)
     with pytest.raises(SearchError, match="MEMSIFTER_TEST_AGENT_KEY .* is not set"):

@@ -479,6 +479,21 @@ def test_agents_driver_configs_carry_the_key_and_the_chunk_budget():
     assert f"auth.keys.{run_agents.KEY_ENV}.read=['*']" in cmd and "--no-ray" in cmd
 
 
+def test_agents_driver_prepares_several_search_traces_when_asked():
+    """run_agents.py --search-traces / --search-retry reach prepare-agents' config, which validates them."""
+    from memsifter.stages.prepare_agents import PrepareAgentsConfig
+
+    run_agents = importlib.import_module("run_agents")
+    a = run_agents.build_parser().parse_args(["run", "--search-traces", "3", "--search-retry", "--agents", "x"])
+    a.agents = ["agent:search"]
+    cfg = run_agents.prepare_config(a)
+    assert cfg["search_traces"] == 3 and cfg["search_retry"] is True
+    parsed = PrepareAgentsConfig(**cfg)
+    assert parsed.search_traces == 3 and parsed.search_retry
+    d = run_agents.prepare_config(run_agents.build_parser().parse_args(["run"]))
+    assert d["search_traces"] == 1 and d["search_retry"] is False
+
+
 def _published(run: str, name: str, files: dict[str, bytes], done: bool = True) -> None:
     from memsifter.store import storage
 
@@ -579,6 +594,10 @@ def test_agents_driver_grpo_config_is_a_valid_train_config(tmp_path, monkeypatch
     both = TrainConfig(**run_agents.grpo_config(argparse.Namespace(**{**vars(a), "format_score": 0.0,
                                                                      "evidence_score": 0.3}))).agent
     assert (both.format_score, both.evidence_score) == (0.0, 0.3)
+    assert "seed" not in cfg["verl"]["data"] and "seed" not in cfg["verl"]["actor_rollout_ref"]["rollout"]
+    seeded = run_agents.grpo_config(argparse.Namespace(**{**vars(a), "seed": 7}))   # --seed: a repeat of the run
+    assert seeded["verl"]["data"]["seed"] == 7 and seeded["verl"]["actor_rollout_ref"]["rollout"]["seed"] == 7
+    TrainConfig(**seeded)   # verl's own keys (the stage's composition check)
     # the first GPU update ran out of memory with 4 padded 8k rows per micro-batch and no recomputation
     v = cfg["verl"]
     rows = v["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] // (

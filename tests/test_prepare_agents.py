@@ -419,3 +419,29 @@ def test_sft_on_traces_lowers_the_loss(short_traces, tiny_model_dir, tmp_path):
     assert last < 0.7 * first, (first, last)   # measured: 5.8 -> 3.4
     assert evals[-1]["eval_loss"] < 0.8 * evals[0]["eval_loss"]   # measured: 6.0 -> 4.0
     assert st["before"]["eval_loss"] > st["after"]["eval_loss"]
+
+
+def test_several_search_traces_per_question_open_with_other_queries(sources, prepared):
+    """search_traces=3 (with search_retry): per question up to three search episodes, opening with the keywords,
+    the question and the keywords' second half; each trace still ends in the gold answer with the evidence shown,
+    none is written twice, variant 0 is the single-trace default's episode, and more questions or as many get a
+    trace as with one."""
+    from memsifter.agents.search import query_variants
+
+    out = str(sources["root"] / "agents-3")
+    get_stage("prepare-agents").run(_config(sources, out, agents=["agent:search"], search_traces=3,
+                                            search_retry=True))
+    one = [t for t in _traces(prepared[0], "train") if t["method"] == "agent:search"]
+    many = _traces(out, "train")
+    _, _, qs = _datasets(sources)
+    assert len(many) > len(one) and {t["question_id"] for t in many} >= {t["question_id"] for t in one}
+    keys = [json.dumps(t["messages"], sort_keys=True) for t in many]
+    assert len(keys) == len(set(keys))
+    for t in many:
+        q = qs[t["question_id"]]
+        assert t["messages"][-1]["content"] == f"<answer>{q.answer}</answer>" and t["evidence_seen"]
+        first = t["messages"][1]["content"]
+        assert first == f"<search>{query_variants(q.question)[t['variant']]}</search>"
+    base = {t["question_id"]: t["messages"] for t in one}
+    assert all(t["messages"] == base[t["question_id"]] for t in many if t["variant"] == 0 and t["question_id"] in base)
+    assert {t["variant"] for t in many} == {0, 1, 2}

@@ -299,7 +299,7 @@ def grpo_config(a) -> dict:
             raise SystemExit(f"--grpo-round {a.grpo_round}: {before} holds no collected adapter (run round "
                              f"{a.grpo_round - 1} first, or restore it with --published)")
         init = {"init_adapter": adapter}
-    return {
+    cfg = {
         "output": names["train"], "data": f"{RUN}/prep", "model": BASE, **init,
         # the reward: (1 - f) x answer F1 + f x format. f = 0.1 (the stage's default) taught the search agent to stop
         # searching in 7 steps (2026-11-27-h100-agents-grpo7): --format-score 0 pays for the answer alone
@@ -326,6 +326,10 @@ def grpo_config(a) -> dict:
             "trainer": {"save_freq": a.save_freq or max(1, a.steps // 2), "test_freq": a.test_freq,
                         "total_training_steps": a.steps, "val_before_train": a.test_freq > 0}},
     }
+    if getattr(a, "seed", None) is not None:  # a repeat of a run: verl's data order and vLLM's sampling
+        cfg["verl"]["data"]["seed"] = a.seed
+        cfg["verl"]["actor_rollout_ref"]["rollout"]["seed"] = a.seed
+    return cfg
 
 
 def run_deadline(cmd: list[str], log: str, seconds: float, after: list[str] | None = None) -> tuple[int | None, float]:
@@ -447,7 +451,8 @@ def run_phase(a, name: str, answers: list[str], notes: list[str], ready=None) ->
         cfg = write_yaml(f"{a.work}/sft.yaml", {
             "model": BASE, "traces": f"{RUN}/prep", "output": f"{RUN}/sft", "lora_rank": 16,
             "lr": 2e-4, "epochs": a.sft_epochs, "batch_tokens": 32768,
-            "eval_generate": 0})  # the answers measure it
+            "eval_generate": 0,  # the answers measure it
+            **({"seed": a.seed} if getattr(a, "seed", None) is not None else {})})
         sh(ms("run", "sft", "--config", cfg), f"{a.out}/sft.log")
         for f in ("metrics.jsonl", "sft_curves.png", "eval.json"):
             if storage.exists(f"{RUN}/sft/{f}"):
@@ -528,10 +533,7 @@ def main_run(a) -> None:
         combined(a)
         if not storage.exists(f"{RUN}/all-embed/_SUCCESS"):
             bm25(a, f"{RUN}/all")
-        prep = write_yaml(f"{a.work}/prepare-agents.yaml", {
-            "datasets": [f"{RUN}/all"], "embeddings": [f"{RUN}/all-embed"], "output": f"{RUN}/prep",
-            "agents": a.agents, "recipe": {"test": json.loads(a.test), "train": json.loads(a.train)},
-            "max_chunks": a.max_chunks, "tokenizer": BASE})
+        prep = write_yaml(f"{a.work}/prepare-agents.yaml", prepare_config(a))
         sh(ms("run", "prepare-agents", "--config", prep), f"{a.out}/prepare-agents.log")
         ids = heldout(a)
         notes.append(f"held-out questions: {len(ids)}; prepare-agents stats: "
@@ -565,6 +567,15 @@ PUBLISHED = ("chat-base", "agents-base", "sft", "chat-sft", "agents-sft") + tupl
 # the data phase's outputs (--pack-data): made once on a CPU machine, so that a GPU machine's lease goes to training
 DATA = ("all", "all-embed", "prep", "heldout", "heldout-embed")
 PART = 15 * 2 ** 20  # the device returns files of at most 16 MiB
+
+
+def prepare_config(a: argparse.Namespace) -> dict:
+    """The prepare-agents config of the data phase: both splits' rows and SFT traces (``--search-traces`` opening
+    queries per question for the search agent, ``--search-retry``: searching again when a search missed)."""
+    return {"datasets": [f"{RUN}/all"], "embeddings": [f"{RUN}/all-embed"], "output": f"{RUN}/prep",
+            "agents": a.agents, "recipe": {"test": json.loads(a.test), "train": json.loads(a.train)},
+            "max_chunks": a.max_chunks, "tokenizer": BASE, "search_traces": a.search_traces,
+            "search_retry": a.search_retry}
 
 
 def pack(out: str, data: bool = False) -> list[str]:
@@ -643,6 +654,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--test", default='{"longmemeval_s": 110, "locomo": 150}', help="held-out recipe (JSON)")
     ap.add_argument("--train", default='{"longmemeval_s": 210, "locomo": 200}', help="train recipe (JSON)")
     ap.add_argument("--max-chunks", type=int, default=12)
+    ap.add_argument("--search-traces", type=int, default=1, help="prepare-agents: search-agent SFT traces per "
+                    "question, each opening with another query (keywords, the question, its halves)")
+    ap.add_argument("--search-retry", action="store_true", help="prepare-agents: the search oracle searches again "
+                    "while its hits miss the evidence")
+    ap.add_argument("--seed", type=int, default=None, help="a repeat under another seed: the SFT stage's, verl's "
+                    "data order and vLLM's sampling in GRPO (default: each stage's own)")
     ap.add_argument("--sft-epochs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-freq", type=int, default=0, help="GRPO checkpoint every N steps (default: steps // 2)")

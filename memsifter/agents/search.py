@@ -27,10 +27,11 @@ Constructor (:class:`SearchAgent`), defaults sized for SmolLM2-135M-Instruct's 8
 * ``count_tokens: Callable[[str], int]`` (default :func:`approx_tokens`; :func:`hf_counter` for a
   Hugging Face tokenizer's exact counts).
 
-``oracle(task, answer, evidence)``: what a correct agent writes, for SFT warm-start traces: one search
-whose query is the question's keywords (:func:`keywords`: stopwords out, order kept), then
-``<answer>{answer}</answer>``. ``evidence`` is accepted for the shared signature and not used (the search
-agent's evidence is what its search returns).
+``oracle(task, answer, evidence, queries=None)``: what a correct agent writes, for SFT warm-start traces: one
+search whose query is the question's keywords (:func:`keywords`: stopwords out, order kept), then
+``<answer>{answer}</answer>``. Given several ``queries`` (:func:`query_variants`), it searches again with the
+next one while its hits show no line of ``evidence`` (up to ``max_turns`` searches): traces that search again
+when the first search missed.
 
 :func:`http_search` ``(base_url, corpus_id, api_key_env=None, timeout=30.0, topk_max=None) -> Search``: the
 memory service's Search-R1 endpoint ``POST {base_url}/retrieve`` with ``{"queries": [q], "topk": k,
@@ -86,6 +87,20 @@ def keywords(question: str) -> str:
         seen.add(lw)
         out.append(w.strip("'-").removesuffix("'s"))
     return " ".join(out) or question.strip()
+
+
+def query_variants(question: str) -> list[str]:
+    """Queries a searcher could write for ``question``, distinct, in this order: its keywords (:func:`keywords`), the
+    question itself (without its question mark), the second half of the keywords, the first half. The oracle's
+    queries when prepare-agents writes several traces per question (``search_traces``) or searches again
+    (``search_retry``)."""
+    kw = keywords(question).split()
+    out: list[str] = []
+    for v in (" ".join(kw), " ".join(question.strip().rstrip("?").split()), " ".join(kw[len(kw) // 2:]),
+              " ".join(kw[:(len(kw) + 1) // 2])):
+        if v.strip() and v not in out:
+            out.append(v)
+    return out
 
 
 class ParsedReply:
@@ -259,14 +274,20 @@ class SearchAgent:
         return res
 
     # ------------------------------------------------------------------ warm start
-    def oracle(self, task: Task, answer: str, evidence: Sequence[str] = ()) -> Callable[[Request], str]:
-        """A policy writing what a correct agent writes: on the first request one search with the
-        question's keywords, on any later request ``<answer>{answer}</answer>`` (``evidence`` unused)."""
-        query = keywords(task.question)
+    def oracle(self, task: Task, answer: str, evidence: Sequence[str] = (),
+               queries: Sequence[str] | None = None) -> Callable[[Request], str]:
+        """A policy writing what a correct agent writes: a search with ``queries[0]`` (default: the question's
+        keywords), then ``<answer>{answer}</answer>``. With more than one query it searches again with the next
+        while the last observation shows no line of ``evidence`` (the evidence turns as rendered), at most
+        ``max_turns`` searches in all; with no evidence lines it cannot tell, and answers after the first."""
+        qs = list(queries) if queries else [keywords(task.question)]
 
         def policy(req: Request) -> str:
-            if req.kind == "search" and not req.continues:
-                return f"<search>{query}</search>"
+            if req.kind == "search":
+                n = int(req.meta.get("turn", 0))   # searches so far (the oracle's replies are never malformed)
+                seen = req.continues and (not evidence or any(e in req.messages[-1]["content"] for e in evidence))
+                if n == 0 or (not seen and n < len(qs)):
+                    return f"<search>{qs[n]}</search>"
             return f"<answer>{answer}</answer>"
 
         return policy

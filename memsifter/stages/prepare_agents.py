@@ -51,7 +51,8 @@ for the answer request. Record::
                  replies too (trained), user messages are prompts and observations (masked)
     method, question_id, dataset, split, kind ("search" / "answer" / "chunk": the last request's kind),
     step (trajectory number in the episode), steps, stop (the last request's stop strings),
-    max_tokens, answer (gold), evidence_seen (an evidence turn is in the trajectory's messages)
+    max_tokens, answer (gold), evidence_seen (an evidence turn is in the trajectory's messages),
+    variant (agent:search: which opening query, 0 = the keywords; ``search_traces``)
 
 An episode gives traces only when the oracle's episode parses to the gold answer with every reply
 well formed, and the model could have known: some evidence turn
@@ -132,6 +133,12 @@ class PrepareAgentsConfig(StageConfig):
         "auto", description="first-stage method of the search oracle (auto: the embed output's primary, as the "
         "memory service serves it); questions no embed output covers are searched with bm25")
     traces: bool = Field(True, description="also write the SFT traces")
+    search_traces: int = Field(1, ge=1, le=4, description="agent:search episodes per question for the traces, each "
+                               "opening with another query (memsifter.agents.search.query_variants: the keywords, "
+                               "the question, the keywords' second half, their first half); identical ones kept once")
+    search_retry: bool = Field(False, description="the search oracle searches again with the next query while its "
+                               "hits show no evidence turn (up to the agent's max_turns), so a first search that "
+                               "missed still gives a trace, one that searches again")
     max_plain_chunks: int | None = Field(4, ge=0, description="chunk records per memory episode whose section "
                                          "holds no evidence (notes copied unchanged), beside every evidence chunk "
                                          "and the answer; null: all")
@@ -320,14 +327,40 @@ class Builder:
         }
 
     def traces(self, q: Question, method: str, split: str) -> tuple[list[dict], str | None]:
-        """The oracle's trajectories of one episode as records, or ([], why it gives none)."""
-        from ..agents.base import close_stop, requests_of
+        """The oracle's trajectories of one question's episodes as records, or ([], why it gives none). The search
+        agent gives one episode per opening query (``search_traces``; ``search_retry``: searching again while the
+        evidence is not shown), identical trajectories once; the memory agents one episode."""
         from ..agents.memory import gold_evidence
+        from ..agents.search import query_variants
+
+        evidence = gold_evidence(self.ds, q)
+        if method != "agent:search":
+            return self._episode(q, method, split, evidence, None)
+        variants = query_variants(q.question)
+        records: list[dict] = []
+        seen: set[str] = set()
+        first_why = None
+        for i in range(min(self.config.search_traces, len(variants))):
+            queries = variants[i:] + variants[:i] if self.config.search_retry else [variants[i]]
+            recs, why = self._episode(q, method, split, evidence, queries)
+            first_why = first_why or why
+            for r in recs:
+                key = json.dumps(r["messages"], sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    records.append({**r, "variant": i})
+        return (records, None) if records else ([], first_why)
+
+    def _episode(self, q: Question, method: str, split: str, evidence: list[str],
+                 queries: list[str] | None) -> tuple[list[dict], str | None]:
+        """One oracle episode's trajectories as records, or ([], why it gives none)."""
+        from ..agents.base import close_stop, requests_of
 
         task, _ = self.task(q, method)
         agent = self.agents[method]
-        evidence = gold_evidence(self.ds, q)
-        pairs, res = requests_of(agent.episode(task), agent.oracle(task, q.answer, evidence))
+        oracle = (agent.oracle(task, q.answer, evidence) if queries is None
+                  else agent.oracle(task, q.answer, evidence, queries=queries))
+        pairs, res = requests_of(agent.episode(task), oracle)
         if not res.format_ok or (res.answer or "").strip() != q.answer.strip():
             return [], "oracle_not_gold"
         trajectories: list[list[tuple[Any, str]]] = []
