@@ -1075,3 +1075,87 @@ def test_cli_default_prints_a_curl_that_works(lme):
     assert code == 0, text[-3000:]
     for dump in ("Traceback", "*** SIG", "StackTrace", "Stack trace", "PC: @", "Check failure"):
         assert dump not in text, text[-3000:]
+
+
+def _asgi(app, method: str, path: str, body: bytes = b"", headers: list | None = None, chunks: int = 1) -> tuple:
+    """One request through the ASGI app in this thread: (status, headers, body) of its answer."""
+    import asyncio
+
+    parts = [body[i * len(body) // chunks:(i + 1) * len(body) // chunks] for i in range(chunks)] if body else [b""]
+    msgs = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+    out: dict = {"body": b""}
+
+    async def receive() -> dict:
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            out["status"], out["headers"] = msg["status"], [tuple(h) for h in msg.get("headers", [])]
+        else:
+            out["body"] += msg.get("body", b"")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or [])],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    return out["status"], out["headers"], out["body"]
+
+
+def test_hot_routes_answer_as_the_full_app_does(lme, tmp_path):
+    """Issue 46: /retrieve, /u/{id}/retrieve and /mem0/memories are answered without FastAPI's request
+    machinery (http.FastRoutes) when well-formed, with the same bytes the full app sends: every request below
+    through the app as served and through the same app with the fast routes taken out; a request the full app
+    rejects (bad JSON, a field the model refuses, another content type, a bad id, a header given twice, a body
+    over the bound) is still answered by it, with the same status and detail."""
+    from memsifter.service.core import RetrievalService
+    from memsifter.service.http import make_app
+
+    ds = read_dataset(lme["data"])
+    qid, q = ds.questions[0].question_id, ds.questions[0].question
+    svc = RetrievalService(config(lme, state=str(tmp_path / "state"), reuse_query_vectors=False,
+                                  limits={"max_body_bytes": 2048}), start_threads=False)
+    fast, full = make_app(svc), make_app(svc)
+    full.state.fast.exact.clear()
+    full.state.fast.corpus = None
+    js = [("Content-Type", "application/json")]
+    big = json.dumps({"queries": [q], "pad": "x" * 4000}).encode()
+    cases = [  # (path, body, headers, chunks, served by the fast routes)
+        (f"/u/{qid}/retrieve", {"queries": [q], "topk": 3, "return_scores": True}, js, 1, True),
+        (f"/u/{qid}/retrieve", {"queries": [q, "where did I go?"], "topk": 2}, js, 3, True),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [("Content-Type", "application/json; charset=utf-8")], 1, True),
+        ("/retrieve", {"queries": [q], "corpus_id": qid, "topk": 1}, js, 1, True),
+        (f"/u/{qid}/retrieve", {"queries": [q], "topk": 0}, js, 1, True),            # the service's 422
+        (f"/u/{qid}/retrieve", {"queries": [q], "corpus_id": "other"}, js, 1, True),  # its 422: another corpus
+        ("/u/nobody/retrieve", {"queries": [q]}, js, 1, True),                         # its 404
+        (f"/u/{qid}/retrieve", {"queries": "not a list"}, js, 1, False),               # the model's 422
+        (f"/u/{qid}/retrieve", b'{"queries": [', js, 1, False),                         # invalid JSON
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [("Content-Type", "text/plain")], 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [], 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, js + js, 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, js + [("X-API-Key", "a"), ("X-API-Key", "b")], 1, False),
+        ("/u/bad%20id/retrieve", {"queries": [q]}, js, 1, False),
+        ("/u/bad id/retrieve", {"queries": [q]}, js, 1, False),
+        (f"/u/{qid}/retrieve", big, js, 2, False),                                      # 413 while read
+        ("/mem0/memories", {"messages": [], "user_id": "zoe"}, js, 1, False),
+        ("/mem0/memories", {"messages": [{"role": "<b>", "content": "x"}], "user_id": "zoe"}, js, 1, False),
+    ]
+    served = 0
+    for path, body, headers, chunks, hot in cases:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        want = _asgi(full, "POST", path, raw, headers, chunks)
+        got = _asgi(fast, "POST", path, raw, headers, chunks)
+        served += hot
+        assert got == want, (path, body, headers, got[:2], want[:2], got[2][:300], want[2][:300])
+        assert fast.state.fast.served == served, (path, body, headers)
+    assert full.state.fast.served == 0
+    # adds: new ids each time, the same answer otherwise; durable and listed
+    for app, user in ((full, "ann"), (fast, "bob")):
+        body = json.dumps({"messages": [{"role": "user", "content": "I like green tea."}], "user_id": user}).encode()
+        status, headers, out = _asgi(app, "POST", "/mem0/memories", body, js)
+        assert status == 200 and dict(headers)[b"content-type"] == b"application/json", out
+        ev = json.loads(out)["results"][0]
+        assert ev["event"] == "ADD" and ev["memory"] == "I like green tea."
+        again = json.loads(_asgi(app, "POST", "/mem0/memories", body, js)[2])["results"][0]
+        assert again["event"] == "NONE" and again["id"] == ev["id"]
+    assert fast.state.fast.served == served + 2
+    svc.close()
