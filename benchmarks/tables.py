@@ -1102,6 +1102,11 @@ GC_RUNS = (("base-1", "Python's (700, 10, 10)", "fresh"), ("gc-1", "(50000, 20, 
            ("gc-2", "(50000, 20, 100)", "fresh"), ("base-2", "Python's (700, 10, 10)", "fresh"))
 
 
+WRITES_FAST = "benchmarks/results/serve-writes-2026-11-28-fastroutes"
+FAST_RUNS = (("base-1", "e1140ae: FastAPI for every request", "fresh"), ("fast-1", "f12dc2e: fast routes", "fresh"),
+             ("fast-2", "f12dc2e: fast routes", "fresh"), ("base-2", "e1140ae: FastAPI for every request", "fresh"))
+
+
 def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code",
                            ready: bool = False) -> list[str]:
     """One row per run of an A/B of bench_serve.py --writes (copy on write; log compaction), from each run's
@@ -1491,6 +1496,9 @@ TABLES = {
                                [f"{WRITES_STARTFOLD}/README.md"]),
     "serve-writes-gc": (functools.partial(table_serve_writes_cow, WRITES_GC, GC_RUNS, "collector thresholds"),
                         [f"{WRITES_GC}/*/writes.json", f"{WRITES_GC}/*/requests.json.gz"], [f"{WRITES_GC}/README.md"]),
+    "serve-writes-fastroutes": (functools.partial(table_serve_writes_cow, WRITES_FAST, FAST_RUNS, "code"),
+                                [f"{WRITES_FAST}/*/writes.json", f"{WRITES_FAST}/*/requests.json.gz"],
+                                [f"{WRITES_FAST}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),
