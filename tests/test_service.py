@@ -1159,3 +1159,51 @@ def test_hot_routes_answer_as_the_full_app_does(lme, tmp_path):
         assert again["event"] == "NONE" and again["id"] == ev["id"]
     assert fast.state.fast.served == served + 2
     svc.close()
+
+
+def test_the_query_encoder_process_gives_the_in_process_vectors(lme):
+    """Issue 46: the query encoder in a process of its own (``query_encoder_process``; by default where no GPU
+    is seen) computes the vectors this process computes, bit for bit (same model, same torch threads, same
+    length groups), shares no GIL with the event loop (another pid), is started again after it died, and is
+    stopped with the service; the first stage's top 10 with it are the stage's rankings'."""
+    import psutil
+
+    from memsifter.service.core import RetrievalService, query_process
+    from memsifter.service.index import Encoder, PublishedIndex, QueryProcess
+
+    cfg = config(lme, reuse_query_vectors=False)
+    spec = PublishedIndex.load(cfg, lexical=False).settings.spec
+    ds = read_dataset(lme["data"])
+    texts = [q.question for q in ds.questions] + ["where did I go?", "a much longer query about " + "words " * 40]
+    here, there = Encoder(spec, 1), Encoder(spec, 1, process=True)
+    try:
+        want = here.encode(texts, urgent=True)
+        got = there.encode(texts, urgent=True)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        pid = there._proc.proc.pid
+        assert pid != os.getpid() and psutil.Process(pid).ppid() == os.getpid()
+        there._proc.proc.kill()
+        there._proc.proc.join(10)
+        assert np.array_equal(there.encode(texts[:2], urgent=True), want[:2])   # started again
+        assert there._proc.proc.pid != pid
+    finally:
+        there.close()
+    assert there._proc is None
+    assert query_process(cfg) == (not __import__("torch").cuda.is_available())
+    assert query_process(cfg.model_copy(update={"query_encoder_process": False})) is False
+    svc = RetrievalService(cfg.model_copy(update={"query_encoder_process": True}), start_threads=False)
+    try:
+        import asyncio
+
+        rows = {r["question_id"]: r for r in rankings.read_rankings(lme["index"])}
+        svc.state.units.ensure(svc.state.index.sessions.values())
+        svc.state.units_ready = True
+        for q in ds.questions:
+            c = svc.state.index.corpora[q.question_id]
+            order, _ = asyncio.run(svc.first_stage(svc.state, c, q.question))
+            assert [c.sessions[i].session_id for i in order[:10]] == rows[q.question_id]["ranked_session_ids"][:10]
+        proc = svc.state.encoder._proc
+        assert isinstance(proc, QueryProcess) and proc.alive()
+    finally:
+        svc.close()
+    assert not proc.alive()
