@@ -111,8 +111,12 @@ def encode_queries(model: embedding.Embedder, spec: embedding.ModelSpec, texts: 
 def _query_worker(conn: Any, spec: embedding.ModelSpec, threads: int, pass_tokens: int) -> None:
     """The query encoder's process (:class:`QueryProcess`): the model loaded with ``threads`` torch threads, then
     each request (texts, batch size) answered with :func:`encode_queries`' vectors, until the pipe closes."""
+    import signal
+
     import torch
 
+    # Ctrl-C reaches the whole process group: the server stops, closes the pipe, and this process ends on EOF
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         model = embedding.Embedder(spec)
