@@ -1102,6 +1102,20 @@ GC_RUNS = (("base-1", "Python's (700, 10, 10)", "fresh"), ("gc-1", "(50000, 20, 
            ("gc-2", "(50000, 20, 100)", "fresh"), ("base-2", "Python's (700, 10, 10)", "fresh"))
 
 
+WRITES_FAST = "benchmarks/results/serve-writes-2026-11-28-fastroutes"
+FAST_RUNS = (("base-1", "e1140ae: FastAPI for every request", "fresh"), ("fast-1", "f12dc2e: fast routes", "fresh"),
+             ("fast-2", "f12dc2e: fast routes", "fresh"), ("base-2", "e1140ae: FastAPI for every request", "fresh"))
+
+
+WRITES_QPROC = "benchmarks/results/serve-writes-2026-11-28-queryproc"
+QPROC_RUNS = (("off-1", "in the server's process", "fresh; machine shared"),
+              ("on-1", "a process of its own", "fresh; machine shared"),
+              ("on-2", "a process of its own", "fresh; machine shared"),
+              ("off-2", "in the server's process", "fresh; machine shared"),
+              ("on-3", "a process of its own", "fresh"), ("off-3", "in the server's process", "fresh"),
+              ("off-4", "in the server's process", "fresh"), ("on-4", "a process of its own", "fresh"))
+
+
 def table_serve_writes_cow(folder: str = WRITES_COW, runs: tuple = COW_RUNS, label: str = "code",
                            ready: bool = False) -> list[str]:
     """One row per run of an A/B of bench_serve.py --writes (copy on write; log compaction), from each run's
@@ -1519,6 +1533,12 @@ TABLES = {
                                [f"{WRITES_STARTFOLD}/README.md"]),
     "serve-writes-gc": (functools.partial(table_serve_writes_cow, WRITES_GC, GC_RUNS, "collector thresholds"),
                         [f"{WRITES_GC}/*/writes.json", f"{WRITES_GC}/*/requests.json.gz"], [f"{WRITES_GC}/README.md"]),
+    "serve-writes-fastroutes": (functools.partial(table_serve_writes_cow, WRITES_FAST, FAST_RUNS, "code"),
+                                [f"{WRITES_FAST}/*/writes.json", f"{WRITES_FAST}/*/requests.json.gz"],
+                                [f"{WRITES_FAST}/README.md"]),
+    "serve-writes-queryproc": (functools.partial(table_serve_writes_cow, WRITES_QPROC, QPROC_RUNS, "query encoder"),
+                               [f"{WRITES_QPROC}/*/writes.json", f"{WRITES_QPROC}/*/requests.json.gz"],
+                               [f"{WRITES_QPROC}/README.md"]),
     "query-encoder": (table_query_encoder, [f"{QUERY_ENCODER}/encoder.json"], [f"{QUERY_ENCODER}/encoder.md"]),
     "tokenizer": (table_tokenizer, [TOKENIZER], [README_BENCH]),
     "vllm-cpu-wait": (table_vllm_cpu_wait, [f"{VLLM_WAIT}/bench.log"], [README_BENCH, f"{VLLM_WAIT}/README.md"]),

@@ -1075,3 +1075,136 @@ def test_cli_default_prints_a_curl_that_works(lme):
     assert code == 0, text[-3000:]
     for dump in ("Traceback", "*** SIG", "StackTrace", "Stack trace", "PC: @", "Check failure"):
         assert dump not in text, text[-3000:]
+
+
+def _asgi(app, method: str, path: str, body: bytes = b"", headers: list | None = None, chunks: int = 1) -> tuple:
+    """One request through the ASGI app in this thread: (status, headers, body) of its answer."""
+    import asyncio
+
+    parts = [body[i * len(body) // chunks:(i + 1) * len(body) // chunks] for i in range(chunks)] if body else [b""]
+    msgs = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+    out: dict = {"body": b""}
+
+    async def receive() -> dict:
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            out["status"], out["headers"] = msg["status"], [tuple(h) for h in msg.get("headers", [])]
+        else:
+            out["body"] += msg.get("body", b"")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or [])],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    return out["status"], out["headers"], out["body"]
+
+
+def test_hot_routes_answer_as_the_full_app_does(lme, tmp_path):
+    """Issue 46: /retrieve, /u/{id}/retrieve and /mem0/memories are answered without FastAPI's request
+    machinery (http.FastRoutes) when well-formed, with the same bytes the full app sends: every request below
+    through the app as served and through the same app with the fast routes taken out; a request the full app
+    rejects (bad JSON, a field the model refuses, another content type, a bad id, a header given twice, a body
+    over the bound) is still answered by it, with the same status and detail."""
+    from memsifter.service.core import RetrievalService
+    from memsifter.service.http import make_app
+
+    ds = read_dataset(lme["data"])
+    qid, q = ds.questions[0].question_id, ds.questions[0].question
+    svc = RetrievalService(config(lme, state=str(tmp_path / "state"), reuse_query_vectors=False,
+                                  limits={"max_body_bytes": 2048}), start_threads=False)
+    fast, full = make_app(svc), make_app(svc)
+    full.state.fast.exact.clear()
+    full.state.fast.corpus = None
+    js = [("Content-Type", "application/json")]
+    big = json.dumps({"queries": [q], "pad": "x" * 4000}).encode()
+    cases = [  # (path, body, headers, chunks, served by the fast routes)
+        (f"/u/{qid}/retrieve", {"queries": [q], "topk": 3, "return_scores": True}, js, 1, True),
+        (f"/u/{qid}/retrieve", {"queries": [q, "where did I go?"], "topk": 2}, js, 3, True),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [("Content-Type", "application/json; charset=utf-8")], 1, True),
+        ("/retrieve", {"queries": [q], "corpus_id": qid, "topk": 1}, js, 1, True),
+        (f"/u/{qid}/retrieve", {"queries": [q], "topk": 0}, js, 1, True),            # the service's 422
+        (f"/u/{qid}/retrieve", {"queries": [q], "corpus_id": "other"}, js, 1, True),  # its 422: another corpus
+        ("/u/nobody/retrieve", {"queries": [q]}, js, 1, True),                         # its 404
+        (f"/u/{qid}/retrieve", {"queries": "not a list"}, js, 1, False),               # the model's 422
+        (f"/u/{qid}/retrieve", b'{"queries": [', js, 1, False),                         # invalid JSON
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [("Content-Type", "text/plain")], 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, [], 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, js + js, 1, False),
+        (f"/u/{qid}/retrieve", {"queries": [q]}, js + [("X-API-Key", "a"), ("X-API-Key", "b")], 1, False),
+        ("/u/bad%20id/retrieve", {"queries": [q]}, js, 1, False),
+        ("/u/bad id/retrieve", {"queries": [q]}, js, 1, False),
+        (f"/u/{qid}/retrieve", big, js, 2, False),                                      # 413 while read
+        ("/mem0/memories", {"messages": [], "user_id": "zoe"}, js, 1, False),
+        ("/mem0/memories", {"messages": [{"role": "<b>", "content": "x"}], "user_id": "zoe"}, js, 1, False),
+    ]
+    served = 0
+    for path, body, headers, chunks, hot in cases:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        want = _asgi(full, "POST", path, raw, headers, chunks)
+        got = _asgi(fast, "POST", path, raw, headers, chunks)
+        served += hot
+        assert got == want, (path, body, headers, got[:2], want[:2], got[2][:300], want[2][:300])
+        assert fast.state.fast.served == served, (path, body, headers)
+    assert full.state.fast.served == 0
+    # adds: new ids each time, the same answer otherwise; durable and listed
+    for app, user in ((full, "ann"), (fast, "bob")):
+        body = json.dumps({"messages": [{"role": "user", "content": "I like green tea."}], "user_id": user}).encode()
+        status, headers, out = _asgi(app, "POST", "/mem0/memories", body, js)
+        assert status == 200 and dict(headers)[b"content-type"] == b"application/json", out
+        ev = json.loads(out)["results"][0]
+        assert ev["event"] == "ADD" and ev["memory"] == "I like green tea."
+        again = json.loads(_asgi(app, "POST", "/mem0/memories", body, js)[2])["results"][0]
+        assert again["event"] == "NONE" and again["id"] == ev["id"]
+    assert fast.state.fast.served == served + 2
+    svc.close()
+
+
+def test_the_query_encoder_process_gives_the_in_process_vectors(lme):
+    """Issue 46: the query encoder in a process of its own (``query_encoder_process``; by default where no GPU
+    is seen) computes the vectors this process computes, bit for bit (same model, same torch threads, same
+    length groups), shares no GIL with the event loop (another pid), is started again after it died, and is
+    stopped with the service; the first stage's top 10 with it are the stage's rankings'."""
+    import psutil
+
+    from memsifter.service.core import RetrievalService, query_process
+    from memsifter.service.index import Encoder, PublishedIndex, QueryProcess
+
+    cfg = config(lme, reuse_query_vectors=False)
+    spec = PublishedIndex.load(cfg, lexical=False).settings.spec
+    ds = read_dataset(lme["data"])
+    texts = [q.question for q in ds.questions] + ["where did I go?", "a much longer query about " + "words " * 40]
+    here, there = Encoder(spec, 1), Encoder(spec, 1, process=True)
+    try:
+        want = here.encode(texts, urgent=True)
+        got = there.encode(texts, urgent=True)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        pid = there._proc.proc.pid
+        assert pid != os.getpid() and psutil.Process(pid).ppid() == os.getpid()
+        there._proc.proc.kill()
+        there._proc.proc.join(10)
+        assert np.array_equal(there.encode(texts[:2], urgent=True), want[:2])   # started again
+        assert there._proc.proc.pid != pid
+    finally:
+        there.close()
+    assert there._proc is None
+    assert query_process(cfg) is False   # off unless asked for (a spawned process re-imports a script's main)
+    assert query_process(cfg.model_copy(update={"query_encoder_process": None})) == \
+        (not __import__("torch").cuda.is_available())
+    svc = RetrievalService(cfg.model_copy(update={"query_encoder_process": True}), start_threads=False)
+    try:
+        import asyncio
+
+        rows = {r["question_id"]: r for r in rankings.read_rankings(lme["index"])}
+        svc.state.units.ensure(svc.state.index.sessions.values())
+        svc.state.units_ready = True
+        for q in ds.questions:
+            c = svc.state.index.corpora[q.question_id]
+            order, _ = asyncio.run(svc.first_stage(svc.state, c, q.question))
+            assert [c.sessions[i].session_id for i in order[:10]] == rows[q.question_id]["ranked_session_ids"][:10]
+        proc = svc.state.encoder._proc
+        assert isinstance(proc, QueryProcess) and proc.alive()
+    finally:
+        svc.close()
+    assert not proc.alive()

@@ -135,6 +135,11 @@ class ServeConfig(_Model):
     port: int = Field(8000, ge=1, le=65535)
     torch_threads: int | None = Field(None, ge=1, description="threads of the query encoder (default: the cores "
                                       "but one, 1 to 2: memsifter.service.index.encoder_threads)")
+    query_encoder_process: bool | None = Field(False, description="queries embedded in a process of its own (the "
+                                               "same model and vectors, no GIL shared with the event loop; another "
+                                               "copy of the model in memory; a script that runs the service needs "
+                                               "the `if __name__ == '__main__'` guard: the process is spawned); "
+                                               "null: where no GPU is seen")
     query_batch: int = Field(32, ge=1, description="queries embedded in one forward pass at most")
     query_batch_wait_s: float = Field(0.002, ge=0, description="how long a query waits for others to batch with")
     query_pass_tokens: int = Field(QUERY_PASS_TOKENS, ge=0, description="a forward pass's fixed cost in tokens, for splitting a "

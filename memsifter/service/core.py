@@ -118,6 +118,20 @@ def release_memory() -> None:
         pass
 
 
+def query_process(cfg: ServeConfig) -> bool:
+    """Whether the query encoder runs in a process of its own (``query_encoder_process``; auto: where no GPU is
+    seen, as the model then runs on the CPU that the event loop shares)."""
+    v = getattr(cfg, "query_encoder_process", None)
+    if v is not None:
+        return bool(v)
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
 def _close_at_exit(ref: "weakref.ref[RetrievalService]") -> None:
     svc = ref()
     if svc is not None:
@@ -169,7 +183,7 @@ class RetrievalService:
         self.ranker = ranker
         t0 = time.time()
         index = PublishedIndex.load(cfg, progress=lambda m: log.info("serve: %s", m))
-        encoder = Encoder(index.settings.spec, cfg.torch_threads, cfg.query_pass_tokens)
+        encoder = Encoder(index.settings.spec, cfg.torch_threads, cfg.query_pass_tokens, query_process(cfg))
         self.state = State(index, encoder, Units(index.vectors, encoder, index.settings.turn_words))
         self.metrics.reloads.labels("ok").inc()
         log.info("serve: index %s loaded in %.1fs: %d corpora, %d sessions, method %s", redact(cfg.index),
@@ -214,6 +228,9 @@ class RetrievalService:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.time()))
+        st = self.state
+        if st is not None:
+            st.encoder.close()
 
     def _precompute(self, st: State) -> None:
         """Warm-up (the encoder loaded, one query through it), then every session's unit vectors: what
@@ -291,7 +308,8 @@ class RetrievalService:
         old = self.state
         index = PublishedIndex.load(self.cfg, previous=old.index)
         same = index.settings.spec.key == old.settings.spec.key and index.settings.turn_words == old.settings.turn_words
-        encoder = old.encoder if same else Encoder(index.settings.spec, self.cfg.torch_threads, self.cfg.query_pass_tokens)
+        encoder = old.encoder if same else Encoder(index.settings.spec, self.cfg.torch_threads, self.cfg.query_pass_tokens,
+                                                   query_process(self.cfg))
         if not same and index.settings.method in DENSE_METHODS:   # warm before it serves
             encoder.encode([index.settings.query_instruction + "warm-up"], urgent=True)
         units = old.units if same else Units(index.vectors, encoder, index.settings.turn_words)
@@ -301,6 +319,8 @@ class RetrievalService:
             units.ensure(index.sessions.values(), chunk=128)
         st.units_ready = index.settings.method not in DENSE_METHODS or self.cfg.precompute_units
         self.state = st   # one reference swap: requests in flight keep the state they started with
+        if encoder is not old.encoder:   # its query process, if any, is not needed any more
+            old.encoder.close()
         del old
         release_memory()
         self.reloads += 1

@@ -94,17 +94,116 @@ def encoder_threads(cores: int | None = None) -> int:
     return max(1, min(2, cores - 1))
 
 
+def encode_queries(model: embedding.Embedder, spec: embedding.ModelSpec, texts: list[str], batch_size: int,
+                   pass_tokens: int) -> np.ndarray:
+    """Vectors of a micro-batch of queries: ``batch_size`` at a time, each part in :func:`length_groups` (exact
+    token counts, on this thread: the stage's tokenizer pool costs more than it saves here)."""
+    out = np.zeros((len(texts), model.dim), dtype=np.float32)
+    for part in range(0, len(texts), batch_size):
+        lengths = [len(ids) for ids in model.tokenizer(texts[part:part + batch_size], truncation=True,
+                                                        max_length=spec.max_length)["input_ids"]]
+        for g in length_groups(lengths, pass_tokens):
+            idx = [part + k for k in g]
+            out[idx] = model.encode([texts[k] for k in idx])
+    return out
+
+
+def _query_worker(conn: Any, spec: embedding.ModelSpec, threads: int, pass_tokens: int) -> None:
+    """The query encoder's process (:class:`QueryProcess`): the model loaded with ``threads`` torch threads, then
+    each request (texts, batch size) answered with :func:`encode_queries`' vectors, until the pipe closes."""
+    import signal
+
+    import torch
+
+    # Ctrl-C reaches the whole process group: the server stops, closes the pipe, and this process ends on EOF
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    try:
+        model = embedding.Embedder(spec)
+    except Exception as e:  # noqa: BLE001 - the parent says what failed
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", model.dim))
+    while True:
+        try:
+            texts, batch_size = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", encode_queries(model, spec, texts, batch_size, pass_tokens))
+        except Exception as e:  # noqa: BLE001 - this request fails, the process serves the next
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class QueryProcess:
+    """The query encoder in a process of its own (``query_encoder_process``): the same model and computation
+    (:func:`encode_queries`, the same torch threads), so the same vectors, but no GIL shared with the event
+    loop. In one process the encoder thread needs the GIL back after each of a forward pass's ~100 operators,
+    and the event loop holds it most of the time under load: on 2 cores, with 32 searchers and 8 writers, a
+    pass of 16 queries took 210-225 ms of which 140 were its own CPU time (benchmarks/results/
+    serve-writes-2026-11-28-fastroutes/README.md). Requests go one at a time over a pipe (the caller blocks
+    without the GIL); a process that died is started again by the next request (:meth:`Encoder._worker`)."""
+
+    def __init__(self, spec: embedding.ModelSpec, threads: int, pass_tokens: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")   # never fork a process that holds torch's and other threads
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_query_worker, args=(child, spec, threads, pass_tokens),
+                                name="memsifter-query-encoder", daemon=True)
+        self.proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        try:
+            kind, info = self._conn.recv()
+        except (EOFError, OSError):
+            kind, info = "error", f"exit code {self.proc.exitcode}"
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the query encoder's process did not start: {info}")
+        self.dim = int(info)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def encode(self, texts: list[str], batch_size: int) -> np.ndarray:
+        with self._lock:
+            try:
+                self._conn.send((texts, batch_size))
+                kind, out = self._conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"the query encoder's process ended (exit code {self.proc.exitcode})") from e
+        if kind != "ok":
+            raise RuntimeError(f"the query encoder's process: {out}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
 class Encoder:
     """The embed stage's dense model in this process (loaded on first use), one forward pass at a time.
+    With ``process``, queries (``urgent``) are encoded by the same model in a process of its own
+    (:class:`QueryProcess`); the bulk work (sessions' units) stays here.
 
     Queries come first: a query's encode (``urgent``) waits for at most the one bulk batch in progress
     (:data:`BULK_BATCH` texts), never for the rest of a large append's or of the load's unit vectors, which
     yield the model between batches while a query waits."""
 
     def __init__(self, spec: embedding.ModelSpec, threads: int | None = None,
-                 pass_tokens: int = QUERY_PASS_TOKENS):
-        self.spec, self.threads, self.pass_tokens = spec, threads, pass_tokens
+                 pass_tokens: int = QUERY_PASS_TOKENS, process: bool = False):
+        self.spec, self.threads, self.pass_tokens, self.process = spec, threads, pass_tokens, process
         self._model: embedding.Embedder | None = None
+        self._proc: QueryProcess | None = None
+        self._proc_lock = threading.Lock()
         self._cv = threading.Condition()
         self._busy = False
         self._urgent = 0
@@ -113,6 +212,21 @@ class Encoder:
     @property
     def loaded(self) -> bool:
         return self._model is not None
+
+    def _worker(self) -> "QueryProcess":
+        with self._proc_lock:
+            if self._proc is None or not self._proc.alive():
+                if self._proc is not None:
+                    self._proc.close()
+                self._proc = QueryProcess(self.spec, self.threads or encoder_threads(), self.pass_tokens)
+            return self._proc
+
+    def close(self) -> None:
+        """Stop the query encoder's process (``process``), if one runs."""
+        with self._proc_lock:
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None
 
     @contextlib.contextmanager
     def _turn(self, urgent: bool) -> Iterator[None]:
@@ -146,19 +260,17 @@ class Encoder:
         :func:`length_groups`; else length-bucketed batches as the stage plans them, :data:`BULK_BATCH` texts a
         turn."""
         texts = list(texts)
+        if urgent and self.process:
+            out = self._worker().encode(texts, batch_size)
+            self.texts += len(texts)
+            return out
         with self._turn(urgent):
             model = self._load()
         out = np.zeros((len(texts), model.dim), dtype=np.float32)
         items = [(str(i), t) for i, t in enumerate(texts)]
         if urgent:   # queries: a micro-batch in length groups (exact token counts), in one turn of the model
             with self._turn(True):
-                for part in range(0, len(texts), batch_size):
-                    # token counts on this thread (the stage's tokenizer pool costs more than it saves here)
-                    lengths = [len(ids) for ids in model.tokenizer(texts[part:part + batch_size], truncation=True,
-                                                                    max_length=self.spec.max_length)["input_ids"]]
-                    for g in length_groups(lengths, self.pass_tokens):
-                        idx = [part + k for k in g]
-                        out[idx] = model.encode([texts[k] for k in idx])
+                out = encode_queries(model, self.spec, texts, batch_size, self.pass_tokens)
             self.texts += len(texts)
             return out
         batches = embedding.plan_batches(items, self.spec.max_length, max_batch_size=min(batch_size, BULK_BATCH))
